@@ -1,0 +1,174 @@
+"""Every use of JAX internals lives here, so a JAX release that moves one breaks
+in one place. Each entry names the JAX versions it was written against."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jex_core
+
+# jax 0.10: private modules with no public equivalent.
+from jax._src import config as _config
+from jax._src import effects as _effects
+from jax._src import linear_util as _lu
+from jax._src import source_info_util as _source_info_util
+from jax._src.api_util import debug_info as _debug_info
+from jax._src.interpreters import batching as _batching
+from jax._src.interpreters import partial_eval as _pe
+
+Tracer = jax.core.Tracer
+ClosedJaxpr = jex_core.ClosedJaxpr
+Jaxpr = jex_core.Jaxpr
+Literal = jex_core.Literal
+Var = jex_core.Var
+ShapedArray = jax.core.ShapedArray
+
+#
+# Trace-context state
+#
+
+
+def bool_trace_state(name: str, help: str):
+    """A boolean that is part of JAX's trace context (jax 0.10): `jax.jit` caches
+    keyed on it, so a function traced once with the state off is traced again
+    with it on."""
+    return _config.bool_state(
+        name=name, default=False, help=help, include_in_trace_context=True
+    )
+
+
+#
+# Effects
+#
+
+
+Effect = _effects.Effect
+
+
+def allow_effect(effect_type: type) -> None:
+    # jax 0.10: an unordered effect must be allowed in each of these sets to pass
+    # through control flow, custom derivatives, remat and lowering. Not in
+    # `partial_eval_kept_effects`: that makes effect handles hold tracers.
+    for effect_set in (
+        _effects.control_flow_allowed_effects,
+        _effects.custom_derivatives_allowed_effects,
+        _effects.remat_allowed_effects,
+        _effects.lowerable_effects,
+    ):
+        effect_set.add_type(effect_type)
+
+
+#
+# Batching
+#
+
+
+def register_batch_rule(prim, rule: Callable) -> None:
+    # jax 0.10: `fancy_primitive_batchers` rules receive `axis_data` (with
+    # `.size`), which plain `primitive_batchers` rules do not.
+    def wrapped(axis_data, vals, dims, **params):
+        return rule(axis_data.size, vals, dims, **params)
+
+    _batching.fancy_primitive_batchers[prim] = wrapped
+
+
+#
+# Tracing a Python function to a jaxpr
+#
+
+
+def trace(fn: Callable, in_avals: Sequence[Any]) -> tuple[Jaxpr, list[Any]]:
+    """Traces `fn(*flat_args) -> list of arrays` to an open jaxpr whose constants
+    (which may be tracers of enclosing traces) are returned separately, as leading
+    inputs of the jaxpr."""
+    dbg = _debug_info("effects", fn, tuple(in_avals), {})
+    wrapped = _lu.wrap_init(fn, debug_info=dbg)
+    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+    return _pe.convert_constvars_jaxpr(jaxpr), list(consts)
+
+
+def trace_closed(fn: Callable, in_avals: Sequence[Any]) -> tuple[Jaxpr, list[Any]]:
+    """Like `trace`, but keeps the constants as the jaxpr's constvars."""
+    dbg = _debug_info("effects", fn, tuple(in_avals), {})
+    wrapped = _lu.wrap_init(fn, debug_info=dbg)
+    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
+    return jaxpr, list(consts)
+
+
+def prepend_invars(jaxpr: Jaxpr, avals: Sequence[Any]) -> Jaxpr:
+    """Adds unused leading inputs of the given avals."""
+    if not avals:
+        return jaxpr
+    new = [Var(a) for a in avals]
+    dbg = jaxpr.debug_info
+    if dbg is not None and dbg.arg_names is not None:
+        dbg = dbg._replace(arg_names=("",) * len(new) + tuple(dbg.arg_names))
+    return jaxpr.replace(invars=new + list(jaxpr.invars), debug_info=dbg)
+
+
+def append_invars(jaxpr: Jaxpr, avals: Sequence[Any]) -> Jaxpr:
+    """Adds unused trailing inputs of the given avals."""
+    if not avals:
+        return jaxpr
+    new = [Var(a) for a in avals]
+    dbg = jaxpr.debug_info
+    if dbg is not None and dbg.arg_names is not None:
+        dbg = dbg._replace(arg_names=tuple(dbg.arg_names) + ("",) * len(new))
+    return jaxpr.replace(invars=list(jaxpr.invars) + new, debug_info=dbg)
+
+
+def bind_eqn(eqn, invals, params):
+    """Binds `eqn`'s primitive with `params` as `jax.core.eval_jaxpr` does."""
+    # jax 0.10: `get_bind_params` returns the params (subfunctions among them);
+    # before jax 0.8 it returned `(subfuns, params)`.
+    bind_params = eqn.primitive.get_bind_params(params)
+    if isinstance(bind_params, tuple):  # pragma: no cover - older JAX
+        subfuns, bind_params = bind_params
+        return eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return eqn.primitive.bind(*invals, **bind_params)
+
+
+def eqn_context(eqn):
+    """The source-info context `jax.core.eval_jaxpr` binds an equation under
+    (jax 0.10), so re-bound equations keep their names and tracebacks."""
+    name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
+    return _source_info_util.user_context(
+        eqn.source_info.traceback, name_stack=name_stack
+    )
+
+
+def eqn_ctx_manager(eqn):
+    return eqn.ctx.manager
+
+
+#
+# Primitives the rewriter has rules for
+#
+
+_prims = jex_core.primitives
+
+scan_p = _prims.scan_p
+while_p = _prims.while_p
+cond_p = _prims.cond_p
+pjit_p = _prims.jit_p if hasattr(_prims, "jit_p") else _prims.pjit_p
+remat_p = _prims.remat_p
+closed_call_p = _prims.closed_call_p
+custom_jvp_call_p = _prims.custom_jvp_call_p
+custom_vjp_call_p = _prims.custom_vjp_call_p
+
+try:  # jax 0.10
+    from jax._src.shard_map import shard_map_p
+except ImportError:  # pragma: no cover - older layouts
+    from jax.experimental.shard_map import shard_map_p  # type: ignore
+
+try:  # jax 0.10
+    from jax._src.sharding_impls import UNSPECIFIED
+except ImportError:  # pragma: no cover
+    UNSPECIFIED = None  # type: ignore
+
+
+def jaxprs_in_params(params) -> list[Any]:
+    """Every sub-jaxpr (open or closed) in an equation's params."""
+    return list(jex_core.jaxprs_in_params(params))

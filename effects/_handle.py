@@ -1,0 +1,288 @@
+"""`handle`: trace a function (sites carrying their effect), rewrite it with the
+handlers, evaluate it on the caller's trace, and cache what can be cached."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from . import _compat
+from ._handlers import Handler, Perturb
+from ._primitives import handling
+from ._rewrite import run, sites_in
+from ._scope import Scope
+
+_NOT_CALLABLE = "handle: the first argument must be a callable, got {fn!r}."
+_NOT_HANDLER = (
+    "handle: {h!r} is not a handler; pass instances such as fx.Tag(), fx.Perturb(), "
+    "fx.Substitute(...) or fx.Intervene(...)."
+)
+_UNKNOWN_NAME = (
+    "{handler}: no {kind} named {name!r} in collection {collection!r}. Known names: "
+    "{known}."
+)
+_LEFTOVER = (
+    "{handler} got more entries for {where} than it has executions ({n} left "
+    "over). Give one entry per execution, in the layout Tag() reports."
+)
+
+#
+# Tracing, cached per function and argument signature
+#
+
+
+class _Traced:
+    """A traced function: its jaxpr (constants as leading inputs), the constants,
+    and how to rebuild the outputs."""
+
+    def __init__(self, jaxpr, consts, out_tree, out_static, sites):
+        self.jaxpr = jaxpr
+        self.consts = consts
+        self.out_tree = out_tree
+        self.out_static = out_static  # non-array outputs, by position
+        self.sites = sites
+
+
+_trace_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _call_module(module, *args, **kwargs):
+    return module(*args, **kwargs)
+
+
+def _split(tree):
+    leaves, treedef = jax.tree.flatten(tree)
+    dynamic = [x for x in leaves if eqx.is_array(x)]
+    static = tuple(None if eqx.is_array(x) else x for x in leaves)
+    return dynamic, static, treedef
+
+
+def _merge(dynamic, static, treedef):
+    it = iter(dynamic)
+    return jax.tree.unflatten(treedef, [next(it) if s is None else s for s in static])
+
+
+def _signature(static, treedef, dynamic):
+    key = (treedef, static, tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) for x in map(jax.typeof, dynamic)))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _trace(fn, static, treedef, dynamic) -> _Traced:
+    out_info = {}
+
+    def flat_fn(*dyn):
+        args, kwargs = _merge(dyn, static, treedef)
+        out = fn(*args, **kwargs)
+        out_dyn, out_static, out_tree = _split(out)
+        out_info.update(tree=out_tree, static=out_static)
+        return out_dyn
+
+    avals = [jax.typeof(x) for x in dynamic]
+    with handling(True):
+        jaxpr, consts = _compat.trace(flat_fn, avals)
+    return _Traced(jaxpr, consts, out_info["tree"], out_info["static"], sites_in(jaxpr))
+
+
+def _traced(fn, static, treedef, dynamic) -> _Traced:
+    key = _signature(static, treedef, dynamic)
+    try:
+        per_fn = _trace_cache.setdefault(fn, {}) if key is not None else None
+    except TypeError:  # not weak-referenceable or not hashable
+        per_fn = None
+    if per_fn is not None and key in per_fn:
+        return per_fn[key]
+    traced = _trace(fn, static, treedef, dynamic)
+    if per_fn is not None and not any(isinstance(c, _compat.Tracer) for c in traced.consts):
+        per_fn[key] = traced
+    return traced
+
+
+#
+# Evaluation
+#
+
+
+def _check_names(traced: _Traced, handlers) -> None:
+    for h in handlers:
+        names = h.required_names()
+        if not names:
+            continue
+        known = sorted(n for k, c, n in traced.sites if k == h.kind and c == h.collection)
+        for name in names:
+            if name not in known:
+                raise ValueError(
+                    _UNKNOWN_NAME.format(
+                        handler=type(h).__name__,
+                        kind="tag" if h.kind == "tag" else "perturb site",
+                        name=name,
+                        collection=h.collection,
+                        known=", ".join(map(repr, known)) or "none",
+                    )
+                )
+
+
+def _evaluate(traced: _Traced, handlers, consts, dynamic):
+    inputs = {
+        (i, name): list(entries)
+        for i, h in enumerate(handlers)
+        for name, entries in h.per_call_inputs().items()
+    }
+    scope = Scope(handlers, inputs=inputs)
+    outs = run(traced.jaxpr, (), [*consts, *dynamic], scope)
+    for key, left in scope.inputs.items():
+        if left:
+            name = key[1]
+            where = scope.sites[key].where() if key in scope.sites else repr(name)
+            raise ValueError(
+                _LEFTOVER.format(handler=type(handlers[key[0]]).__name__, where=where, n=len(left))
+            )
+    found: dict[str, dict[str, Any]] = {}
+    for i, h in enumerate(handlers):
+        if not h.reports:
+            continue
+        mine = found.setdefault(h.collection, {})
+        strict = h.output_mode() == "strict"
+        for (j, name), entries in scope.entries.items():
+            if j == i:
+                values = [v for v, _ in entries]
+                mine[name] = values[0] if strict else tuple(values)
+        for (j, name), acc in scope.accs.items():
+            if j == i:
+                mine[name] = acc
+    return outs, found
+
+
+def _has_tracers(*trees) -> bool:
+    return any(isinstance(x, _compat.Tracer) for t in trees for x in jax.tree.leaves(t))
+
+
+class _Handled:
+    """The function `handle` returns."""
+
+    def __init__(self, fn, handlers):
+        self.fn = fn
+        self.handlers = handlers
+        self._compiled: dict[Any, Callable] = {}
+        functools.update_wrapper(self, fn if not isinstance(fn, eqx.Module) else type(fn).__call__)
+
+    def __call__(self, *args, **kwargs):
+        fn = self.fn
+        if isinstance(fn, eqx.Module):  # its arrays are inputs, not constants
+            fn, args = _call_module, (self.fn, *args)
+        dynamic, static, treedef = _split((args, kwargs))
+        traced = _traced(fn, static, treedef, dynamic)
+        _check_names(traced, self.handlers)
+        h_dyn, h_static = eqx.partition(self.handlers, eqx.is_array)
+        if _has_tracers(dynamic, traced.consts, h_dyn):
+            outs, found = _evaluate(traced, self.handlers, traced.consts, dynamic)
+        else:
+            outs, found = self._run_compiled(traced, static, treedef, dynamic, h_dyn, h_static)
+        out = _merge(outs, traced.out_static, traced.out_tree)
+        return out, found
+
+    def _run_compiled(self, traced, static, treedef, dynamic, h_dyn, h_static):
+        # Called outside any transformation: evaluate through a cached jit, so
+        # repeated eager calls neither re-trace nor dispatch op by op.
+        key = _signature(static, treedef, dynamic)
+        try:
+            key = None if key is None else (key, h_static, jax.tree.map(jax.typeof, jax.tree.leaves(h_dyn)).__repr__())
+            hash(key)
+        except TypeError:
+            key = None
+        compiled = self._compiled.get(key) if key is not None else None
+        if compiled is None:
+
+            def evaluate(h_dyn, consts, dynamic):
+                return _evaluate(traced, eqx.combine(h_dyn, h_static), consts, dynamic)
+
+            compiled = jax.jit(evaluate)
+            if key is not None:
+                self._compiled[key] = compiled
+        return compiled(h_dyn, traced.consts, dynamic)
+
+
+_wrappers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def handle(fn: Callable, *handlers: Handler) -> Callable:
+    """Returns `fn` with its tags handled: `wrapped(*args, **kwargs) -> (out, found)`.
+
+    `fn` is traced to a jaxpr and rewritten by the handlers (through jit, scan,
+    cond, while_loop, checkpoint, custom_jvp/vjp); the result composes with
+    `jax.jit`, `jax.vmap` and `jax.grad` in any order. Handlers act in order: the
+    first is closest to the sites, as in `handle(handle(fn, A), B)`. A collecting
+    handler consumes the sites it collects; the others stay visible further out.
+
+    **Arguments:**
+
+    - `fn`: any callable on pytrees (arrays are inputs; other leaves are static,
+      as with `eqx.filter_jit`). An Equinox module's arrays are inputs too.
+    - `*handlers`: `fx.Tag`, `fx.Perturb`, `fx.Substitute`, `fx.Intervene`.
+
+    **Returns:**
+
+    A function returning `(out, found)`, with `found` a dict from each reporting
+    handler's collection to a dict from name to value.
+
+    ```python
+    out, found = fx.handle(f, fx.Tag())(x)
+    ```
+    """
+    if not callable(fn):
+        raise TypeError(_NOT_CALLABLE.format(fn=fn))
+    for h in handlers:
+        if not isinstance(h, Handler):
+            raise TypeError(_NOT_HANDLER.format(h=h))
+    try:
+        per_fn = _wrappers.setdefault(fn, {})
+        hash(handlers)
+    except TypeError:
+        return _Handled(fn, handlers)
+    wrapper = per_fn.get(handlers)
+    if wrapper is None:
+        wrapper = per_fn[handlers] = _Handled(fn, handlers)
+    return wrapper
+
+
+def intermediate_grads(fn: Callable, *, collection: str = "perturbations") -> Callable:
+    """Gradients of a scalar function with respect to its `perturb` sites.
+
+    **Arguments:**
+
+    - `fn`: a function returning a scalar, with `fx.perturb` sites.
+    - `collection`: the collection of the sites.
+
+    **Returns:**
+
+    `g(*args, **kwargs) -> (fn(*args, **kwargs), grads)`, with `grads` a dict
+    from site name to a tuple with one gradient per execution (stacked over scan
+    iterations), the layout `Perturb()` reports.
+
+    ```python
+    loss, grads = fx.intermediate_grads(loss_fn)(params, x)
+    ```
+    """
+
+    def g(*args, **kwargs):
+        _, shapes = eqx.filter_eval_shape(
+            handle(fn, Perturb(collection=collection)), *args, **kwargs
+        )
+        zeros = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes[collection])
+
+        def loss(deltas):
+            out, _ = handle(fn, Perturb(deltas, collection=collection))(*args, **kwargs)
+            return out
+
+        return jax.value_and_grad(loss)(zeros)
+
+    functools.update_wrapper(g, fn)
+    return g

@@ -1,0 +1,341 @@
+"""Handlers: small immutable objects that say what happens at a site. They know
+nothing of control flow; the rewriter threads what they emit through it."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ._site import Site
+
+Names = None | str | list[str] | tuple[str, ...] | Callable[[str], bool]
+
+#
+# Name filters and modes
+#
+
+
+def _check_names(names, owner: str):
+    if names is None or callable(names) or isinstance(names, str):
+        return names
+    if isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names):
+        return tuple(names)
+    raise TypeError(
+        f"{owner}: `names` must be None, a glob string, a list of globs or a "
+        f"predicate on the name, got {names!r}."
+    )
+
+
+def _name_matches(names, name: str) -> bool:
+    if names is None:
+        return True
+    if isinstance(names, str):
+        return fnmatch.fnmatchcase(name, names)
+    if isinstance(names, tuple):
+        return any(fnmatch.fnmatchcase(name, n) for n in names)
+    return bool(names(name))
+
+
+class Reduce(eqx.Module):
+    """A custom collection mode for `Tag`: folds every execution of a tag into an
+    accumulator, carried through loops in constant memory.
+
+    **Arguments:**
+
+    - `fn`: `fn(acc, x) -> acc`, with `x` the tagged value.
+    - `init`: `init(zeros_like_site) -> acc`, the accumulator before the first
+      execution (also what is reported if the tag never executes).
+
+    ```python
+    running_max = fx.Reduce(jnp.maximum, lambda z: jnp.full_like(z, -jnp.inf))
+    out, found = fx.handle(f, fx.Tag(mode=running_max))(x)
+    ```
+    """
+
+    fn: Callable = eqx.field(static=True)
+    init: Callable = eqx.field(static=True)
+
+
+def _last(acc, x):
+    del acc
+    return x
+
+
+def _zeros(z):
+    return z
+
+
+_MODES = {
+    "last": Reduce(_last, _zeros),
+    "sum": Reduce(lambda acc, x: jax.tree.map(jnp.add, acc, x), _zeros),
+}
+_BAD_MODE = (
+    "Tag: unknown mode {mode!r}; use 'append', 'last', 'strict', 'sum' or "
+    "fx.Reduce(fn, init)."
+)
+
+#
+# Handlers
+#
+
+
+class Handler(eqx.Module):
+    """Base class of handlers. `apply` returns the site's new leaves and whether
+    the handler consumed the site (a consumed site is no longer visible to
+    handlers further out)."""
+
+    kind: ClassVar[str] = "tag"
+    reports: ClassVar[bool] = False
+    collection: eqx.AbstractVar[str]
+
+    def matches(self, site: Site) -> bool:
+        return site.kind == self.kind and site.collection == self.collection
+
+    def apply(self, call, leaves) -> tuple[list[Any], bool]:
+        raise NotImplementedError
+
+    def required_names(self) -> tuple[str, ...]:
+        """Names that must exist among the program's sites."""
+        return ()
+
+    def per_call_inputs(self) -> Mapping[str, tuple]:
+        """Values consumed one per execution, in the layout `Tag()` reports."""
+        return {}
+
+    def output_mode(self) -> str | Reduce | None:
+        return None
+
+
+class Tag(Handler):
+    """Collects tagged values.
+
+    **Arguments:**
+
+    - `collection`: the collection whose tags are collected.
+    - `names`: which names: None for all, a glob, a list of globs or a predicate.
+    - `mode`: `"append"` (a tuple with one entry per execution, stacked over
+      scan iterations), `"last"`, `"strict"` (exactly one execution), `"sum"`,
+      or `fx.Reduce(fn, init)`.
+
+    **Returns:** in `found[collection]`, a dict from name to value.
+
+    ```python
+    out, found = fx.handle(f, fx.Tag(names="layer*", mode="sum"))(x)
+    ```
+    """
+
+    reports: ClassVar[bool] = True
+    collection: str
+    names: Any
+    mode: Any
+
+    def __init__(self, collection: str = "intermediates", *, names: Names = None,
+                 mode: str | Reduce = "append"):
+        if not isinstance(collection, str):
+            raise TypeError(f"Tag: collection must be a string, got {collection!r}.")
+        if not (isinstance(mode, Reduce) or mode in ("append", "strict", "last", "sum")):
+            raise ValueError(_BAD_MODE.format(mode=mode))
+        self.collection = collection
+        self.names = _check_names(names, "Tag")
+        self.mode = mode
+
+    def matches(self, site):
+        return super().matches(site) and _name_matches(self.names, site.name)
+
+    def output_mode(self):
+        return _MODES.get(self.mode, self.mode) if isinstance(self.mode, str) else self.mode
+
+    def apply(self, call, leaves):
+        call.emit(call.site.to_front(leaves))
+        return leaves, True
+
+
+class Perturb(Handler):
+    """Handles `perturb` sites. With no `deltas`, reports zeros shaped like each
+    site (in `Tag()`'s append layout) and leaves values unchanged; with `deltas`,
+    adds `deltas[name]` at each execution, so that `jax.grad` with respect to the
+    deltas is the gradient with respect to the intermediate values.
+
+    **Arguments:**
+
+    - `deltas`: None, or a dict from name to a tuple with one delta per execution
+      (stacked over scan iterations), as `Perturb()` reports. Names absent from
+      `deltas` are left alone.
+    - `collection`: the collection of the `perturb` sites.
+    - `names`: which names (None, glob, list of globs, predicate).
+
+    ```python
+    _, found = fx.handle(loss, fx.Perturb())(x)
+    grads = jax.grad(lambda d: fx.handle(loss, fx.Perturb(d))(x)[0])(
+        found["perturbations"])
+    ```
+    """
+
+    kind: ClassVar[str] = "perturb"
+    deltas: Any
+    collection: str
+    names: Any
+
+    def __init__(self, deltas: Mapping[str, Any] | None = None, *,
+                 collection: str = "perturbations", names: Names = None):
+        if deltas is not None and not isinstance(deltas, Mapping):
+            raise TypeError(
+                f"Perturb: deltas must be a dict from name to a tuple of deltas, got "
+                f"{type(deltas).__name__}."
+            )
+        self.deltas = None if deltas is None else _per_call_dict(deltas, "Perturb")
+        self.collection = collection
+        self.names = _check_names(names, "Perturb")
+
+    @property
+    def reports(self):  # type: ignore[override]
+        return self.deltas is None
+
+    def matches(self, site):
+        if not (super().matches(site) and _name_matches(self.names, site.name)):
+            return False
+        return self.deltas is None or site.name in self.deltas
+
+    def required_names(self):
+        return () if self.deltas is None else tuple(self.deltas)
+
+    def per_call_inputs(self):
+        return {} if self.deltas is None else self.deltas
+
+    def output_mode(self):
+        return None if self.deltas is not None else "append"
+
+    def apply(self, call, leaves):
+        if self.deltas is None:
+            call.emit(jax.tree.map(jnp.zeros_like, call.site.to_front(leaves)))
+            return leaves, True
+        delta = call.site.from_front(call.next_input(), "Perturb delta")
+        return [x + d for x, d in zip(leaves, delta)], True
+
+
+class Substitute(Handler):
+    """Replaces tagged values (activation patching).
+
+    **Arguments:**
+
+    - `values`: a dict from name to the new value. By default a value has the
+      tagged value's structure and replaces every execution of the name (every
+      loop iteration). With `per_call=True` it is a tuple with one entry per
+      execution, stacked over scan iterations: exactly what `Tag()` reports.
+    - `collection`: the collection of the tags.
+    - `per_call`: see above.
+
+    The new value is passed on as the same tag, so a `Tag` further out collects
+    what was substituted. No gradient flows through a substituted value.
+
+    ```python
+    out, _ = fx.handle(f, fx.Substitute({"h": jnp.zeros(3)}))(x)
+    ```
+    """
+
+    values: Any
+    collection: str
+    per_call: bool = eqx.field(static=True)
+
+    def __init__(self, values: Mapping[str, Any], *, collection: str = "intermediates",
+                 per_call: bool = False):
+        if not isinstance(values, Mapping):
+            raise TypeError(
+                f"Substitute: values must be a dict from name to value, got "
+                f"{type(values).__name__}."
+            )
+        self.per_call = bool(per_call)
+        if self.per_call:
+            self.values = _per_call_dict(values, "Substitute(per_call=True)")
+        else:
+            self.values = {k: _as_arrays(v, "Substitute", k) for k, v in values.items()}
+        self.collection = collection
+
+    def matches(self, site):
+        return super().matches(site) and site.name in self.values
+
+    def required_names(self):
+        return tuple(self.values)
+
+    def per_call_inputs(self):
+        return self.values if self.per_call else {}
+
+    def apply(self, call, leaves):
+        value = call.next_input() if self.per_call else self.values[call.site.name]
+        return call.site.from_front(value, "Substitute value"), False
+
+
+class Intervene(Handler):
+    """Applies `fns[name](value) -> value` at every execution of a tag.
+
+    **Arguments:**
+
+    - `fns`: a dict from name to a function of the tagged value (in the layout
+      `Tag()` reports, per loop iteration) returning a value of the same shape and
+      dtype.
+    - `collection`: the collection of the tags.
+
+    ```python
+    out, _ = fx.handle(f, fx.Intervene({"h": lambda h: h.at[0].set(0.0)}))(x)
+    ```
+    """
+
+    fns: Any = eqx.field(static=True)
+    collection: str
+
+    def __init__(self, fns: Mapping[str, Callable], *, collection: str = "intermediates"):
+        if not isinstance(fns, Mapping) or not all(callable(f) for f in fns.values()):
+            raise TypeError("Intervene: fns must be a dict from name to a function.")
+        self.fns = _FrozenDict(fns)
+        self.collection = collection
+
+    def matches(self, site):
+        return super().matches(site) and site.name in self.fns
+
+    def required_names(self):
+        return tuple(self.fns)
+
+    def apply(self, call, leaves):
+        new = self.fns[call.site.name](call.site.to_front(leaves))
+        return call.site.from_front(new, "The Intervene function's result"), False
+
+
+#
+# Helpers
+#
+
+
+class _FrozenDict(dict):
+    # A hashable dict so handlers holding functions stay hashable (for caching).
+    def __hash__(self):  # type: ignore[override]
+        return hash(tuple(self.items()))
+
+
+def _as_arrays(value, owner: str, name: str):
+    def convert(x):
+        if isinstance(x, (jax.Array, jax.core.Tracer)) or eqx.is_array_like(x):
+            return jnp.asarray(x)
+        raise TypeError(
+            f"{owner}: the value for {name!r} must be a pytree of arrays, found "
+            f"{x!r} of type {type(x).__name__}."
+        )
+
+    return jax.tree.map(convert, value)
+
+
+def _per_call_dict(values, owner: str):
+    out = {}
+    for name, entries in values.items():
+        if not isinstance(entries, (tuple, list)):
+            raise TypeError(
+                f"{owner}: the value for {name!r} must be a tuple with one entry per "
+                f"execution of the tag (the layout `Tag()` reports), got "
+                f"{type(entries).__name__}."
+            )
+        out[name] = tuple(_as_arrays(e, owner, name) for e in entries)
+    return out

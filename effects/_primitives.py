@@ -1,0 +1,201 @@
+"""The `tag` and `perturb` primitives: the identity, with rules that keep them so
+under every JAX transformation, and that cost nothing once lowered."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, mlir
+
+from . import _compat
+
+#
+# Handling state
+#
+
+# True while `handle` traces a function. Sites bound in that state carry
+# `SiteEffect`, so JAX's dead-code elimination keeps a tag whose result is
+# unused. Outside it they carry no effect, so an unhandled program keeps jit's
+# fast dispatch path. The state is part of JAX's trace context: a `jax.jit`
+# function traced outside `handle` is traced again inside it.
+handling = _compat.bool_trace_state(
+    "effects_handling", "Internal to `effects`: set while `handle` traces."
+)
+
+
+class SiteEffect(_compat.Effect):
+    __str__ = lambda self: "EffectsSite"  # noqa: E731
+
+
+site_effect = SiteEffect()
+_compat.allow_effect(SiteEffect)
+
+#
+# The primitive
+#
+
+
+class _SitePrimitive(Primitive):
+    # Every bind, including a re-bind from a jaxpr or a transformation rule, takes
+    # the effect flag from the current handling state, so a site bound outside
+    # `handle` never carries the effect.
+    def bind(self, *args, **params):
+        params["effect"] = bool(handling.value)
+        return super().bind(*args, **params)
+
+
+site_p = _SitePrimitive("effects_site")
+site_p.multiple_results = True
+
+
+@site_p.def_impl
+def _site_impl(*args, **_):
+    return args
+
+
+@site_p.def_effectful_abstract_eval
+def _site_abstract_eval(*avals, effect, **_):
+    return avals, {site_effect} if effect else set()
+
+
+def _site_lowering(ctx, *args, **_):
+    return args
+
+
+mlir.register_lowering(site_p, _site_lowering)
+
+
+def _site_jvp(primals, tangents, **params):
+    # Only primal values are sites; tangents pass through untouched.
+    return site_p.bind(*primals, **params), tangents
+
+
+ad.primitive_jvps[site_p] = _site_jvp
+
+
+def _site_transpose(cts, *args, **params):
+    return cts
+
+
+ad.primitive_transposes[site_p] = _site_transpose
+
+
+def _site_batch(axis_size, vals, dims, *, batch, **params):
+    # Leaves stay where vmap put their batch axis (moving it would add a transpose
+    # to the unhandled program); the axis, or None with the size for an unbatched
+    # leaf, is recorded outermost-first for handlers to use when they collect.
+    new_batch = []
+    for d, entries in zip(dims, batch):
+        shifted = tuple(
+            (None if a is None else a + (d is not None and a >= d), size)
+            for a, size in entries
+        )
+        new_batch.append(((d, axis_size),) + shifted)
+    outs = site_p.bind(*vals, batch=tuple(new_batch), **params)
+    return outs, list(dims)
+
+
+_compat.register_batch_rule(site_p, _site_batch)
+
+#
+# Public functions
+#
+
+_BAD_NAME = "{fn}: the name must be a string, got {name!r} of type {type}."
+_BAD_LEAF = (
+    "{fn}: every leaf of the value tagged {name!r} (collection {collection!r}) "
+    "must be an array or a number, got {leaf!r} of type {type} at {path}. Tag "
+    "only the array parts, e.g. with `eqx.filter(value, eqx.is_array)`."
+)
+
+
+def _to_array(fn: str, name: str, collection: str, path, leaf) -> Any:
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+        return jnp.asarray(leaf)
+    raise TypeError(
+        _BAD_LEAF.format(
+            fn=fn,
+            name=name,
+            collection=collection,
+            leaf=leaf,
+            type=type(leaf).__name__,
+            path=jax.tree_util.keystr(path),
+        )
+    )
+
+
+def _bind_site(fn: str, value, name, collection, kind):
+    if not isinstance(name, str):
+        raise TypeError(_BAD_NAME.format(fn=fn, name=name, type=type(name).__name__))
+    if not isinstance(collection, str):
+        raise TypeError(
+            f"{fn}: the collection of {name!r} must be a string, got {collection!r}."
+        )
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(value)
+    leaves = [_to_array(fn, name, collection, p, x) for p, x in paths_leaves]
+    if not leaves:
+        return value
+    outs = site_p.bind(
+        *leaves,
+        name=name,
+        collection=collection,
+        kind=kind,
+        treedef=treedef,
+        batch=tuple(() for _ in leaves),
+    )
+    return jax.tree.unflatten(treedef, outs)
+
+
+def tag(value, name: str, *, collection: str = "intermediates"):
+    """Marks `value` as the intermediate `name` of `collection`.
+
+    With no handler active this is the identity and costs nothing: a jitted
+    function compiles to the same program with or without its tags.
+
+    **Arguments:**
+
+    - `value`: a pytree of arrays (Python numbers become arrays).
+    - `name`: the tag's name, a string.
+    - `collection`: the collection handlers select tags by.
+
+    **Returns:**
+
+    `value`, unchanged unless a handler substitutes it.
+
+    ```python
+    def f(x):
+        h = fx.tag(jnp.sin(x), "h")
+        return 2 * h
+    out, found = fx.handle(f, fx.Tag())(1.0)   # found["intermediates"]["h"] == (sin(1.),)
+    ```
+    """
+    return _bind_site("tag", value, name, collection, "tag")
+
+
+def perturb(value, name: str, *, collection: str = "perturbations"):
+    """Marks an additive zero at `value`: `Perturb(deltas)` adds `deltas[name]`
+    here, so gradients with respect to the deltas are gradients with respect to
+    this intermediate value.
+
+    **Arguments:**
+
+    - `value`: a pytree of arrays.
+    - `name`: the site's name, a string.
+    - `collection`: the collection `Perturb` selects sites by.
+
+    **Returns:**
+
+    `value`, unchanged unless a `Perturb` handler adds a delta.
+
+    ```python
+    def loss(x):
+        h = fx.perturb(jnp.sin(x), "h")
+        return (2 * h) ** 2
+    out, grads = fx.intermediate_grads(loss)(1.0)   # grads["h"] == (dloss/dh,)
+    ```
+    """
+    return _bind_site("perturb", value, name, collection, "perturb")

@@ -1,0 +1,589 @@
+"""The rewriter: walks a jaxpr, lets the handlers act at each site, and threads
+what they emit (appended entries, accumulators, per-execution inputs) through
+every higher-order primitive. One rule per primitive, shared by all handlers.
+
+Rules for loops and branches work in two passes, like `jax.experimental.checkify`:
+a discovery pass traces the body to learn what the handlers emit inside it (a
+`Plan`), then the body is traced again with that state threaded in and out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _compat
+from ._handlers import Handler, Reduce
+from ._primitives import handling, site_effect, site_p
+from ._scope import Key, Scope, SiteCall, zeros
+from ._site import Site, describe
+
+Rule = Callable[[Any, list[Any], Scope], list[Any]]
+rules: dict[Any, Rule] = {}
+
+#
+# Which sites does a jaxpr hold?
+#
+
+_sites_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def sites_in(jaxpr) -> frozenset[tuple[str, str, str]]:
+    """(kind, collection, name) of every site in `jaxpr` and its sub-jaxprs."""
+    found = _sites_cache.get(jaxpr)
+    if found is None:
+        acc = set()
+        for eqn in jaxpr.eqns:
+            if eqn.primitive is site_p:
+                p = eqn.params
+                acc.add((p["kind"], p["collection"], p["name"]))
+            for sub in _compat.jaxprs_in_params(eqn.params):
+                acc |= sites_in(sub)
+        found = frozenset(acc)
+        _sites_cache[jaxpr] = found
+    return found
+
+
+def _eqn_sites(eqn) -> frozenset:
+    out = frozenset()
+    for sub in _compat.jaxprs_in_params(eqn.params):
+        out |= sites_in(sub)
+    return out
+
+
+def _matched(handlers, sites) -> list[tuple[str, str, str]]:
+    return [s for s in sites if any(_handler_may_match(h, s) for h in handlers)]
+
+
+def _handler_may_match(h: Handler, s) -> bool:
+    kind, collection, name = s
+    probe = Site(name, collection, kind, None, (), ())
+    return h.matches(probe)
+
+
+#
+# The interpreter
+#
+
+
+def _bind(eqn, invals, **new_params):
+    params = dict(eqn.params, **new_params) if new_params else eqn.params
+    with _compat.eqn_context(eqn), _compat.eqn_ctx_manager(eqn):
+        outs = _compat.bind_eqn(eqn, invals, params)
+    return outs if eqn.primitive.multiple_results else [outs]
+
+
+_UNSUPPORTED = (
+    "{where} is inside a `{prim}` primitive, which effects cannot rewrite yet. "
+    "Move the tag out of it, or handle inside it (call `fx.handle` within the "
+    "function passed to it)."
+)
+
+
+def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
+    """Evaluates `jaxpr` on the current trace, with the scope's handlers acting."""
+    env: dict[Any, Any] = {}
+
+    def read(v):
+        return v.val if isinstance(v, _compat.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if eqn.primitive is site_p:
+            outs = _site_rule(eqn, invals, scope)
+        elif _needs_rule(eqn, scope):
+            rule = rules.get(eqn.primitive)
+            if rule is None:
+                matched = _matched(scope.handlers, _eqn_sites(eqn))
+                if matched:
+                    kind, collection, name = matched[0]
+                    where = Site(name, collection, kind, None, (), ()).where()
+                    raise ValueError(
+                        _UNSUPPORTED.format(where=where, prim=eqn.primitive.name)
+                    )
+                outs = _bind(eqn, invals)
+            else:
+                with _compat.eqn_context(eqn):
+                    outs = rule(eqn, invals, scope)
+        else:
+            outs = _bind(eqn, invals)
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _needs_rule(eqn, scope: Scope) -> bool:
+    if not eqn.params:
+        return False
+    sites = _eqn_sites(eqn)
+    if not sites:
+        return False
+    if _matched(scope.handlers, sites):
+        return True
+    # Only sites no handler matches: rebuild the equation just to drop the effect
+    # its sites carried while `handle` traced, unless they still need it.
+    return site_effect in eqn.effects and not handling.value
+
+
+def _site_rule(eqn, invals, scope: Scope) -> list[Any]:
+    site = Site.from_eqn(eqn.params, [v.aval for v in eqn.invars])
+    leaves = list(invals)
+    for i, handler in enumerate(scope.handlers):
+        if handler.matches(site):
+            leaves, consumed = handler.apply(SiteCall(scope, i, site), leaves)
+            if consumed:
+                return list(leaves)
+    return site_p.bind(*leaves, **eqn.params)
+
+
+#
+# Plans: what a region emits
+#
+
+
+@dataclasses.dataclass
+class Plan:
+    """What the handlers emit inside one region, learnt by discovery."""
+
+    accs: dict[Key, Any]  # key -> init thunk
+    acc_avals: dict[Key, Any]  # key -> avals tree
+    entries: dict[Key, list[tuple[Any, int]]]  # key -> [(avals tree, nbatch)]
+    inputs: dict[Key, list[tuple[Any, int]]]
+    sites: dict[Key, Site]
+
+    @property
+    def empty(self) -> bool:
+        return not (self.accs or self.entries or self.inputs)
+
+    def acc_in(self, scope: Scope) -> list[Any]:
+        """The accumulators' values entering the region, flat."""
+        leaves = []
+        for key, init in self.accs.items():
+            if key not in scope.accs:
+                scope.sites.setdefault(key, self.sites[key])
+                scope.acc_inits.setdefault(key, init)
+                scope.accs[key] = init()
+            leaves += jax.tree.leaves(scope.accs[key])
+        return leaves
+
+    def forbid(self, what: str, *, appends: bool, inputs: bool, strict: bool,
+               scope: Scope) -> None:
+        for key in self.entries:
+            mode = scope.handlers[key[0]].output_mode()
+            if strict and mode == "strict":
+                raise ValueError(_STRICT_IN_LOOP.format(where=self.sites[key].where(), what=what))
+            if appends:
+                raise ValueError(_APPEND_IN_WHILE.format(where=self.sites[key].where()))
+        if inputs:
+            for key in self.inputs:
+                raise ValueError(_INPUT_IN_WHILE.format(
+                    where=self.sites[key].where(),
+                    handler=type(scope.handlers[key[0]]).__name__))
+
+
+_STRICT_IN_LOOP = (
+    "{where} is inside a {what}, but Tag(mode='strict') collects a single value. "
+    "Use mode='append' (stacked over iterations), 'last' or a reduction."
+)
+_APPEND_IN_WHILE = (
+    "{where} is inside a lax.while_loop, whose number of iterations is unknown, so "
+    "its executions cannot be appended. Use Tag(mode='last'), a reduction "
+    "('sum' or fx.Reduce), or a lax.scan."
+)
+_INPUT_IN_WHILE = (
+    "{where} is inside a lax.while_loop, so {handler} cannot give it one value per "
+    "execution. Give one value for every execution (Substitute without "
+    "per_call), or use a lax.scan."
+)
+
+
+def _acc_avals_of(scope: Scope, key: Key):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), scope.accs[key])
+
+
+def discover(jaxpr, consts, in_avals, scope: Scope) -> Plan:
+    """Traces `jaxpr` once, abstractly, to learn what the handlers emit in it."""
+    sub = Scope(scope.handlers, discovering=True)
+
+    def fn(*args):
+        return run(jaxpr, consts, args, sub)
+
+    _compat.trace(fn, in_avals)
+    return Plan(
+        accs=dict(sub.acc_inits),
+        acc_avals={k: _acc_avals_of(sub, k) for k in sub.acc_inits},
+        entries={
+            k: [(jax.tree.map(_sds, v), nb) for v, nb in vs] for k, vs in sub.entries.items()
+        },
+        inputs=dict(sub.input_avals),
+        sites=dict(sub.sites),
+    )
+
+
+def _sds(x):
+    return jax.ShapeDtypeStruct(jnp.shape(x), x.dtype)
+
+
+def _avals(leaves) -> list[Any]:
+    return [jax.typeof(x) for x in leaves]
+
+
+def _flat(trees) -> list[Any]:
+    return [leaf for t in trees for leaf in jax.tree.leaves(t)]
+
+
+def _unflat(avals_trees, leaves) -> list[Any]:
+    out, i = [], 0
+    for t in avals_trees:
+        tree = jax.tree.structure(t)
+        out.append(jax.tree.unflatten(tree, leaves[i : i + tree.num_leaves]))
+        i += tree.num_leaves
+    return out
+
+
+def trace_region(jaxpr, consts, in_avals, scope: Scope, plan: Plan,
+                 input_avals: list[Any] | None = None):
+    """Traces the region with the plan's state threaded through it:
+    `(*args, *accs, *inputs) -> (*outs, *accs, *entries)`. Entries a run does not
+    emit (a branch that did not tag a name) are filled with zeros. Returns the
+    open jaxpr, with the constants it closes over as leading inputs, and those
+    constants."""
+    acc_trees = list(plan.acc_avals.values())
+    input_trees = [avals for _, specs in plan.inputs.items() for avals, _ in specs]
+    if input_avals is None:
+        input_avals = input_trees
+    n_args = len(in_avals)
+    n_acc = len(_flat(acc_trees))
+
+    def fn(*flat):
+        args = flat[:n_args]
+        accs = _unflat(acc_trees, list(flat[n_args : n_args + n_acc]))
+        entries_in = _unflat(input_trees, list(flat[n_args + n_acc :]))
+        inputs, i = {}, 0
+        for key, specs in plan.inputs.items():
+            inputs[key], i = entries_in[i : i + len(specs)], i + len(specs)
+        sub = Scope(scope.handlers, accs=dict(zip(plan.acc_avals, accs)), inputs=inputs)
+        outs = run(jaxpr, consts, args, sub)
+        out_entries = []
+        for key, specs in plan.entries.items():
+            got = sub.entries.get(key, [])
+            for j, (avals, _) in enumerate(specs):
+                out_entries.append(got[j][0] if j < len(got) else zeros(avals))
+        return [*outs, *_flat(sub.accs[k] for k in plan.acc_avals), *_flat(out_entries)]
+
+    avals = [*in_avals, *_avals_of_trees(acc_trees), *_avals_of_trees(input_trees)]
+    return _compat.trace(fn, avals)
+
+
+def _avals_of_trees(trees) -> list[Any]:
+    return [_compat.ShapedArray(a.shape, a.dtype) for a in _flat(trees)]
+
+
+def _take_inputs(plan: Plan, scope: Scope, stack=None) -> list[Any]:
+    """Takes the region's input entries from the enclosing scope, flat. `stack`
+    maps an entry's avals to the avals it has outside the region (stacked over a
+    scan) and back: (outside_avals_fn, to_region_fn)."""
+    flat = []
+    for key, specs in plan.inputs.items():
+        outside = [(stack[0](a, nb) if stack else a, nb) for a, nb in specs]
+        values = scope.take_inputs(key, outside, plan.sites[key])
+        for value, (_, nb) in zip(values, specs):
+            if stack:
+                value = stack[1](value, nb)
+            flat += jax.tree.leaves(value)
+    return flat
+
+
+def _emit_entries(plan: Plan, scope: Scope, leaves, unstack=None) -> None:
+    i = 0
+    for key, specs in plan.entries.items():
+        for avals, nbatch in specs:
+            tree = jax.tree.structure(avals)
+            value = jax.tree.unflatten(tree, leaves[i : i + tree.num_leaves])
+            i += tree.num_leaves
+            if unstack:
+                value = unstack(value, nbatch)
+            scope.add_entry(key, value, nbatch, plan.sites[key])
+
+
+def _set_accs(plan: Plan, scope: Scope, leaves) -> None:
+    for key, value in zip(plan.acc_avals, _unflat(list(plan.acc_avals.values()), list(leaves))):
+        scope.accs[key] = value
+
+
+def _n(trees) -> int:
+    return len(_flat(trees))
+
+
+#
+# Call-like primitives: jit, closed_call, checkpoint
+#
+
+
+def _call_rule(eqn, invals, scope: Scope, *, get_body, rebuild) -> list[Any]:
+    jaxpr, consts = get_body(eqn.params)
+    in_avals = [v.aval for v in eqn.invars]
+    plan = discover(jaxpr, consts, in_avals, scope)
+    acc_in = plan.acc_in(scope)
+    inputs = _take_inputs(plan, scope)
+    body, hoisted = trace_region(jaxpr, consts, in_avals, scope, plan)
+    n_out = len(eqn.outvars)
+    n_extra_in = len(acc_in) + len(inputs)
+    n_extra_out = len(body.outvars) - n_out
+    params = rebuild(eqn.params, body, len(hoisted), n_extra_in, n_extra_out)
+    outs = _bind(eqn, [*hoisted, *invals, *acc_in, *inputs], **params)
+    n_acc = _n(plan.acc_avals.values())
+    _set_accs(plan, scope, outs[n_out : n_out + n_acc])
+    _emit_entries(plan, scope, outs[n_out + n_acc :])
+    return outs[:n_out]
+
+
+def _pad(seq, before: int, after: int, fill) -> tuple:
+    return (fill,) * before + tuple(seq) + (fill,) * after
+
+
+def _rebuild_jit(params, body, n_hoisted, n_extra_in, n_extra_out):
+    closed = _compat.ClosedJaxpr(body, ())
+    unspec = _compat.UNSPECIFIED
+    return dict(
+        jaxpr=closed,
+        in_shardings=_pad(params["in_shardings"], n_hoisted, n_extra_in, unspec),
+        in_layouts=_pad(params["in_layouts"], n_hoisted, n_extra_in, None),
+        donated_invars=_pad(params["donated_invars"], n_hoisted, n_extra_in, False),
+        out_shardings=_pad(params["out_shardings"], 0, n_extra_out, unspec),
+        out_layouts=_pad(params["out_layouts"], 0, n_extra_out, None),
+    )
+
+
+rules[_compat.pjit_p] = lambda eqn, invals, scope: _call_rule(
+    eqn, invals, scope,
+    get_body=lambda p: (p["jaxpr"].jaxpr, p["jaxpr"].consts),
+    rebuild=_rebuild_jit,
+)
+rules[_compat.closed_call_p] = lambda eqn, invals, scope: _call_rule(
+    eqn, invals, scope,
+    get_body=lambda p: (p["call_jaxpr"].jaxpr, p["call_jaxpr"].consts),
+    rebuild=lambda p, body, *_: dict(call_jaxpr=_compat.ClosedJaxpr(body, ())),
+)
+rules[_compat.remat_p] = lambda eqn, invals, scope: _call_rule(
+    eqn, invals, scope,
+    get_body=lambda p: (p["jaxpr"], ()),
+    rebuild=lambda p, body, *_: dict(jaxpr=body),
+)
+
+#
+# scan
+#
+
+
+def _scan_rule(eqn, invals, scope: Scope) -> list[Any]:
+    p = eqn.params
+    closed, length = p["jaxpr"], p["length"]
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    n_xs = len(invals) - n_consts - n_carry
+    n_ys = len(eqn.outvars) - n_carry
+    in_avals = closed.in_avals
+    plan = discover(closed.jaxpr, closed.consts, in_avals, scope)
+    plan.forbid("lax.scan", appends=False, inputs=False, strict=True, scope=scope)
+
+    def stacked(avals, nbatch):
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(
+                a.shape[:nbatch] + (length,) + a.shape[nbatch:], a.dtype
+            ),
+            avals,
+        )
+
+    def to_xs(value, nbatch):
+        return jax.tree.map(lambda x: jnp.moveaxis(x, nbatch, 0), value)
+
+    def from_ys(value, nbatch):
+        return jax.tree.map(lambda x: jnp.moveaxis(x, 0, nbatch), value)
+
+    acc_in = plan.acc_in(scope)
+    inputs = _take_inputs(plan, scope, stack=(stacked, to_xs))
+    body, hoisted = trace_region(closed.jaxpr, closed.consts, in_avals, scope, plan)
+    # The region is (hoisted, consts, carry, xs, accs, inputs) -> (carry, ys, accs,
+    # entries); scan wants the accumulators in the carry: (hoisted, consts, carry,
+    # accs, xs, inputs) -> (carry, accs, ys, entries).
+    n_h, n_acc = len(hoisted), len(acc_in)
+    iv = list(body.invars)
+    c_end = n_h + n_consts + n_carry
+    x_end = c_end + n_xs
+    invars = iv[:c_end] + iv[x_end : x_end + n_acc] + iv[c_end:x_end] + iv[x_end + n_acc :]
+    ov = list(body.outvars)
+    outvars = ov[:n_carry] + ov[n_carry + n_ys : n_carry + n_ys + n_acc] + ov[n_carry : n_carry + n_ys] + ov[n_carry + n_ys + n_acc :]
+    body = body.replace(invars=invars, outvars=outvars)
+    consts, carry, xs = invals[:n_consts], invals[n_consts : n_consts + n_carry], invals[n_consts + n_carry :]
+    params = dict(
+        jaxpr=_compat.ClosedJaxpr(body, ()),
+        num_consts=n_h + n_consts,
+        num_carry=n_carry + n_acc,
+    )
+    if "linear" in p:  # jax < 0.8
+        params["linear"] = (False,) * len(invars)
+    outs = _bind(eqn, [*hoisted, *consts, *carry, *acc_in, *xs, *inputs], **params)
+    _set_accs(plan, scope, outs[n_carry : n_carry + n_acc])
+    _emit_entries(plan, scope, outs[n_carry + n_acc + n_ys :], unstack=from_ys)
+    return outs[:n_carry] + outs[n_carry + n_acc : n_carry + n_acc + n_ys]
+
+
+rules[_compat.scan_p] = _scan_rule
+
+#
+# while_loop
+#
+
+
+def _while_rule(eqn, invals, scope: Scope) -> list[Any]:
+    p = eqn.params
+    cond_closed, body_closed = p["cond_jaxpr"], p["body_jaxpr"]
+    n_cc, n_bc = p["cond_nconsts"], p["body_nconsts"]
+    cond_consts, body_consts, carry = invals[:n_cc], invals[n_cc : n_cc + n_bc], invals[n_cc + n_bc :]
+    matched = _matched(scope.handlers, sites_in(cond_closed.jaxpr))
+    if matched:
+        kind, collection, name = matched[0]
+        raise ValueError(
+            f"{Site(name, collection, kind, None, (), ()).where()} is inside the "
+            "cond_fun of a lax.while_loop, which handlers cannot collect from. "
+            "Tag the value in body_fun instead."
+        )
+    plan = discover(body_closed.jaxpr, body_closed.consts, body_closed.in_avals, scope)
+    plan.forbid("lax.while_loop", appends=True, inputs=True, strict=True, scope=scope)
+    acc_in = plan.acc_in(scope)
+    body, hoisted = trace_region(
+        body_closed.jaxpr, body_closed.consts, body_closed.in_avals, scope, plan
+    )
+    # Region: (hoisted, body_consts, carry, accs) -> (carry, accs): the accumulators
+    # extend the carry; cond_fun ignores them.
+    cond = _compat.append_invars(cond_closed.jaxpr, _avals(acc_in))
+    params = dict(
+        cond_jaxpr=_compat.ClosedJaxpr(cond, cond_closed.consts),
+        body_jaxpr=_compat.ClosedJaxpr(body, ()),
+        body_nconsts=len(hoisted) + n_bc,
+    )
+    outs = _bind(eqn, [*cond_consts, *hoisted, *body_consts, *carry, *acc_in], **params)
+    _set_accs(plan, scope, outs[len(carry) :])
+    return outs[: len(carry)]
+
+
+rules[_compat.while_p] = _while_rule
+
+#
+# cond / switch
+#
+
+
+def _merge_plans(plans: list[Plan], scope: Scope) -> Plan:
+    merged = Plan({}, {}, {}, {}, {})
+    for plan in plans:
+        merged.sites.update(plan.sites)
+        for key, init in plan.accs.items():
+            merged.accs.setdefault(key, init)
+            merged.acc_avals.setdefault(key, plan.acc_avals[key])
+        for field in ("entries", "inputs"):
+            ours = getattr(merged, field)
+            for key, specs in getattr(plan, field).items():
+                have = ours.setdefault(key, [])
+                for j, spec in enumerate(specs):
+                    if j == len(have):
+                        have.append(spec)
+                    elif _spec_key(have[j]) != _spec_key(spec):
+                        raise ValueError(
+                            f"{plan.sites[key].where()} has {describe(spec[0])} in "
+                            f"one branch of a lax.cond and {describe(have[j][0])} in "
+                            "another; a tag's shape and dtype must agree across "
+                            "branches."
+                        )
+    return merged
+
+
+def _spec_key(spec):
+    avals, nbatch = spec
+    return (jax.tree.structure(avals), tuple((a.shape, a.dtype) for a in jax.tree.leaves(avals)), nbatch)
+
+
+def _cond_rule(eqn, invals, scope: Scope) -> list[Any]:
+    branches = eqn.params["branches"]
+    index, ops = invals[0], invals[1:]
+    in_avals = branches[0].in_avals
+    plans = [discover(b.jaxpr, b.consts, in_avals, scope) for b in branches]
+    plan = _merge_plans(plans, scope)
+    acc_in = plan.acc_in(scope)
+    inputs = _take_inputs(plan, scope)
+    traced = [trace_region(b.jaxpr, b.consts, in_avals, scope, plan) for b in branches]
+    all_hoisted = [c for _, hoisted in traced for c in hoisted]
+    hoisted_avals = [[jax.typeof(c) for c in h] for _, h in traced]
+    new_branches = []
+    for i, (body, hoisted) in enumerate(traced):
+        before = [a for h in hoisted_avals[:i] for a in h]
+        after = [a for h in hoisted_avals[i + 1 :] for a in h]
+        own = list(body.invars[: len(hoisted)])
+        rest = list(body.invars[len(hoisted) :])
+        body = _compat.prepend_invars(body.replace(invars=own + rest), before)
+        # prepend_invars put `before` first; now insert `after` behind `own`.
+        iv = list(body.invars)
+        n_b = len(before)
+        extra = [_compat.Var(a) for a in after]
+        dbg = body.debug_info
+        if dbg is not None and dbg.arg_names is not None:
+            dbg = dbg._replace(arg_names=tuple(dbg.arg_names) + ("",) * len(extra))
+        body = body.replace(
+            invars=iv[: n_b + len(own)] + extra + iv[n_b + len(own) :], debug_info=dbg
+        )
+        new_branches.append(_compat.ClosedJaxpr(body, ()))
+    n_out = len(eqn.outvars)
+    outs = _bind(eqn, [index, *all_hoisted, *ops, *acc_in, *inputs], branches=tuple(new_branches))
+    n_acc = len(acc_in)
+    _set_accs(plan, scope, outs[n_out : n_out + n_acc])
+    _emit_entries(plan, scope, outs[n_out + n_acc :])
+    return outs[:n_out]
+
+
+rules[_compat.cond_p] = _cond_rule
+
+#
+# custom_jvp / custom_vjp
+#
+
+_VALUE_IN_CUSTOM = (
+    "{where} is inside a function with a custom derivative (`{prim}`); {handler} "
+    "would change a value there without its custom rule knowing. Move the tag out "
+    "of the custom_jvp/custom_vjp function, or handle inside it."
+)
+
+
+def _custom_rule(eqn, invals, scope: Scope) -> list[Any]:
+    closed = eqn.params["call_jaxpr"]
+    sites = sites_in(closed.jaxpr)
+    for s in sites:
+        kind, collection, name = s
+        probe = Site(name, collection, kind, None, (), ())
+        for h in scope.handlers:
+            if h.matches(probe) and not h.reports:
+                raise ValueError(
+                    _VALUE_IN_CUSTOM.format(
+                        where=probe.where(), prim=eqn.primitive.name, handler=type(h).__name__
+                    )
+                )
+    # The equation keeps its custom rule: re-bind it with its sites re-bound
+    # (dropping the effect they carried while `handle` traced)...
+    stripped, consts = _compat.trace_closed(
+        lambda *args: run(closed.jaxpr, closed.consts, args, Scope(())), closed.in_avals
+    )
+    outs = _bind(eqn, invals, call_jaxpr=_compat.ClosedJaxpr(stripped, consts))
+    # ...and the handlers collect from a copy of its primal computation, whose
+    # outputs are unused (XLA removes the duplicate work).
+    if _matched(scope.handlers, sites):
+        run(closed.jaxpr, closed.consts, invals, scope)
+    return outs
+
+
+rules[_compat.custom_jvp_call_p] = _custom_rule
+rules[_compat.custom_vjp_call_p] = _custom_rule

@@ -1,0 +1,121 @@
+"""A site as handlers see it: one executed `tag` or `perturb`, with its value in
+the layout users see (vmap batch axes first, outermost first)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def strong(x):
+    # Weak types would make the avals of a loop carry or of cond branches differ.
+    x = jnp.asarray(x)
+    return lax.convert_element_type(x, x.dtype) if x.aval.weak_type else x
+
+
+def shape_dtype(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+
+
+def describe(tree) -> str:
+    return str(jax.tree.map(lambda a: f"{jnp.dtype(a.dtype).name}{list(a.shape)}", tree))
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One binding of the site primitive: its params and the avals of its leaves
+    as they are in the program."""
+
+    name: str
+    collection: str
+    kind: str  # "tag" or "perturb"
+    treedef: Any
+    batch: tuple  # per leaf: ((axis or None, size), ...) outermost vmap first
+    avals: tuple  # per leaf, program layout
+
+    @classmethod
+    def from_eqn(cls, params, avals) -> Site:
+        return cls(
+            params["name"],
+            params["collection"],
+            params["kind"],
+            params["treedef"],
+            params["batch"],
+            tuple(avals),
+        )
+
+    @property
+    def nbatch(self) -> int:
+        return len(self.batch[0]) if self.batch else 0
+
+    def where(self) -> str:
+        what = "tag" if self.kind == "tag" else "perturb site"
+        return f"{what} {self.name!r} (collection {self.collection!r})"
+
+    def front_avals(self):
+        """The value's structure and shapes as handlers see it."""
+        leaves = []
+        for aval, entries in zip(self.avals, self.batch):
+            shape = list(aval.shape)
+            for a, _ in sorted((e for e in entries if e[0] is not None), reverse=True):
+                del shape[a]
+            shape = [size for _, size in entries] + shape
+            leaves.append(jax.ShapeDtypeStruct(tuple(shape), aval.dtype))
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def to_front(self, leaves):
+        """Program layout -> handler layout: batch axes moved (or, for a leaf that
+        vmap left unbatched, broadcast) to the front."""
+        out = []
+        for x, entries in zip(leaves, self.batch):
+            if entries:
+                src = [a for a, _ in entries if a is not None]
+                x = jnp.moveaxis(x, src, list(range(len(src))))
+                for i, (a, size) in enumerate(entries):
+                    if a is None:
+                        x = jnp.expand_dims(x, i)
+                        x = jnp.broadcast_to(x, x.shape[:i] + (size,) + x.shape[i + 1 :])
+            out.append(x)
+        return jax.tree.unflatten(self.treedef, out)
+
+    def from_front(self, value, what: str):
+        """Handler layout -> program layout, checking structure, shape and dtype."""
+        expected = self.front_avals()
+        leaves, treedef = jax.tree.flatten(value)
+        if treedef != self.treedef:
+            raise ValueError(
+                f"{what} for {self.where()} has structure {treedef}, but the tagged "
+                f"value has structure {self.treedef}."
+            )
+        out = []
+        for x, exp, entries, aval in zip(
+            leaves, jax.tree.leaves(expected), self.batch, self.avals
+        ):
+            x = jnp.asarray(x)
+            if x.shape != exp.shape or x.dtype != exp.dtype:
+                if x.shape == exp.shape and x.aval.weak_type:
+                    x = x.astype(exp.dtype)
+                else:
+                    raise ValueError(
+                        f"{what} for {self.where()} is {describe(shape_dtype(x))}, but "
+                        f"the tagged value is {describe(exp)}; the shape and dtype "
+                        "must stay the same."
+                    )
+            if entries:
+                if any(a is None for a, _ in entries):
+                    raise ValueError(
+                        f"{what} for {self.where()}: a leaf of this value is not "
+                        "batched by the vmap inside the handled function, so a "
+                        "per-example value cannot replace it. Move the handler "
+                        "inside the vmap (vmap(handle(f, ...)))."
+                    )
+                src = list(range(len(entries)))
+                dst = [a for a, _ in entries]
+                x = jnp.moveaxis(x, src, dst)
+            assert x.shape == aval.shape
+            out.append(x)
+        return out
