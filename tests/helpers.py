@@ -1,0 +1,53 @@
+"""Shared test utilities."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def assert_trees_close(actual, expected, *, rtol=1e-5, atol=1e-6):
+    """Same structure, and every leaf equal up to float tolerance."""
+    a_leaves, a_tree = jax.tree.flatten(actual)
+    e_leaves, e_tree = jax.tree.flatten(expected)
+    assert a_tree == e_tree, f"structure differs:\n{a_tree}\n!=\n{e_tree}"
+    for a, e in zip(a_leaves, e_leaves):
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape, f"shape {a.shape} != {e.shape}"
+        assert a.dtype == e.dtype, f"dtype {a.dtype} != {e.dtype}"
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
+
+
+def optimized_hlo(fn, *args) -> str:
+    """The optimized HLO of `jax.jit(fn)(*args)`, without metadata and names, so
+    two programs that compute the same thing the same way compare equal."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    text = re.sub(r", metadata=\{[^}]*\}", "", text)
+    text = re.sub(r"^HloModule \S+", "HloModule m", text, flags=re.M)
+    # Canonicalise instruction and computation names (they embed source names).
+    names: dict[str, str] = {}
+
+    def rename(m):
+        return names.setdefault(m.group(0), f"%v{len(names)}")
+
+    text = re.sub(r"%[\w.\-]+", rename, text)
+    # Drop the source-location tables (FileNames, FunctionNames, FileLocations,
+    # StackFrames) that newer XLA prints after the module header.
+    lines = [
+        line.rstrip()
+        for line in text.splitlines()
+        if line.strip()
+        and not re.match(r"^(\d+ [{\"]|FileNames|FunctionNames|FileLocations|StackFrames)", line)
+    ]
+    return "\n".join(lines)
+
+
+def mlp_params(key, widths):
+    keys = jax.random.split(key, len(widths) - 1)
+    return [
+        jax.random.normal(k, (m, n)) / jnp.sqrt(m)
+        for k, m, n in zip(keys, widths[:-1], widths[1:])
+    ]
