@@ -3,6 +3,7 @@ in one place. Each entry names the JAX versions it was written against."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -158,10 +159,40 @@ closed_call_p = _prims.closed_call_p
 custom_jvp_call_p = _prims.custom_jvp_call_p
 custom_vjp_call_p = _prims.custom_vjp_call_p
 
-try:  # jax 0.10
-    from jax._src.shard_map import shard_map_p
-except ImportError:  # pragma: no cover - older layouts
-    from jax.experimental.shard_map import shard_map_p  # type: ignore
+from jax._src import core as _core  # noqa: E402
+from jax._src import mesh as _mesh_lib  # noqa: E402
+from jax._src import shard_map as _shard_map  # noqa: E402
+
+shard_map_p = _shard_map.shard_map_p
+
+
+@contextlib.contextmanager
+def shard_map_body(params):
+    """The context `shard_map` traces its body in (jax 0.10): the manual mesh
+    axes bound, the abstract mesh manual over them, and its vma checking."""
+    mesh, manual = params["mesh"], params["newly_manual_axes"]
+    with (
+        _shard_map._extend_axis_env(mesh, manual),
+        _mesh_lib.use_abstract_mesh(_shard_map._as_manual_mesh(mesh, manual)),
+        _config._check_vma(params["check_vma"]),
+    ):
+        yield
+
+
+def shard_aval(params, spec, aval):
+    """The per-shard aval of a `shard_map` input with `spec` (jax 0.10)."""
+    return _core.shard_aval(
+        params["mesh"], params["newly_manual_axes"], params["check_vma"], spec, aval
+    )
+
+
+def varying_axes(aval) -> frozenset:
+    """The manual mesh axes a value inside `shard_map` varies over: `aval.mat`
+    in jax 0.10, `aval.vma` in earlier releases."""
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
 
 try:  # jax 0.10
     from jax._src.sharding_impls import UNSPECIFIED

@@ -75,7 +75,7 @@ def _bind(eqn, invals, **new_params):
     params = dict(eqn.params, **new_params) if new_params else eqn.params
     with _compat.eqn_context(eqn), _compat.eqn_ctx_manager(eqn):
         outs = _compat.bind_eqn(eqn, invals, params)
-    return outs if eqn.primitive.multiple_results else [outs]
+    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 _UNSUPPORTED = (
@@ -136,7 +136,7 @@ def _site_rule(eqn, invals, scope: Scope) -> list[Any]:
     leaves = list(invals)
     for i, handler in enumerate(scope.handlers):
         if handler.matches(site):
-            leaves, consumed = handler.apply(SiteCall(scope, i, site), leaves)
+            leaves, consumed = handler.apply(SiteCall(scope, i, site, leaves), leaves)
             if consumed:
                 return list(leaves)
     return site_p.bind(*leaves, **eqn.params)
@@ -247,8 +247,8 @@ def _unflat(avals_trees, leaves) -> list[Any]:
     return out
 
 
-def trace_region(jaxpr, consts, in_avals, scope: Scope, plan: Plan,
-                 input_avals: list[Any] | None = None):
+def trace_region(jaxpr, consts, in_avals, scope: Scope, plan: Plan, *,
+                 input_avals: list[Any] | None = None, input_in=None, entry_out=None):
     """Traces the region with the plan's state threaded through it:
     `(*args, *accs, *inputs) -> (*outs, *accs, *entries)`. Entries a run does not
     emit (a branch that did not tag a name) are filled with zeros. Returns the
@@ -256,8 +256,6 @@ def trace_region(jaxpr, consts, in_avals, scope: Scope, plan: Plan,
     constants."""
     acc_trees = list(plan.acc_avals.values())
     input_trees = [avals for _, specs in plan.inputs.items() for avals, _ in specs]
-    if input_avals is None:
-        input_avals = input_trees
     n_args = len(in_avals)
     n_acc = len(_flat(acc_trees))
 
@@ -265,6 +263,8 @@ def trace_region(jaxpr, consts, in_avals, scope: Scope, plan: Plan,
         args = flat[:n_args]
         accs = _unflat(acc_trees, list(flat[n_args : n_args + n_acc]))
         entries_in = _unflat(input_trees, list(flat[n_args + n_acc :]))
+        if input_in is not None:
+            entries_in = [jax.tree.map(input_in, e) for e in entries_in]
         inputs, i = {}, 0
         for key, specs in plan.inputs.items():
             inputs[key], i = entries_in[i : i + len(specs)], i + len(specs)
@@ -275,9 +275,13 @@ def trace_region(jaxpr, consts, in_avals, scope: Scope, plan: Plan,
             got = sub.entries.get(key, [])
             for j, (avals, _) in enumerate(specs):
                 out_entries.append(got[j][0] if j < len(got) else zeros(avals))
+        if entry_out is not None:
+            out_entries = [jax.tree.map(entry_out, e) for e in out_entries]
         return [*outs, *_flat(sub.accs[k] for k in plan.acc_avals), *_flat(out_entries)]
 
-    avals = [*in_avals, *_avals_of_trees(acc_trees), *_avals_of_trees(input_trees)]
+    if input_avals is None:
+        input_avals = _avals_of_trees(input_trees)
+    avals = [*in_avals, *_avals_of_trees(acc_trees), *input_avals]
     return _compat.trace(fn, avals)
 
 
@@ -587,3 +591,73 @@ def _custom_rule(eqn, invals, scope: Scope) -> list[Any]:
 
 rules[_compat.custom_jvp_call_p] = _custom_rule
 rules[_compat.custom_vjp_call_p] = _custom_rule
+
+#
+# shard_map (and pmap, which lowers to it)
+#
+
+_ACC_IN_SHARD_MAP = (
+    "{where} is inside a shard_map (or pmap), where each shard would keep its own "
+    "accumulator. Use Tag(mode='append'): it reports one value per shard, stacked "
+    "along a leading axis."
+)
+
+
+def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
+    p = eqn.params
+    body = p["jaxpr"]
+    mesh = p["mesh"]
+    axes = tuple(a for a in mesh.axis_names if a in p["newly_manual_axes"])
+    n_shards = 1
+    for a in axes:
+        n_shards *= mesh.shape[a]
+    spec = jax.sharding.PartitionSpec(axes)
+    in_avals = [v.aval for v in body.invars]
+    with _compat.shard_map_body(p):
+        plan = discover(body, (), in_avals, scope)
+    for key in plan.accs:
+        raise ValueError(_ACC_IN_SHARD_MAP.format(where=plan.sites[key].where()))
+
+    # Entries leave each shard with a leading axis of size 1 and come out stacked
+    # over the shards; per-execution inputs go in the same way.
+    def entry_out(x):
+        missing = tuple(a for a in axes if a not in _compat.varying_axes(jax.typeof(x)))
+        if missing and p["check_vma"]:
+            x = jax.lax.pcast(x, missing, to="varying")
+        return x[None]
+
+    def stacked(avals, nbatch):
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((n_shards,) + a.shape, a.dtype), avals
+        )
+
+    inputs = _take_inputs(plan, scope, stack=(stacked, lambda v, nb: v))
+    in_input_avals = [
+        _compat.shard_aval(p, spec, _compat.ShapedArray((n_shards,) + a.shape, a.dtype))
+        for _, specs in plan.inputs.items()
+        for avals, _ in specs
+        for a in jax.tree.leaves(avals)
+    ]
+    with _compat.shard_map_body(p):
+        new_body, hoisted = trace_region(
+            body, (), in_avals, scope, plan,
+            input_avals=in_input_avals, input_in=lambda x: x[0], entry_out=entry_out,
+        )
+    n_out = len(eqn.outvars)
+    n_entry = len(new_body.outvars) - n_out
+    replicated = jax.sharding.PartitionSpec()
+    params = dict(
+        jaxpr=new_body,
+        in_specs=(replicated,) * len(hoisted) + tuple(p["in_specs"]) + (spec,) * len(inputs),
+        out_specs=tuple(p["out_specs"]) + (spec,) * n_entry,
+    )
+    outs = _bind(eqn, [*hoisted, *invals, *inputs], **params)
+
+    def unstack(value, nbatch):  # shard axis after any batch axes, like a scan's
+        return jax.tree.map(lambda x: jnp.moveaxis(x, 0, nbatch), value)
+
+    _emit_entries(plan, scope, outs[n_out:], unstack=unstack)
+    return outs[:n_out]
+
+
+rules[_compat.shard_map_p] = _shard_map_rule

@@ -83,12 +83,15 @@ class Scope:
 
     # Per-execution inputs ---------------------------------------------------
 
-    def take_inputs(self, key: Key, expected: list[tuple[Any, int]], site: Site):
+    def take_inputs(self, key: Key, expected: list[tuple[Any, int]], site: Site,
+                    placeholders=None):
         """Takes one input entry per `(avals, nbatch)` in `expected`: for one
         execution of a site, or for all executions in a region inside this one."""
         self.sites.setdefault(key, site)
         if self.discovering:
             self.input_avals.setdefault(key, []).extend(expected)
+            if placeholders is not None:
+                return placeholders
             return [zeros(avals) for avals, _ in expected]
         remaining = self.inputs.get(key, [])
         if len(remaining) < len(expected):
@@ -126,8 +129,9 @@ def _acc_init(reduce: Reduce, site: Site):
 class SiteCall:
     """What a handler sees at one execution of a site."""
 
-    def __init__(self, scope: Scope, index: int, site: Site):
+    def __init__(self, scope: Scope, index: int, site: Site, leaves):
         self.scope = scope
+        self.leaves = leaves
         self.key: Key = (index, site.name)
         self.site = site
 
@@ -142,4 +146,7 @@ class SiteCall:
     def next_input(self):
         """The next per-execution input value for this site (handler layout)."""
         expected = [(self.site.front_avals(), self.site.nbatch)]
-        return self.scope.take_inputs(self.key, expected, self.site)[0]
+        # While discovering, the site's own value stands in for the input: it has
+        # the right type, including the mesh axes it varies over in a shard_map.
+        here = [self.site.to_front(self.leaves)]
+        return self.scope.take_inputs(self.key, expected, self.site, here)[0]
