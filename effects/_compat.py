@@ -12,6 +12,7 @@ from jax.extend import core as jex_core
 
 # jax 0.10: private modules with no public equivalent.
 from jax._src import config as _config
+from jax._src import core as _core
 from jax._src import effects as _effects
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _source_info_util
@@ -73,6 +74,11 @@ def register_batch_rule(prim, rule: Callable) -> None:
         return rule(axis_data.size, vals, dims, **params)
 
     _batching.fancy_primitive_batchers[prim] = wrapped
+
+
+def is_top_level() -> bool:
+    """True when no JAX transformation is being traced (jax 0.10)."""
+    return _core.trace_ctx.is_top_level()
 
 
 #
@@ -159,7 +165,6 @@ closed_call_p = _prims.closed_call_p
 custom_jvp_call_p = _prims.custom_jvp_call_p
 custom_vjp_call_p = _prims.custom_vjp_call_p
 
-from jax._src import core as _core  # noqa: E402
 from jax._src import mesh as _mesh_lib  # noqa: E402
 from jax._src import shard_map as _shard_map  # noqa: E402
 

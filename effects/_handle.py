@@ -182,7 +182,7 @@ class _Handled:
         traced = _traced(fn, static, treedef, dynamic)
         _check_names(traced, self.handlers)
         h_dyn, h_static = eqx.partition(self.handlers, eqx.is_array)
-        if _has_tracers(dynamic, traced.consts, h_dyn):
+        if not _compat.is_top_level() or _has_tracers(dynamic, traced.consts, h_dyn):
             outs, found = _evaluate(traced, self.handlers, traced.consts, dynamic)
         else:
             outs, found = self._run_compiled(traced, static, treedef, dynamic, h_dyn, h_static)

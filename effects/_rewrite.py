@@ -321,6 +321,18 @@ def _set_accs(plan: Plan, scope: Scope, leaves) -> None:
         scope.accs[key] = value
 
 
+def _discovered(eqn, invals, scope: Scope, plan: Plan, stacked=None) -> list[Any]:
+    """A region met while discovering an enclosing one: what it emits is known
+    from its plan, so it is not traced again (that would make discovery cost grow
+    exponentially with nesting depth). The original equation gives the outputs'
+    types; entries are zeros of their types outside the region."""
+    for key, specs in plan.entries.items():
+        for avals, nbatch in specs:
+            outside = stacked(avals, nbatch) if stacked else avals
+            scope.add_entry(key, zeros(outside), nbatch, plan.sites[key])
+    return _bind(eqn, invals)
+
+
 def _n(trees) -> int:
     return len(_flat(trees))
 
@@ -336,6 +348,8 @@ def _call_rule(eqn, invals, scope: Scope, *, get_body, rebuild) -> list[Any]:
     plan = discover(jaxpr, consts, in_avals, scope)
     acc_in = plan.acc_in(scope)
     inputs = _take_inputs(plan, scope)
+    if scope.discovering:
+        return _discovered(eqn, invals, scope, plan)
     body, hoisted = trace_region(jaxpr, consts, in_avals, scope, plan)
     n_out = len(eqn.outvars)
     n_extra_in = len(acc_in) + len(inputs)
@@ -412,6 +426,8 @@ def _scan_rule(eqn, invals, scope: Scope) -> list[Any]:
 
     acc_in = plan.acc_in(scope)
     inputs = _take_inputs(plan, scope, stack=(stacked, to_xs))
+    if scope.discovering:
+        return _discovered(eqn, invals, scope, plan, stacked)
     body, hoisted = trace_region(closed.jaxpr, closed.consts, in_avals, scope, plan)
     # The region is (hoisted, consts, carry, xs, accs, inputs) -> (carry, ys, accs,
     # entries); scan wants the accumulators in the carry: (hoisted, consts, carry,
@@ -461,6 +477,8 @@ def _while_rule(eqn, invals, scope: Scope) -> list[Any]:
     plan = discover(body_closed.jaxpr, body_closed.consts, body_closed.in_avals, scope)
     plan.forbid("lax.while_loop", appends=True, inputs=True, strict=True, scope=scope)
     acc_in = plan.acc_in(scope)
+    if scope.discovering:
+        return _discovered(eqn, invals, scope, plan)
     body, hoisted = trace_region(
         body_closed.jaxpr, body_closed.consts, body_closed.in_avals, scope, plan
     )
@@ -521,6 +539,8 @@ def _cond_rule(eqn, invals, scope: Scope) -> list[Any]:
     plan = _merge_plans(plans, scope)
     acc_in = plan.acc_in(scope)
     inputs = _take_inputs(plan, scope)
+    if scope.discovering:
+        return _discovered(eqn, invals, scope, plan)
     traced = [trace_region(b.jaxpr, b.consts, in_avals, scope, plan) for b in branches]
     all_hoisted = [c for _, hoisted in traced for c in hoisted]
     hoisted_avals = [[jax.typeof(c) for c in h] for _, h in traced]
@@ -578,10 +598,14 @@ def _custom_rule(eqn, invals, scope: Scope) -> list[Any]:
                 )
     # The equation keeps its custom rule: re-bind it with its sites re-bound
     # (dropping the effect they carried while `handle` traced)...
-    stripped, consts = _compat.trace_closed(
-        lambda *args: run(closed.jaxpr, closed.consts, args, Scope(())), closed.in_avals
-    )
-    outs = _bind(eqn, invals, call_jaxpr=_compat.ClosedJaxpr(stripped, consts))
+    if scope.discovering:
+        outs = _bind(eqn, invals)
+    else:
+        stripped, consts = _compat.trace_closed(
+            lambda *args: run(closed.jaxpr, closed.consts, args, Scope(())),
+            closed.in_avals,
+        )
+        outs = _bind(eqn, invals, call_jaxpr=_compat.ClosedJaxpr(stripped, consts))
     # ...and the handlers collect from a copy of its primal computation, whose
     # outputs are unused (XLA removes the duplicate work).
     if _matched(scope.handlers, sites):
@@ -632,6 +656,12 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
         )
 
     inputs = _take_inputs(plan, scope, stack=(stacked, lambda v, nb: v))
+    if scope.discovering:
+        return _discovered(
+            eqn, invals, scope, plan,
+            lambda avals, nb: jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+                a.shape[:nb] + (n_shards,) + a.shape[nb:], a.dtype), avals),
+        )
     in_input_avals = [
         _compat.shard_aval(p, spec, _compat.ShapedArray((n_shards,) + a.shape, a.dtype))
         for _, specs in plan.inputs.items()
