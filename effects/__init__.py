@@ -2,16 +2,28 @@
 
 import importlib.metadata
 
-from ._handle import handle as handle, intermediate_grads as intermediate_grads
+from ._handle import handle as handle
+from ._handle import intermediate_grads as intermediate_grads
 from ._handlers import (
     Handler as Handler,
+)
+from ._handlers import (
     Intervene as Intervene,
+)
+from ._handlers import (
     Perturb as Perturb,
+)
+from ._handlers import (
     Reduce as Reduce,
+)
+from ._handlers import (
     Substitute as Substitute,
+)
+from ._handlers import (
     Tag as Tag,
 )
-from ._primitives import perturb as perturb, tag as tag
+from ._primitives import perturb as perturb
+from ._primitives import tag as tag
 
 try:
     __version__ = importlib.metadata.version("effects")

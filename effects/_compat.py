@@ -8,7 +8,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.extend import core as jex_core
 
 # jax 0.10: private modules with no public equivalent.
 from jax._src import config as _config
@@ -19,6 +18,7 @@ from jax._src import source_info_util as _source_info_util
 from jax._src.api_util import debug_info as _debug_info
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import partial_eval as _pe
+from jax.extend import core as jex_core
 
 Tracer = jax.core.Tracer
 ClosedJaxpr = jex_core.ClosedJaxpr
@@ -198,6 +198,7 @@ def varying_axes(aval) -> frozenset:
     if mat is not None:
         return frozenset(mat.varying)
     return frozenset(getattr(aval, "vma", ()))
+
 
 try:  # jax 0.10
     from jax._src.sharding_impls import UNSPECIFIED

@@ -68,7 +68,14 @@ def _merge(dynamic, static, treedef):
 
 
 def _signature(static, treedef, dynamic):
-    key = (treedef, static, tuple((x.shape, x.dtype, getattr(x, "weak_type", False)) for x in map(jax.typeof, dynamic)))
+    key = (
+        treedef,
+        static,
+        tuple(
+            (x.shape, x.dtype, getattr(x, "weak_type", False))
+            for x in map(jax.typeof, dynamic)
+        ),
+    )
     try:
         hash(key)
     except TypeError:
@@ -101,7 +108,9 @@ def _traced(fn, static, treedef, dynamic) -> _Traced:
     if per_fn is not None and key in per_fn:
         return per_fn[key]
     traced = _trace(fn, static, treedef, dynamic)
-    if per_fn is not None and not any(isinstance(c, _compat.Tracer) for c in traced.consts):
+    if per_fn is not None and not any(
+        isinstance(c, _compat.Tracer) for c in traced.consts
+    ):
         per_fn[key] = traced
     return traced
 
@@ -116,7 +125,9 @@ def _check_names(traced: _Traced, handlers) -> None:
         names = h.required_names()
         if not names:
             continue
-        known = sorted(n for k, c, n in traced.sites if k == h.kind and c == h.collection)
+        known = sorted(
+            n for k, c, n in traced.sites if k == h.kind and c == h.collection
+        )
         for name in names:
             if name not in known:
                 raise ValueError(
@@ -143,7 +154,9 @@ def _evaluate(traced: _Traced, handlers, consts, dynamic):
             name = key[1]
             where = scope.sites[key].where() if key in scope.sites else repr(name)
             raise ValueError(
-                _LEFTOVER.format(handler=type(handlers[key[0]]).__name__, where=where, n=len(left))
+                _LEFTOVER.format(
+                    handler=type(handlers[key[0]]).__name__, where=where, n=len(left)
+                )
             )
     found: dict[str, dict[str, Any]] = {}
     for i, h in enumerate(handlers):
@@ -172,7 +185,9 @@ class _Handled:
         self.fn = fn
         self.handlers = handlers
         self._compiled: dict[Any, Callable] = {}
-        functools.update_wrapper(self, fn if not isinstance(fn, eqx.Module) else type(fn).__call__)
+        functools.update_wrapper(
+            self, fn if not isinstance(fn, eqx.Module) else type(fn).__call__
+        )
 
     def __call__(self, *args, **kwargs):
         fn = self.fn
@@ -185,7 +200,9 @@ class _Handled:
         if not _compat.is_top_level() or _has_tracers(dynamic, traced.consts, h_dyn):
             outs, found = _evaluate(traced, self.handlers, traced.consts, dynamic)
         else:
-            outs, found = self._run_compiled(traced, static, treedef, dynamic, h_dyn, h_static)
+            outs, found = self._run_compiled(
+                traced, static, treedef, dynamic, h_dyn, h_static
+            )
         out = _merge(outs, traced.out_static, traced.out_tree)
         return out, found
 
@@ -194,7 +211,15 @@ class _Handled:
         # repeated eager calls neither re-trace nor dispatch op by op.
         key = _signature(static, treedef, dynamic)
         try:
-            key = None if key is None else (key, h_static, jax.tree.map(jax.typeof, jax.tree.leaves(h_dyn)).__repr__())
+            key = (
+                None
+                if key is None
+                else (
+                    key,
+                    h_static,
+                    jax.tree.map(jax.typeof, jax.tree.leaves(h_dyn)).__repr__(),
+                )
+            )
             hash(key)
         except TypeError:
             key = None
@@ -276,7 +301,9 @@ def intermediate_grads(fn: Callable, *, collection: str = "perturbations") -> Ca
         _, shapes = eqx.filter_eval_shape(
             handle(fn, Perturb(collection=collection)), *args, **kwargs
         )
-        zeros = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes[collection])
+        zeros = jax.tree.map(
+            lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes[collection]
+        )
 
         def loss(deltas):
             out, _ = handle(fn, Perturb(deltas, collection=collection))(*args, **kwargs)

@@ -134,11 +134,18 @@ class Tag(Handler):
     names: Any
     mode: Any
 
-    def __init__(self, collection: str = "intermediates", *, names: Names = None,
-                 mode: str | Reduce = "append"):
+    def __init__(
+        self,
+        collection: str = "intermediates",
+        *,
+        names: Names = None,
+        mode: str | Reduce = "append",
+    ):
         if not isinstance(collection, str):
             raise TypeError(f"Tag: collection must be a string, got {collection!r}.")
-        if not (isinstance(mode, Reduce) or mode in ("append", "strict", "last", "sum")):
+        if not (
+            isinstance(mode, Reduce) or mode in ("append", "strict", "last", "sum")
+        ):
             raise ValueError(_BAD_MODE.format(mode=mode))
         self.collection = collection
         self.names = _check_names(names, "Tag")
@@ -148,7 +155,11 @@ class Tag(Handler):
         return super().matches(site) and _name_matches(self.names, site.name)
 
     def output_mode(self):
-        return _MODES.get(self.mode, self.mode) if isinstance(self.mode, str) else self.mode
+        return (
+            _MODES.get(self.mode, self.mode)
+            if isinstance(self.mode, str)
+            else self.mode
+        )
 
     def apply(self, call, leaves):
         call.emit(call.site.to_front(leaves))
@@ -181,8 +192,13 @@ class Perturb(Handler):
     collection: str
     names: Any
 
-    def __init__(self, deltas: Mapping[str, Any] | None = None, *,
-                 collection: str = "perturbations", names: Names = None):
+    def __init__(
+        self,
+        deltas: Mapping[str, Any] | None = None,
+        *,
+        collection: str = "perturbations",
+        names: Names = None,
+    ):
         if deltas is not None and not isinstance(deltas, Mapping):
             raise TypeError(
                 f"Perturb: deltas must be a dict from name to a tuple of deltas, got "
@@ -242,8 +258,13 @@ class Substitute(Handler):
     collection: str
     per_call: bool = eqx.field(static=True)
 
-    def __init__(self, values: Mapping[str, Any], *, collection: str = "intermediates",
-                 per_call: bool = False):
+    def __init__(
+        self,
+        values: Mapping[str, Any],
+        *,
+        collection: str = "intermediates",
+        per_call: bool = False,
+    ):
         if not isinstance(values, Mapping):
             raise TypeError(
                 f"Substitute: values must be a dict from name to value, got "
@@ -288,7 +309,9 @@ class Intervene(Handler):
     fns: Any = eqx.field(static=True)
     collection: str
 
-    def __init__(self, fns: Mapping[str, Callable], *, collection: str = "intermediates"):
+    def __init__(
+        self, fns: Mapping[str, Callable], *, collection: str = "intermediates"
+    ):
         if not isinstance(fns, Mapping) or not all(callable(f) for f in fns.values()):
             raise TypeError("Intervene: fns must be a dict from name to a function.")
         self.fns = _FrozenDict(fns)

@@ -170,7 +170,7 @@ def tag(value, name: str, *, collection: str = "intermediates"):
     def f(x):
         h = fx.tag(jnp.sin(x), "h")
         return 2 * h
-    out, found = fx.handle(f, fx.Tag())(1.0)   # found["intermediates"]["h"] == (sin(1.),)
+    out, found = fx.handle(f, fx.Tag())(1.0)  # found["intermediates"]["h"]: (sin(1.),)
     ```
     """
     return _bind_site("tag", value, name, collection, "tag")

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _compat
-from ._handlers import Handler, Reduce
+from ._handlers import Handler
 from ._primitives import handling, site_effect, site_p
 from ._scope import Key, Scope, SiteCall, zeros
 from ._site import Site, describe
@@ -172,19 +172,25 @@ class Plan:
             leaves += jax.tree.leaves(scope.accs[key])
         return leaves
 
-    def forbid(self, what: str, *, appends: bool, inputs: bool, strict: bool,
-               scope: Scope) -> None:
+    def forbid(
+        self, what: str, *, appends: bool, inputs: bool, strict: bool, scope: Scope
+    ) -> None:
         for key in self.entries:
             mode = scope.handlers[key[0]].output_mode()
             if strict and mode == "strict":
-                raise ValueError(_STRICT_IN_LOOP.format(where=self.sites[key].where(), what=what))
+                raise ValueError(
+                    _STRICT_IN_LOOP.format(where=self.sites[key].where(), what=what)
+                )
             if appends:
                 raise ValueError(_APPEND_IN_WHILE.format(where=self.sites[key].where()))
         if inputs:
             for key in self.inputs:
-                raise ValueError(_INPUT_IN_WHILE.format(
-                    where=self.sites[key].where(),
-                    handler=type(scope.handlers[key[0]]).__name__))
+                raise ValueError(
+                    _INPUT_IN_WHILE.format(
+                        where=self.sites[key].where(),
+                        handler=type(scope.handlers[key[0]]).__name__,
+                    )
+                )
 
 
 _STRICT_IN_LOOP = (
@@ -204,7 +210,9 @@ _INPUT_IN_WHILE = (
 
 
 def _acc_avals_of(scope: Scope, key: Key):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), scope.accs[key])
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), scope.accs[key]
+    )
 
 
 def discover(jaxpr, consts, in_avals, scope: Scope) -> Plan:
@@ -219,7 +227,8 @@ def discover(jaxpr, consts, in_avals, scope: Scope) -> Plan:
         accs=dict(sub.acc_inits),
         acc_avals={k: _acc_avals_of(sub, k) for k in sub.acc_inits},
         entries={
-            k: [(jax.tree.map(_sds, v), nb) for v, nb in vs] for k, vs in sub.entries.items()
+            k: [(jax.tree.map(_sds, v), nb) for v, nb in vs]
+            for k, vs in sub.entries.items()
         },
         inputs=dict(sub.input_avals),
         sites=dict(sub.sites),
@@ -247,8 +256,17 @@ def _unflat(avals_trees, leaves) -> list[Any]:
     return out
 
 
-def trace_region(jaxpr, consts, in_avals, scope: Scope, plan: Plan, *,
-                 input_avals: list[Any] | None = None, input_in=None, entry_out=None):
+def trace_region(
+    jaxpr,
+    consts,
+    in_avals,
+    scope: Scope,
+    plan: Plan,
+    *,
+    input_avals: list[Any] | None = None,
+    input_in=None,
+    entry_out=None,
+):
     """Traces the region with the plan's state threaded through it:
     `(*args, *accs, *inputs) -> (*outs, *accs, *entries)`. Entries a run does not
     emit (a branch that did not tag a name) are filled with zeros. Returns the
@@ -317,7 +335,9 @@ def _emit_entries(plan: Plan, scope: Scope, leaves, unstack=None) -> None:
 
 
 def _set_accs(plan: Plan, scope: Scope, leaves) -> None:
-    for key, value in zip(plan.acc_avals, _unflat(list(plan.acc_avals.values()), list(leaves))):
+    for key, value in zip(
+        plan.acc_avals, _unflat(list(plan.acc_avals.values()), list(leaves))
+    ):
         scope.accs[key] = value
 
 
@@ -380,17 +400,23 @@ def _rebuild_jit(params, body, n_hoisted, n_extra_in, n_extra_out):
 
 
 rules[_compat.pjit_p] = lambda eqn, invals, scope: _call_rule(
-    eqn, invals, scope,
+    eqn,
+    invals,
+    scope,
     get_body=lambda p: (p["jaxpr"].jaxpr, p["jaxpr"].consts),
     rebuild=_rebuild_jit,
 )
 rules[_compat.closed_call_p] = lambda eqn, invals, scope: _call_rule(
-    eqn, invals, scope,
+    eqn,
+    invals,
+    scope,
     get_body=lambda p: (p["call_jaxpr"].jaxpr, p["call_jaxpr"].consts),
     rebuild=lambda p, body, *_: dict(call_jaxpr=_compat.ClosedJaxpr(body, ())),
 )
 rules[_compat.remat_p] = lambda eqn, invals, scope: _call_rule(
-    eqn, invals, scope,
+    eqn,
+    invals,
+    scope,
     get_body=lambda p: (p["jaxpr"], ()),
     rebuild=lambda p, body, *_: dict(jaxpr=body),
 )
@@ -436,11 +462,22 @@ def _scan_rule(eqn, invals, scope: Scope) -> list[Any]:
     iv = list(body.invars)
     c_end = n_h + n_consts + n_carry
     x_end = c_end + n_xs
-    invars = iv[:c_end] + iv[x_end : x_end + n_acc] + iv[c_end:x_end] + iv[x_end + n_acc :]
+    invars = (
+        iv[:c_end] + iv[x_end : x_end + n_acc] + iv[c_end:x_end] + iv[x_end + n_acc :]
+    )
     ov = list(body.outvars)
-    outvars = ov[:n_carry] + ov[n_carry + n_ys : n_carry + n_ys + n_acc] + ov[n_carry : n_carry + n_ys] + ov[n_carry + n_ys + n_acc :]
+    outvars = (
+        ov[:n_carry]
+        + ov[n_carry + n_ys : n_carry + n_ys + n_acc]
+        + ov[n_carry : n_carry + n_ys]
+        + ov[n_carry + n_ys + n_acc :]
+    )
     body = body.replace(invars=invars, outvars=outvars)
-    consts, carry, xs = invals[:n_consts], invals[n_consts : n_consts + n_carry], invals[n_consts + n_carry :]
+    consts, carry, xs = (
+        invals[:n_consts],
+        invals[n_consts : n_consts + n_carry],
+        invals[n_consts + n_carry :],
+    )
     params = dict(
         jaxpr=_compat.ClosedJaxpr(body, ()),
         num_consts=n_h + n_consts,
@@ -465,7 +502,11 @@ def _while_rule(eqn, invals, scope: Scope) -> list[Any]:
     p = eqn.params
     cond_closed, body_closed = p["cond_jaxpr"], p["body_jaxpr"]
     n_cc, n_bc = p["cond_nconsts"], p["body_nconsts"]
-    cond_consts, body_consts, carry = invals[:n_cc], invals[n_cc : n_cc + n_bc], invals[n_cc + n_bc :]
+    cond_consts, body_consts, carry = (
+        invals[:n_cc],
+        invals[n_cc : n_cc + n_bc],
+        invals[n_cc + n_bc :],
+    )
     matched = _matched(scope.handlers, sites_in(cond_closed.jaxpr))
     if matched:
         kind, collection, name = matched[0]
@@ -528,7 +569,11 @@ def _merge_plans(plans: list[Plan], scope: Scope) -> Plan:
 
 def _spec_key(spec):
     avals, nbatch = spec
-    return (jax.tree.structure(avals), tuple((a.shape, a.dtype) for a in jax.tree.leaves(avals)), nbatch)
+    return (
+        jax.tree.structure(avals),
+        tuple((a.shape, a.dtype) for a in jax.tree.leaves(avals)),
+        nbatch,
+    )
 
 
 def _cond_rule(eqn, invals, scope: Scope) -> list[Any]:
@@ -563,7 +608,9 @@ def _cond_rule(eqn, invals, scope: Scope) -> list[Any]:
         )
         new_branches.append(_compat.ClosedJaxpr(body, ()))
     n_out = len(eqn.outvars)
-    outs = _bind(eqn, [index, *all_hoisted, *ops, *acc_in, *inputs], branches=tuple(new_branches))
+    outs = _bind(
+        eqn, [index, *all_hoisted, *ops, *acc_in, *inputs], branches=tuple(new_branches)
+    )
     n_acc = len(acc_in)
     _set_accs(plan, scope, outs[n_out : n_out + n_acc])
     _emit_entries(plan, scope, outs[n_out + n_acc :])
@@ -593,7 +640,9 @@ def _custom_rule(eqn, invals, scope: Scope) -> list[Any]:
             if h.matches(probe) and not h.reports:
                 raise ValueError(
                     _VALUE_IN_CUSTOM.format(
-                        where=probe.where(), prim=eqn.primitive.name, handler=type(h).__name__
+                        where=probe.where(),
+                        prim=eqn.primitive.name,
+                        handler=type(h).__name__,
                     )
                 )
     # The equation keeps its custom rule: re-bind it with its sites re-bound
@@ -658,9 +707,16 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
     inputs = _take_inputs(plan, scope, stack=(stacked, lambda v, nb: v))
     if scope.discovering:
         return _discovered(
-            eqn, invals, scope, plan,
-            lambda avals, nb: jax.tree.map(lambda a: jax.ShapeDtypeStruct(
-                a.shape[:nb] + (n_shards,) + a.shape[nb:], a.dtype), avals),
+            eqn,
+            invals,
+            scope,
+            plan,
+            lambda avals, nb: jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(
+                    a.shape[:nb] + (n_shards,) + a.shape[nb:], a.dtype
+                ),
+                avals,
+            ),
         )
     in_input_avals = [
         _compat.shard_aval(p, spec, _compat.ShapedArray((n_shards,) + a.shape, a.dtype))
@@ -670,15 +726,23 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
     ]
     with _compat.shard_map_body(p):
         new_body, hoisted = trace_region(
-            body, (), in_avals, scope, plan,
-            input_avals=in_input_avals, input_in=lambda x: x[0], entry_out=entry_out,
+            body,
+            (),
+            in_avals,
+            scope,
+            plan,
+            input_avals=in_input_avals,
+            input_in=lambda x: x[0],
+            entry_out=entry_out,
         )
     n_out = len(eqn.outvars)
     n_entry = len(new_body.outvars) - n_out
     replicated = jax.sharding.PartitionSpec()
     params = dict(
         jaxpr=new_body,
-        in_specs=(replicated,) * len(hoisted) + tuple(p["in_specs"]) + (spec,) * len(inputs),
+        in_specs=(replicated,) * len(hoisted)
+        + tuple(p["in_specs"])
+        + (spec,) * len(inputs),
         out_specs=tuple(p["out_specs"]) + (spec,) * n_entry,
     )
     outs = _bind(eqn, [*hoisted, *invals, *inputs], **params)

@@ -34,13 +34,21 @@ def zeros(avals):
 
 
 class Scope:
-    def __init__(self, handlers: tuple[Handler, ...], *, accs=None, inputs=None,
-                 discovering: bool = False):
+    def __init__(
+        self,
+        handlers: tuple[Handler, ...],
+        *,
+        accs=None,
+        inputs=None,
+        discovering: bool = False,
+    ):
         self.handlers = handlers
         self.discovering = discovering
         self.entries: dict[Key, list[tuple[Any, int]]] = {}
         self.accs: dict[Key, Any] = dict(accs or {})
-        self.inputs: dict[Key, list[Any]] = {k: list(v) for k, v in (inputs or {}).items()}
+        self.inputs: dict[Key, list[Any]] = {
+            k: list(v) for k, v in (inputs or {}).items()
+        }
         # Filled while discovering, for the rule that threads this region.
         self.acc_inits: dict[Key, Any] = {}
         self.input_avals: dict[Key, list[tuple[Any, int]]] = {}
@@ -76,15 +84,18 @@ class Scope:
         if before != after:
             raise ValueError(
                 _ACC_CHANGED.format(
-                    where=self.where(key), before=describe(before), after=describe(after)
+                    where=self.where(key),
+                    before=describe(before),
+                    after=describe(after),
                 )
             )
         self.accs[key] = new
 
     # Per-execution inputs ---------------------------------------------------
 
-    def take_inputs(self, key: Key, expected: list[tuple[Any, int]], site: Site,
-                    placeholders=None):
+    def take_inputs(
+        self, key: Key, expected: list[tuple[Any, int]], site: Site, placeholders=None
+    ):
         """Takes one input entry per `(avals, nbatch)` in `expected`: for one
         execution of a site, or for all executions in a region inside this one."""
         self.sites.setdefault(key, site)

@@ -22,7 +22,9 @@ def shape_dtype(x) -> jax.ShapeDtypeStruct:
 
 
 def describe(tree) -> str:
-    return str(jax.tree.map(lambda a: f"{jnp.dtype(a.dtype).name}{list(a.shape)}", tree))
+    return str(
+        jax.tree.map(lambda a: f"{jnp.dtype(a.dtype).name}{list(a.shape)}", tree)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +80,9 @@ class Site:
                 for i, (a, size) in enumerate(entries):
                     if a is None:
                         x = jnp.expand_dims(x, i)
-                        x = jnp.broadcast_to(x, x.shape[:i] + (size,) + x.shape[i + 1 :])
+                        x = jnp.broadcast_to(
+                            x, x.shape[:i] + (size,) + x.shape[i + 1 :]
+                        )
             out.append(x)
         return jax.tree.unflatten(self.treedef, out)
 
