@@ -185,8 +185,11 @@ class _Handled:
         self.fn = fn
         self.handlers = handlers
         self._compiled: dict[Any, Callable] = {}
+        # `updated=()`: copying `fn.__dict__` would copy a nested wrapper's state.
         functools.update_wrapper(
-            self, fn if not isinstance(fn, eqx.Module) else type(fn).__call__
+            self,
+            fn if not isinstance(fn, eqx.Module) else type(fn).__call__,
+            updated=(),
         )
 
     def __call__(self, *args, **kwargs):
@@ -235,7 +238,37 @@ class _Handled:
         return compiled(h_dyn, traced.consts, dynamic)
 
 
-_wrappers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+class _Memo:
+    """The wrappers made for one function, kept in the function's own `__dict__`:
+    they live exactly as long as the function (a cycle the garbage collector
+    frees), so `jax.jit(fx.handle(f, fx.Tag()))` written inline reuses one
+    wrapper and its caches, and nothing keeps a closure over tracers alive."""
+
+    def __init__(self, owner):
+        self.owner = id(owner)
+        self.wrappers: dict[tuple[Handler, ...], _Handled] = {}
+
+
+_MEMO = "_effects_handled"
+
+
+def _memoized(fn, handlers) -> _Handled:
+    try:
+        hash(handlers)
+        namespace = vars(fn)
+    except TypeError:  # unhashable handlers, or no `__dict__`
+        return _Handled(fn, handlers)
+    if isinstance(fn, eqx.Module):  # its fields are its state: leave them alone
+        return _Handled(fn, handlers)
+    memo = namespace.get(_MEMO)
+    # `functools.wraps` copies `__dict__` entries, so a wrapper of `fn` (say
+    # `jax.vmap(fn)`) can hold `fn`'s memo: it needs its own.
+    if not isinstance(memo, _Memo) or memo.owner != id(fn):
+        memo = namespace[_MEMO] = _Memo(fn)
+    wrapper = memo.wrappers.get(handlers)
+    if wrapper is None:
+        wrapper = memo.wrappers[handlers] = _Handled(fn, handlers)
+    return wrapper
 
 
 def handle(fn: Callable, *handlers: Handler) -> Callable:
@@ -267,15 +300,7 @@ def handle(fn: Callable, *handlers: Handler) -> Callable:
     for h in handlers:
         if not isinstance(h, Handler):
             raise TypeError(_NOT_HANDLER.format(h=h))
-    try:
-        per_fn = _wrappers.setdefault(fn, {})
-        hash(handlers)
-    except TypeError:
-        return _Handled(fn, handlers)
-    wrapper = per_fn.get(handlers)
-    if wrapper is None:
-        wrapper = per_fn[handlers] = _Handled(fn, handlers)
-    return wrapper
+    return _memoized(fn, handlers)
 
 
 def intermediate_grads(fn: Callable, *, collection: str = "perturbations") -> Callable:

@@ -217,22 +217,28 @@ def _acc_avals_of(scope: Scope, key: Key):
 
 def discover(jaxpr, consts, in_avals, scope: Scope) -> Plan:
     """Traces `jaxpr` once, abstractly, to learn what the handlers emit in it."""
-    sub = Scope(scope.handlers, discovering=True)
+    plans = []
 
     def fn(*args):
-        return run(jaxpr, consts, args, sub)
+        sub = Scope(scope.handlers, discovering=True)
+        outs = run(jaxpr, consts, args, sub)
+        # Only types leave the trace: nothing may keep its tracers alive.
+        plans.append(
+            Plan(
+                accs=dict(sub.acc_inits),
+                acc_avals={k: _acc_avals_of(sub, k) for k in sub.acc_inits},
+                entries={
+                    k: [(jax.tree.map(_sds, v), nb) for v, nb in vs]
+                    for k, vs in sub.entries.items()
+                },
+                inputs=dict(sub.input_avals),
+                sites=dict(sub.sites),
+            )
+        )
+        return outs
 
     _compat.trace(fn, in_avals)
-    return Plan(
-        accs=dict(sub.acc_inits),
-        acc_avals={k: _acc_avals_of(sub, k) for k in sub.acc_inits},
-        entries={
-            k: [(jax.tree.map(_sds, v), nb) for v, nb in vs]
-            for k, vs in sub.entries.items()
-        },
-        inputs=dict(sub.input_avals),
-        sites=dict(sub.sites),
-    )
+    return plans[0]
 
 
 def _sds(x):

@@ -1,0 +1,999 @@
+"""`handle`: the `found` structure, composition, every transformation on either
+side, arguments, caching, bad input, the cost of the handled program, and Flax."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_trees_close, mlp_params, optimized_hlo
+
+import effects as fx
+
+X = jnp.array([0.3, -1.2, 2.0])
+XB = jnp.stack([X, 0.5 * X + 1.0])  # a batch of two, for an outer vmap
+T = jnp.array([1.0, 2.0, -0.5])  # a tangent
+
+
+def _sin_sq(x):
+    h = fx.tag(jnp.sin(x), "h")
+    fx.tag(x * 3.0, "d")  # discarded
+    return jnp.sum(h**2)
+
+
+def _sin_sq_found(x):
+    return {"intermediates": {"h": (jnp.sin(x),), "d": (x * 3.0,)}}
+
+
+def _filled(shapes, seed=0):
+    """Deterministic values in place of every `ShapeDtypeStruct` (random
+    initialisers would compile their kernels, which is slow)."""
+    count = [seed]
+
+    def fill(s):
+        if not isinstance(s, jax.ShapeDtypeStruct):
+            return s
+        count[0] += 1
+        values = np.sin(np.arange(int(np.prod(s.shape))) * 0.37 + count[0])
+        return jnp.asarray(values.reshape(s.shape).astype(s.dtype))
+
+    return jax.tree.map(
+        fill, shapes, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)
+    )
+
+
+_KEY = jax.ShapeDtypeStruct((2,), jnp.uint32)
+
+
+def _merge_found(*founds):
+    out: dict = {}
+    for found in founds:
+        for collection, values in found.items():
+            out.setdefault(collection, {}).update(values)
+    return out
+
+
+#
+# The structure of `found`
+#
+
+
+def _three_tags(x):
+    a = fx.tag(x + 1.0, "layer1")
+    b = fx.tag(jnp.sin(a), "layer2")
+    c = fx.tag(b * 2.0, "aux", collection="aux")
+    p = fx.perturb(c, "p")
+    q = fx.perturb(p, "q", collection="intermediates")  # a perturb site, not a tag
+    return jnp.sum(q**2)
+
+
+def _three_tags_values(x):
+    a = x + 1.0
+    b = jnp.sin(a)
+    c = b * 2.0
+    return a, b, c
+
+
+@pytest.mark.parametrize(
+    "handlers, expected",
+    [
+        pytest.param((), lambda a, b, c: {}, id="no-handler"),
+        pytest.param(
+            (fx.Tag(),),
+            lambda a, b, c: {"intermediates": {"layer1": (a,), "layer2": (b,)}},
+            id="tag",
+        ),
+        pytest.param(
+            (fx.Tag(names="nothing*"),),
+            lambda a, b, c: {"intermediates": {}},
+            id="matched-nothing",
+        ),
+        pytest.param(
+            (fx.Tag("absent"),),
+            lambda a, b, c: {"absent": {}},
+            id="absent-collection",
+        ),
+        pytest.param(
+            (fx.Tag("aux"),), lambda a, b, c: {"aux": {"aux": (c,)}}, id="collection"
+        ),
+        pytest.param(
+            (fx.Tag(names="*2"),),
+            lambda a, b, c: {"intermediates": {"layer2": (b,)}},
+            id="glob",
+        ),
+        pytest.param(
+            (fx.Tag(names=["x*", "layer1"]),),
+            lambda a, b, c: {"intermediates": {"layer1": (a,)}},
+            id="glob-list",
+        ),
+        pytest.param(
+            (fx.Tag(names=lambda n: n.endswith("1")),),
+            lambda a, b, c: {"intermediates": {"layer1": (a,)}},
+            id="predicate",
+        ),
+        pytest.param(
+            (fx.Tag(mode="strict"),),
+            lambda a, b, c: {"intermediates": {"layer1": a, "layer2": b}},
+            id="strict-is-bare",
+        ),
+        pytest.param(
+            (fx.Tag(mode="last"),),
+            lambda a, b, c: {"intermediates": {"layer1": a, "layer2": b}},
+            id="last",
+        ),
+        pytest.param(
+            (fx.Tag(mode="sum"),),
+            lambda a, b, c: {"intermediates": {"layer1": a, "layer2": b}},
+            id="sum",
+        ),
+        pytest.param(
+            (fx.Tag(), fx.Tag("aux")),
+            lambda a, b, c: {
+                "intermediates": {"layer1": (a,), "layer2": (b,)},
+                "aux": {"aux": (c,)},
+            },
+            id="two-collections",
+        ),
+        pytest.param(
+            (fx.Substitute({"layer1": jnp.zeros(3)}),),
+            lambda a, b, c: {},
+            id="substitute",
+        ),
+        pytest.param(
+            (fx.Perturb(),),
+            lambda a, b, c: {"perturbations": {"p": (jnp.zeros(3),)}},
+            id="perturb",
+        ),
+        pytest.param(
+            (fx.Perturb(collection="intermediates"),),
+            lambda a, b, c: {"intermediates": {"q": (jnp.zeros(3),)}},
+            id="perturb-kind-is-separate",
+        ),
+        pytest.param(
+            (fx.Perturb({"p": (jnp.zeros(3),)}),),
+            lambda a, b, c: {},
+            id="perturb-deltas",
+        ),
+    ],
+)
+def test_found_structure(handlers, expected):
+    out, found = fx.handle(_three_tags, *handlers)(X)
+    a, b, c = _three_tags_values(X)
+    if any(isinstance(h, fx.Substitute) for h in handlers):
+        c = jnp.sin(jnp.zeros(3)) * 2.0
+    assert_trees_close(out, jnp.sum(c**2))
+    assert_trees_close(found, expected(a, b, c))
+
+
+def test_found_is_a_plain_dict_of_dicts_of_tuples():
+    _, found = fx.handle(_sin_sq, fx.Tag())(X)
+    assert type(found) is dict
+    assert type(found["intermediates"]) is dict
+    assert type(found["intermediates"]["h"]) is tuple
+    assert len(found["intermediates"]["h"]) == 1
+
+
+def _two_collections(x):
+    a = fx.tag(jnp.sin(x), "a")
+    b = fx.tag(a * 2.0, "b", collection="aux")
+    h = fx.tag(b + 1.0, "h")
+    p = fx.perturb(h, "p")
+    return jnp.sum(jnp.cos(p))
+
+
+def _two_collections_ref(x, h=None, scale=1.0):
+    a = jnp.sin(x)
+    b = a * 2.0
+    if h is None:
+        h = b + 1.0
+    h = scale * h
+    return a, b, h, jnp.sum(jnp.cos(h))
+
+
+V = jnp.array([5.0, 6.0, 7.0])
+
+
+@pytest.mark.parametrize(
+    "a_handler, b_handler, expected",
+    [
+        pytest.param(
+            fx.Tag(names="a"),
+            fx.Tag(names="h"),
+            lambda a, b, h: (
+                {"intermediates": {"a": (a,)}},
+                {"intermediates": {"h": (h,)}},
+            ),
+            id="tag-tag-names",
+        ),
+        pytest.param(
+            fx.Tag(),
+            fx.Tag("aux"),
+            lambda a, b, h: (
+                {"intermediates": {"a": (a,), "h": (h,)}},
+                {"aux": {"b": (b,)}},
+            ),
+            id="tag-other-collection",
+        ),
+        pytest.param(
+            fx.Tag(),
+            fx.Tag(),
+            lambda a, b, h: (
+                {"intermediates": {"a": (a,), "h": (h,)}},
+                {"intermediates": {}},
+            ),
+            id="first-consumes",
+        ),
+        pytest.param(
+            fx.Substitute({"h": V}),
+            fx.Tag(),
+            lambda a, b, h: ({}, {"intermediates": {"a": (a,), "h": (V,)}}),
+            id="substitute-then-tag",
+        ),
+        pytest.param(
+            fx.Intervene({"h": lambda v: 2.0 * v}),
+            fx.Tag(names="h"),
+            lambda a, b, h: ({}, {"intermediates": {"h": (h,)}}),
+            id="intervene-then-tag",
+        ),
+        pytest.param(
+            fx.Perturb(),
+            fx.Tag("aux"),
+            lambda a, b, h: (
+                {"perturbations": {"p": (jnp.zeros(3),)}},
+                {"aux": {"b": (b,)}},
+            ),
+            id="perturb-then-tag",
+        ),
+    ],
+)
+def test_two_handlers_equal_nested_handles(a_handler, b_handler, expected):
+    substitute = isinstance(a_handler, fx.Substitute)
+    scale = 2.0 if isinstance(a_handler, fx.Intervene) else 1.0
+    a, b, h, out = _two_collections_ref(X, V if substitute else None, scale)
+    found_a, found_b = expected(a, b, h)
+
+    (inner_out, inner_found), outer_found = fx.handle(
+        fx.handle(_two_collections, a_handler), b_handler
+    )(X)
+    assert_trees_close(inner_out, out)
+    assert_trees_close(inner_found, found_a)
+    assert_trees_close(outer_found, found_b)
+
+    merged_out, merged = fx.handle(_two_collections, a_handler, b_handler)(X)
+    assert_trees_close(merged_out, out)
+    assert_trees_close(merged, _merge_found(found_a, found_b))
+
+
+def test_nested_handle_shape_under_jit_and_grad():
+    inner = fx.handle(_two_collections, fx.Tag("aux"))
+    nested = fx.handle(inner, fx.Tag())
+
+    def loss(x):
+        (out, inner_found), outer_found = nested(x)
+        return out, (inner_found, outer_found)
+
+    a, b, h, expected_out = _two_collections_ref(X)
+    expected = (
+        (expected_out, {"aux": {"b": (b,)}}),
+        {"intermediates": {"a": (a,), "h": (h,)}},
+    )
+    assert_trees_close(nested(X), expected)
+    assert_trees_close(jax.jit(nested)(X), expected)
+    g, (inner_found, outer_found) = jax.grad(loss, has_aux=True)(X)
+    assert_trees_close(g, jax.grad(lambda x: _two_collections_ref(x)[3])(X))
+    assert_trees_close(inner_found, {"aux": {"b": (b,)}})
+    assert_trees_close(outer_found, {"intermediates": {"a": (a,), "h": (h,)}})
+
+
+#
+# handle inside and outside every transformation
+#
+
+# Transformations applied to the function before `handle`, and what the handled
+# result is, written by hand: (out, found) for an input of shape (3,).
+INNER = {
+    "none": (lambda f: f, lambda x: jnp.sum(jnp.sin(x) ** 2)),
+    "jit": (jax.jit, lambda x: jnp.sum(jnp.sin(x) ** 2)),
+    "checkpoint": (jax.checkpoint, lambda x: jnp.sum(jnp.sin(x) ** 2)),
+    "vmap": (jax.vmap, lambda x: jnp.sin(x) ** 2),
+    "grad": (jax.grad, lambda x: 2 * jnp.sin(x) * jnp.cos(x)),
+    "value_and_grad": (
+        jax.value_and_grad,
+        lambda x: (jnp.sum(jnp.sin(x) ** 2), 2 * jnp.sin(x) * jnp.cos(x)),
+    ),
+    "jvp": (
+        lambda f: lambda x: jax.jvp(f, (x,), (jnp.ones_like(x),)),
+        lambda x: (jnp.sum(jnp.sin(x) ** 2), jnp.sum(2 * jnp.sin(x) * jnp.cos(x))),
+    ),
+    "vjp": (
+        lambda f: lambda x: jax.vjp(f, x)[1](jnp.float32(1.5))[0],
+        lambda x: 3.0 * jnp.sin(x) * jnp.cos(x),
+    ),
+    "grad-checkpoint": (
+        lambda f: jax.grad(jax.checkpoint(f)),
+        lambda x: 2 * jnp.sin(x) * jnp.cos(x),
+    ),
+}
+
+
+def _scalar(result):
+    out, found = result
+    return sum(jnp.sum(leaf) for leaf in jax.tree.leaves(out)), found
+
+
+def _ones_like(tree):
+    return jax.tree.map(jnp.ones_like, tree)
+
+
+# Transformations applied to a function returning (out, found), the same way
+# to the handled function and to its hand-written reference.
+OUTER = {
+    "none": lambda g: g(X),
+    "jit": lambda g: jax.jit(g)(X),
+    "vmap": lambda g: jax.vmap(g)(XB),
+    "grad": lambda g: jax.grad(lambda x: _scalar(g(x)), has_aux=True)(X),
+    "value_and_grad": lambda g: jax.value_and_grad(
+        lambda x: _scalar(g(x)), has_aux=True
+    )(X),
+    "jvp": lambda g: jax.jvp(g, (X,), (T,)),
+    "vjp": lambda g: (lambda out, pb: (out, pb(_ones_like(out))))(*jax.vjp(g, X)),
+    "checkpoint": lambda g: jax.checkpoint(g)(X),
+}
+
+
+@pytest.mark.parametrize("inner", list(INNER), ids=str)
+@pytest.mark.parametrize("outer", list(OUTER), ids=str)
+def test_handle_between_transformations(outer, inner):
+    # outer(handle(inner(f))), all inside one jit to compile once.
+    transform, reference = INNER[inner]
+    handled = fx.handle(transform(_sin_sq), fx.Tag())
+
+    def ref(x):
+        return reference(x), _sin_sq_found(x)
+
+    got, want = jax.jit(lambda: (OUTER[outer](handled), OUTER[outer](ref)))()
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("outer", ["none", "vmap", "grad"])
+def test_handle_under_eager_transformations(outer):
+    handled = fx.handle(_sin_sq, fx.Tag())
+
+    def ref(x):
+        return jnp.sum(jnp.sin(x) ** 2), _sin_sq_found(x)
+
+    assert_trees_close(OUTER[outer](handled), OUTER[outer](ref), rtol=1e-5, atol=1e-5)
+
+
+S = jnp.float32(1.3)
+SB = jnp.array([1.3, -0.7, 2.0])
+
+# Transformations of a function of a scalar `s` returning (out, found).
+OUTER_S = {
+    "none": lambda g: g(S),
+    "jit": lambda g: jax.jit(g)(S),
+    "vmap": lambda g: jax.vmap(g)(SB),
+    "grad": lambda g: jax.grad(lambda s: _scalar(g(s)), has_aux=True)(S),
+    "value_and_grad": lambda g: jax.value_and_grad(
+        lambda s: _scalar(g(s)), has_aux=True
+    )(S),
+    "jvp": lambda g: jax.jvp(g, (S,), (jnp.float32(0.7),)),
+    "vjp": lambda g: (lambda out, pb: (out, pb(_ones_like(out))))(*jax.vjp(g, S)),
+    "checkpoint": lambda g: jax.checkpoint(g)(S),
+    "vmap-grad": lambda g: jax.vmap(jax.grad(lambda s: _scalar(g(s)), has_aux=True))(
+        SB
+    ),
+}
+
+
+@pytest.mark.parametrize("outer", list(OUTER_S), ids=str)
+def test_handle_of_a_closure_over_outer_tracers(outer):
+    def handled(s):
+        def f(x):
+            h = fx.tag(x * s, "h")
+            fx.tag(jnp.sin(s), "only_s")  # discarded, depends on the closure only
+            j = jax.jit(lambda y: fx.tag(y * s, "j"))(h)  # inner jit closing over s
+            return jnp.sum(j**2)
+
+        return fx.handle(f, fx.Tag())(X)
+
+    def ref(s):
+        h = X * s
+        j = h * s
+        found = {"h": (h,), "only_s": (jnp.sin(s),), "j": (j,)}
+        return jnp.sum(j**2), {"intermediates": found}
+
+    got, want = jax.jit(lambda: (OUTER_S[outer](handled), OUTER_S[outer](ref)))()
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_grad_of_handle_of_a_closure_example():
+    def loss(s):
+        return fx.handle(lambda x: fx.tag(x * s, "h") ** 2, fx.Tag())(X)[0].sum()
+
+    np.testing.assert_allclose(jax.grad(loss)(S), 2 * S * jnp.sum(X**2), rtol=1e-5)
+    np.testing.assert_allclose(
+        jax.jit(jax.grad(loss))(S), 2 * S * jnp.sum(X**2), rtol=1e-5
+    )
+
+
+def test_handle_of_a_closure_over_a_tracer_with_vmapped_argument():
+    # Both the argument and the closed-over value are tracers of different traces.
+    def outer(s):
+        f = lambda x: jnp.sum(fx.tag(jnp.sin(x) * s, "h"))  # noqa: E731
+        return jax.vmap(fx.handle(f, fx.Tag()))(XB)
+
+    out, found = jax.grad(lambda s: _scalar(outer(s)), has_aux=True)(S)
+    np.testing.assert_allclose(out, jnp.sum(jnp.sin(XB)), rtol=1e-5)
+    assert_trees_close(found, {"intermediates": {"h": (jnp.sin(XB) * S,)}})
+
+
+#
+# Arguments
+#
+
+
+def _dict_fn(params, x):
+    h = fx.tag(jnp.tanh(x @ params["w"] + params["b"]), "h")
+    return jnp.sum(h * params["scale"]["v"])
+
+
+def _dict_params():
+    return {
+        "w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4),
+        "b": jnp.arange(4.0) / 4,
+        "scale": {"v": jnp.array([1.0, -2.0, 0.5, 3.0])},
+    }
+
+
+def test_dict_arguments():
+    params = _dict_params()
+    h = jnp.tanh(X @ params["w"] + params["b"])
+    out, found = fx.handle(_dict_fn, fx.Tag())(params, X)
+    assert_trees_close(out, jnp.sum(h * params["scale"]["v"]))
+    assert_trees_close(found, {"intermediates": {"h": (h,)}})
+
+    def plain(params, x):
+        return jnp.sum(jnp.tanh(x @ params["w"] + params["b"]) * params["scale"]["v"])
+
+    grads = jax.jit(jax.grad(lambda p: fx.handle(_dict_fn, fx.Tag())(p, X)[0]))(params)
+    assert_trees_close(grads, jax.jit(jax.grad(plain))(params, X))
+
+
+def test_keyword_arguments():
+    def f(x, *, y, scale=1.0, name="h"):
+        return jnp.sum(fx.tag(x * y, name) * scale)
+
+    h = fx.handle(f, fx.Tag())
+    out, found = h(X, y=T)
+    assert_trees_close(
+        (out, found), (jnp.sum(X * T), {"intermediates": {"h": (X * T,)}})
+    )
+    out, found = h(x=X, y=T, scale=3.0, name="other")
+    assert_trees_close(
+        (out, found), (3.0 * jnp.sum(X * T), {"intermediates": {"other": (X * T,)}})
+    )
+    out, found = jax.jit(h)(X, y=2.0 * T)
+    assert_trees_close(
+        (out, found), (jnp.sum(2.0 * X * T), {"intermediates": {"h": (2.0 * X * T,)}})
+    )
+
+
+def test_python_scalar_static_arguments_retrace_on_change():
+    traces = []
+
+    def f(x, n, scale):
+        traces.append((n, scale))
+        for i in range(n):
+            x = fx.tag(x * scale, f"s{i}")
+        return jnp.sum(x)
+
+    h = fx.handle(f, fx.Tag())
+    for n, scale in [(2, 2.0), (3, 2.0), (2, 0.5), (2, 2.0), (3, 2.0)]:
+        out, found = h(X, n, scale)
+        expected = {f"s{i}": (X * scale ** (i + 1),) for i in range(n)}
+        assert_trees_close(out, jnp.sum(X * scale**n))
+        assert_trees_close(found, {"intermediates": expected})
+    assert traces == [(2, 2.0), (3, 2.0), (2, 0.5)]
+
+
+@functools.cache
+def _mlp(seed=0):
+    shapes = eqx.filter_eval_shape(
+        lambda k: eqx.nn.MLP(3, 2, 4, 2, activation=jax.nn.tanh, key=k), _KEY
+    )
+    return _filled(shapes, seed)
+
+
+def test_equinox_mlp_as_argument():
+    mlp = _mlp()
+
+    def f(model, x):
+        first = fx.tag(model.activation(model.layers[0](x)), "first")
+        return jnp.sum(fx.tag(model(x), "out") ** 2) + jnp.sum(first)
+
+    @eqx.filter_jit
+    def ref(model, x):
+        first = jnp.tanh(model.layers[0].weight @ x + model.layers[0].bias)
+        return jnp.sum(model(x) ** 2) + jnp.sum(first), {
+            "intermediates": {"first": (first,), "out": (model(x),)}
+        }
+
+    handled = fx.handle(f, fx.Tag())
+    assert_trees_close(handled(mlp, X), ref(mlp, X))
+    other = _mlp(1)
+    assert_trees_close(handled(other, X), ref(other, X))
+    assert_trees_close(eqx.filter_jit(handled)(other, X), ref(other, X))
+
+    grad = eqx.filter_jit(eqx.filter_grad(lambda m: handled(m, X)[0]))(mlp)
+    want = eqx.filter_jit(eqx.filter_grad(lambda m: ref(m, X)[0]))(mlp)
+    assert_trees_close(eqx.filter(grad, eqx.is_array), eqx.filter(want, eqx.is_array))
+
+
+class _Labeled(eqx.Module):
+    mlp: eqx.nn.MLP
+    label: str
+
+    def __call__(self, x, scale=1.0):
+        h = fx.tag(self.mlp(x), self.label)
+        return jnp.sum(h**2) * scale
+
+
+@eqx.filter_jit
+def _labeled_ref(model, x, scale=1.0):
+    h = model.mlp(x)
+    return jnp.sum(h**2) * scale, {"intermediates": {model.label: (h,)}}
+
+
+def test_equinox_module_as_the_handled_function():
+    model = _Labeled(_mlp(), "hidden")
+    assert_trees_close(fx.handle(model, fx.Tag())(X), _labeled_ref(model, X))
+
+    # Its arrays are inputs: another module of the same structure gives its own
+    # values, another label its own name.
+    other = _Labeled(_mlp(1), "hidden")
+    assert_trees_close(fx.handle(other, fx.Tag())(X), _labeled_ref(other, X))
+    renamed = _Labeled(other.mlp, "renamed")
+    assert_trees_close(
+        fx.handle(renamed, fx.Tag())(X, 2.0), _labeled_ref(renamed, X, 2.0)
+    )
+
+    # Differentiable with respect to the module's arrays, jittable with the module
+    # as argument.
+    grads = eqx.filter_jit(eqx.filter_grad(lambda m: fx.handle(m, fx.Tag())(X)[0]))(
+        model
+    )
+    want = eqx.filter_jit(eqx.filter_grad(lambda m: _labeled_ref(m, X)[0]))(model)
+    assert_trees_close(eqx.filter(grads, eqx.is_array), eqx.filter(want, eqx.is_array))
+    jitted = eqx.filter_jit(lambda m, x: fx.handle(m, fx.Tag())(x))
+    assert_trees_close(jitted(other, X), _labeled_ref(other, X))
+    assert_trees_close(jitted(model, X), _labeled_ref(model, X))
+
+
+#
+# Caching: no re-tracing on repeated calls
+#
+
+
+class _CountCompiles:
+    """Counts JAX traces-to-jaxpr and backend compilations while active."""
+
+    def __init__(self):
+        self.traces = 0
+        self.compiles = 0
+
+    def __call__(self, event, duration, **kwargs):
+        if event == "/jax/core/compile/jaxpr_trace_duration":
+            self.traces += 1
+        elif event == "/jax/core/compile/backend_compile_duration":
+            self.compiles += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self)
+
+
+def _counted():
+    calls = []
+
+    def f(x):
+        calls.append(None)
+        h = fx.tag(jnp.sin(x), "h")
+        return jnp.sum(h**2)
+
+    return f, calls
+
+
+def test_eager_calls_trace_once():
+    f, calls = _counted()
+    h = fx.handle(f, fx.Tag())
+    xs = [X, X + 1.0, X * 2.0]
+    results = [h(xs[0])]
+    with _CountCompiles() as counter:
+        results += [h(x) for x in xs[1:]]
+    assert len(calls) == 1
+    assert counter.traces == 0 and counter.compiles == 0
+    for x, result in zip(xs, results):
+        assert_trees_close(
+            result, (jnp.sum(jnp.sin(x) ** 2), {"intermediates": {"h": (jnp.sin(x),)}})
+        )
+
+    # A new shape traces again, and is right.
+    x5 = jnp.linspace(0.0, 1.0, 5)
+    out, found = h(x5)
+    assert len(calls) == 2
+    assert_trees_close(
+        (out, found),
+        (jnp.sum(jnp.sin(x5) ** 2), {"intermediates": {"h": (jnp.sin(x5),)}}),
+    )
+    h(X + 3.0)
+    assert len(calls) == 2
+
+
+def test_handle_returns_the_same_wrapper():
+    f, _ = _counted()
+    assert fx.handle(f, fx.Tag()) is fx.handle(f, fx.Tag())
+    assert fx.handle(f, fx.Tag(names="h")) is fx.handle(f, fx.Tag(names="h"))
+    assert fx.handle(f, fx.Tag()) is not fx.handle(f, fx.Tag(mode="last"))
+
+
+def test_inline_jit_of_handle_traces_once():
+    f, calls = _counted()
+    xs = [X + i for i in range(5)]
+    results = [jax.jit(fx.handle(f, fx.Tag()))(xs[0])]
+    with _CountCompiles() as counter:
+        for x in xs[1:]:
+            results.append(jax.jit(fx.handle(f, fx.Tag()))(x))
+    assert len(calls) == 1
+    assert counter.traces == 0 and counter.compiles == 0
+    for x, result in zip(xs, results):
+        assert_trees_close(
+            result, (jnp.sum(jnp.sin(x) ** 2), {"intermediates": {"h": (jnp.sin(x),)}})
+        )
+
+    x5 = jnp.linspace(0.0, 1.0, 5)
+    result = jax.jit(fx.handle(f, fx.Tag()))(x5)
+    assert len(calls) == 2
+    assert_trees_close(
+        result, (jnp.sum(jnp.sin(x5) ** 2), {"intermediates": {"h": (jnp.sin(x5),)}})
+    )
+
+
+def test_handlers_holding_arrays_do_not_bake_them_in():
+    # Same wrapper shape, new substituted values: each call uses its own.
+    def f(x):
+        return jnp.sum(fx.tag(jnp.sin(x), "h") * x)
+
+    for v in [jnp.zeros(3), jnp.ones(3), T]:
+        out, found = fx.handle(f, fx.Substitute({"h": v}))(X)
+        assert_trees_close((out, found), (jnp.sum(v * X), {}))
+        out, found = jax.jit(lambda v: fx.handle(f, fx.Substitute({"h": v}))(X))(v)
+        assert_trees_close((out, found), (jnp.sum(v * X), {}))
+
+
+#
+# Bad input
+#
+
+
+@pytest.mark.parametrize("fn", [3, "f", jnp.ones(3), None], ids=repr)
+def test_handle_of_a_non_callable_is_a_type_error(fn):
+    with pytest.raises(TypeError, match="callable"):
+        fx.handle(fn, fx.Tag())
+
+
+@pytest.mark.parametrize(
+    "handler", [fx.Tag, "Tag", None, lambda x: x, {"intermediates": None}], ids=repr
+)
+def test_handle_with_a_non_handler_is_a_type_error(handler):
+    with pytest.raises(TypeError, match="handler"):
+        fx.handle(_sin_sq, fx.Tag(), handler)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fx.Tag(names=3),
+        lambda: fx.Tag(names=["h", 3]),
+        lambda: fx.Tag(names={"h"}),
+        lambda: fx.Tag(names=b"h"),
+        lambda: fx.Perturb(names=3),
+    ],
+)
+def test_bad_names_filter_is_a_type_error(make):
+    with pytest.raises(TypeError, match="names"):
+        make()
+
+
+@pytest.mark.parametrize("mode", ["bogus", "APPEND", "max", 3, None], ids=repr)
+def test_unknown_mode_is_a_value_error(mode):
+    with pytest.raises(ValueError, match=re.escape(repr(mode))):
+        fx.Tag(mode=mode)
+
+
+def _tagged_twice(x):
+    a = fx.tag(jnp.sin(x), "h")
+    b = fx.tag(jnp.cos(a), "h")
+    return jnp.sum(b)
+
+
+@jax.jit
+def _clean_reference(x):
+    a = jnp.sin(x)
+    return (
+        (jnp.sum(jnp.cos(a)), {"intermediates": {"h": (a, jnp.cos(a))}}),
+        (jnp.sum(a**2), {"intermediates": {"h": a, "d": x * 3.0}}),
+        (jnp.sum(T**2), {}),
+    )
+
+
+def _assert_clean_afterwards():
+    # The next valid calls work and unhandled functions are effect-free.
+    twice, strict, substituted = _clean_reference(X)
+    assert_trees_close(fx.handle(_tagged_twice, fx.Tag())(X), twice)
+    assert_trees_close(fx.handle(_sin_sq, fx.Tag(mode="strict"))(X), strict)
+    assert_trees_close(fx.handle(_sin_sq, fx.Substitute({"h": T}))(X), substituted)
+    for fn in [_tagged_twice, jax.jit(_tagged_twice), jax.grad(_sin_sq)]:
+        assert jax.make_jaxpr(fn)(X).effects == set()
+    np.testing.assert_allclose(jax.jit(_tagged_twice)(X), twice[0], rtol=1e-6)
+
+
+def _raise_in_trace(x):
+    fx.tag(x, "before")
+    raise RuntimeError("user error while tracing")
+
+
+@pytest.mark.parametrize(
+    "fail, error, match",
+    [
+        pytest.param(
+            lambda: fx.handle(_tagged_twice, fx.Tag(mode="strict"))(X),
+            ValueError,
+            "'h'",
+            id="strict-repeat",
+        ),
+        pytest.param(
+            lambda: jax.jit(fx.handle(jax.jit(_tagged_twice), fx.Tag(mode="strict")))(
+                X
+            ),
+            ValueError,
+            "'h'",
+            id="strict-repeat-in-jit",
+        ),
+        pytest.param(
+            lambda: fx.handle(_sin_sq, fx.Substitute({"nope": T}))(X),
+            ValueError,
+            "'nope'.*'d'.*'h'",
+            id="unknown-substitute-name",
+        ),
+        pytest.param(
+            lambda: fx.handle(_sin_sq, fx.Substitute({"h": jnp.ones(4)}))(X),
+            ValueError,
+            "'h'",
+            id="substitute-wrong-shape",
+        ),
+        pytest.param(
+            lambda: fx.handle(_raise_in_trace, fx.Tag())(X),
+            RuntimeError,
+            "user error",
+            id="user-error-while-tracing",
+        ),
+        pytest.param(
+            lambda: fx.handle(lambda x: fx.tag("text", "bad"), fx.Tag())(X),
+            TypeError,
+            "'bad'",
+            id="bad-tag-while-tracing",
+        ),
+    ],
+)
+def test_a_failed_call_leaves_nothing_behind(fail, error, match):
+    with pytest.raises(error, match=match):
+        fail()
+    _assert_clean_afterwards()
+    # Failing again fails the same way (nothing half-cached).
+    with pytest.raises(error, match=match):
+        fail()
+
+
+#
+# The handled program costs what the hand-written one does
+#
+
+
+def _params(seed, widths):
+    return _filled(jax.eval_shape(lambda k: mlp_params(k, list(widths)), _KEY), seed)
+
+
+def _tagged_mlp(params, x):
+    for i, w in enumerate(params):
+        x = fx.tag(jnp.tanh(x @ w), f"layer{i}")
+    return jnp.sum(x**2)
+
+
+def _hand_mlp(params, x):
+    found = {}
+    for i, w in enumerate(params):
+        x = jnp.tanh(x @ w)
+        found[f"layer{i}"] = (x,)
+    return jnp.sum(x**2), {"intermediates": found}
+
+
+def _layer(w, x, name):
+    return fx.tag(jnp.tanh(x @ w), name)
+
+
+def _tagged_mlp_jit_inside(params, x):
+    for i, w in enumerate(params):
+        x = jax.jit(_layer, static_argnums=2)(w, x, f"layer{i}")
+    return jnp.sum(x**2)
+
+
+def _hand_layer(w, x):
+    return jnp.tanh(x @ w)
+
+
+def _hand_mlp_jit_inside(params, x):
+    found = {}
+    for i, w in enumerate(params):
+        x = jax.jit(_hand_layer)(w, x)
+        found[f"layer{i}"] = (x,)
+    return jnp.sum(x**2), {"intermediates": found}
+
+
+@pytest.mark.parametrize(
+    "tagged, hand",
+    [
+        pytest.param(_tagged_mlp, _hand_mlp, id="mlp"),
+        pytest.param(_tagged_mlp_jit_inside, _hand_mlp_jit_inside, id="jit-inside"),
+    ],
+)
+def test_handled_program_compiles_like_the_hand_written_one(tagged, hand):
+    params = _params(0, (3, 8, 8, 2))
+    x = jnp.ones((5, 3))
+    handled = fx.handle(tagged, fx.Tag())
+    assert_trees_close(handled(params, x), hand(params, x))
+    assert optimized_hlo(handled, params, x) == optimized_hlo(hand, params, x)
+
+
+def test_handled_gradient_compiles_like_the_hand_written_one():
+    params = _params(1, (3, 8, 2))
+    x = jnp.ones((5, 3))
+
+    def handled(params, x):
+        return jax.grad(lambda p: fx.handle(_tagged_mlp, fx.Tag())(p, x), has_aux=True)(
+            params
+        )
+
+    def hand(params, x):
+        return jax.grad(lambda p: _hand_mlp(p, x), has_aux=True)(params)
+
+    assert_trees_close(jax.jit(handled)(params, x), jax.jit(hand)(params, x))
+    assert optimized_hlo(handled, params, x) == optimized_hlo(hand, params, x)
+
+
+#
+# Flax
+#
+
+
+def test_flax_linen_tag_collects_what_sow_does():
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        use_sow: bool
+
+        @nn.compact
+        def __call__(self, x):
+            h = jnp.tanh(nn.Dense(x.shape[-1])(x))
+            if self.use_sow:
+                self.sow("intermediates", "h", h)
+            else:
+                fx.tag(h, "block/h")  # discarded
+            return h
+
+    class Net(nn.Module):
+        use_sow: bool
+
+        @nn.compact
+        def __call__(self, x):
+            block = Block(self.use_sow)
+            h = block(block(x))  # the same block twice: two entries
+            out = nn.Dense(2)(h)
+            if self.use_sow:
+                self.sow("intermediates", "out", out)
+            else:
+                out = fx.tag(out, "out")
+            return jnp.sum(out**2)
+
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    tagged, sown = Net(False), Net(True)
+    variables = _filled(jax.eval_shape(tagged.init, _KEY, x))
+
+    want_out, state = jax.jit(lambda v, x: sown.apply(v, x, mutable="intermediates"))(
+        variables, x
+    )
+    sown_values = state["intermediates"]
+    assert len(sown_values["Block_0"]["h"]) == 2
+    expected = {
+        "intermediates": {
+            "block/h": sown_values["Block_0"]["h"],
+            "out": sown_values["out"],
+        }
+    }
+
+    out, found = fx.handle(tagged.apply, fx.Tag())(variables, x)
+    assert_trees_close((out, found), (want_out, expected))
+    assert_trees_close(
+        jax.jit(fx.handle(tagged.apply, fx.Tag()))(variables, x), (want_out, expected)
+    )
+
+    grads, found = jax.jit(
+        jax.grad(lambda v: fx.handle(tagged.apply, fx.Tag())(v, x), has_aux=True)
+    )(variables)
+    assert_trees_close(found, expected)
+    assert_trees_close(
+        grads, jax.jit(jax.grad(lambda v: tagged.apply(v, x)))(variables)
+    )
+
+
+def test_flax_nnx_module_with_tags():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(3, 4, rngs=rngs)
+            self.l2 = nnx.Linear(4, 2, rngs=rngs)
+
+        def __call__(self, x):
+            h = fx.tag(jnp.tanh(self.l1(x)), "h")
+            return jnp.sum(fx.tag(self.l2(h), "out") ** 2)
+
+    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: Net(nnx.Rngs(0))))
+    model = nnx.merge(graphdef, _filled(shapes))
+    x = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
+
+    @jax.jit
+    def by_hand(weights, x):
+        w1, b1, w2, b2 = weights
+        h = jnp.tanh(x @ w1 + b1)
+        out = h @ w2 + b2
+        return jnp.sum(out**2), {"intermediates": {"h": (h,), "out": (out,)}}
+
+    weights = (
+        model.l1.kernel[...],
+        model.l1.bias[...],
+        model.l2.kernel[...],
+        model.l2.bias[...],
+    )
+    expected = by_hand(weights, x)
+
+    assert_trees_close(fx.handle(lambda x: model(x), fx.Tag())(x), expected)
+
+    graphdef, state = nnx.split(model)
+
+    def pure(state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    assert_trees_close(fx.handle(pure, fx.Tag())(state, x), expected)
+    assert_trees_close(jax.jit(fx.handle(pure, fx.Tag()))(state, x), expected)
+
+    grads, found = jax.jit(
+        jax.grad(lambda s: fx.handle(pure, fx.Tag())(s, x), has_aux=True)
+    )(state)
+    assert_trees_close(found, expected[1])
+    want = jax.jit(jax.grad(lambda w: by_hand(w, x)[0]))(weights)
+    got = (
+        grads["l1"]["kernel"][...],
+        grads["l1"]["bias"][...],
+        grads["l2"]["kernel"][...],
+        grads["l2"]["bias"][...],
+    )
+    assert_trees_close(got, want)
