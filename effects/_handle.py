@@ -3,6 +3,7 @@ handlers, evaluate it on the caller's trace, and cache what can be cached."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import weakref
 from collections.abc import Callable
@@ -244,15 +245,30 @@ class _Memo:
     frees), so `jax.jit(fx.handle(f, fx.Tag()))` written inline reuses one
     wrapper and its caches, and nothing keeps a closure over tracers alive."""
 
+    size = 32  # least recently used wrappers beyond this are dropped
+
     def __init__(self, owner):
         self.owner = id(owner)
-        self.wrappers: dict[tuple[Handler, ...], _Handled] = {}
+        self.wrappers: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, fn, handlers) -> _Handled:
+        wrapper = self.wrappers.pop(handlers, None)
+        if wrapper is None:
+            wrapper = _Handled(fn, handlers)
+        self.wrappers[handlers] = wrapper
+        while len(self.wrappers) > self.size:
+            self.wrappers.popitem(last=False)
+        return wrapper
 
 
 _MEMO = "_effects_handled"
 
 
 def _memoized(fn, handlers) -> _Handled:
+    if not _compat.is_top_level():
+        # Inside a transformation, handlers may close over its tracers, which a
+        # memo would keep alive; and a traced function is traced once anyway.
+        return _Handled(fn, handlers)
     try:
         hash(handlers)
         namespace = vars(fn)
@@ -265,10 +281,7 @@ def _memoized(fn, handlers) -> _Handled:
     # `jax.vmap(fn)`) can hold `fn`'s memo: it needs its own.
     if not isinstance(memo, _Memo) or memo.owner != id(fn):
         memo = namespace[_MEMO] = _Memo(fn)
-    wrapper = memo.wrappers.get(handlers)
-    if wrapper is None:
-        wrapper = memo.wrappers[handlers] = _Handled(fn, handlers)
-    return wrapper
+    return memo.get(fn, handlers)
 
 
 def handle(fn: Callable, *handlers: Handler) -> Callable:

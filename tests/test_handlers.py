@@ -1,0 +1,987 @@
+"""The handlers `Tag`, `Perturb`, `Substitute` and `Intervene` (and
+`intermediate_grads`), each checked against a hand-written reference, alone and
+under `jax.jit`, `jax.vmap` and `jax.grad` with the handler inside and outside.
+
+With tracer-leak checking on, JAX bypasses its compilation caches, so every
+eagerly dispatched operation is compiled anew. To stay fast, constants and simple
+references are NumPy, and JAX references run as one compiled program
+(`evaluate`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_trees_close
+from jax import lax
+
+import effects as fx
+
+sg = lax.stop_gradient
+f32 = np.float32
+
+
+def _rng(seed, shape):
+    return np.random.default_rng(seed).standard_normal(shape).astype(f32)
+
+
+def evaluate(fn, *args):
+    """`fn(*args)` as one compiled program."""
+    return jax.jit(fn)(*args)
+
+
+X = np.array([0.3, -1.2, 2.0], f32)
+XS = np.array([0.5, -1.0, 2.0, 0.25], f32)  # the scan's inputs: 4 iterations
+N = XS.shape[0]
+B = 2  # batch size under vmap
+
+RUNNING_MAX = fx.Reduce(jnp.maximum, lambda z: jnp.full_like(z, -jnp.inf))
+COUNT = fx.Reduce(lambda n, x: n + 1, lambda z: jnp.zeros((), jnp.int32))
+
+#
+# The functions under test and their hand-written references
+#
+
+
+def line(x):
+    """Straight-line code, "a" tagged twice."""
+    a = fx.tag(jnp.sin(x), "a")
+    b = fx.tag(a * 3.0, "b")
+    a = fx.tag(jnp.cos(b), "a")
+    return a + b
+
+
+def line_ref(x):
+    a1 = np.sin(x)
+    b = a1 * f32(3.0)
+    a2 = np.cos(b)
+    return a2 + b, a1, b, a2
+
+
+def make_model(site):
+    """`h` before a scan, `c` in every iteration of it; `site` is `fx.tag` or
+    `fx.perturb`."""
+
+    def model(x):
+        h = site(jnp.sin(x), "h")
+
+        def body(c, xi):
+            c = site(jnp.tanh(c * xi + h), "c")
+            return c, None
+
+        c, _ = lax.scan(body, h, XS)
+        return c * h
+
+    return model
+
+
+model = make_model(fx.tag)
+pmodel = make_model(fx.perturb)
+
+
+def model_ref(x, on_h=lambda h: h, on_c=lambda i, c: c):
+    """The model written out as a Python loop, with `on_h(h)` and
+    `on_c(iteration, c)` applied where the sites are. Returns the output, h and
+    the c of every iteration, stacked."""
+    h = on_h(jnp.sin(x))
+    c, cs = h, []
+    for i in range(N):
+        c = on_c(i, jnp.tanh(c * XS[i] + h))
+        cs.append(c)
+    return c * h, h, jnp.stack(cs)
+
+
+def ploss(x):
+    return jnp.sum(pmodel(x) ** 2)
+
+
+def ploss_ref(x, dh, dc):
+    """`ploss` with explicit additive deltas at h and at c in each iteration."""
+    out, _, _ = model_ref(x, lambda h: h + dh, lambda i, c: c + dc[i])
+    return jnp.sum(out**2)
+
+
+def _through(mod, straight):
+    # Under `handle(jax.grad(f), H)` a handler changes the primal value at the
+    # site; the site's derivative stays the identity (tangents pass through it).
+    if not straight:
+        return mod
+    return lambda *a: a[-1] + sg(mod(*a) - a[-1])
+
+
+ZH = np.zeros(3, f32)
+ZC = np.zeros((N, 3), f32)
+
+#
+# Tag: modes
+#
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("append", lambda a1, b, a2: {"a": (a1, a2), "b": (b,)}),
+        ("last", lambda a1, b, a2: {"a": a2, "b": b}),
+        ("sum", lambda a1, b, a2: {"a": a1 + a2, "b": b}),
+        (RUNNING_MAX, lambda a1, b, a2: {"a": np.maximum(a1, a2), "b": b}),
+        (COUNT, lambda a1, b, a2: {"a": np.int32(2), "b": np.int32(1)}),
+    ],
+    ids=["append", "last", "sum", "running_max", "count"],
+)
+def test_tag_modes_straight_line(mode, expected):
+    out, found = fx.handle(line, fx.Tag(mode=mode))(X)
+    ref_out, a1, b, a2 = line_ref(X)
+    assert_trees_close(out, ref_out)
+    assert_trees_close(found, {"intermediates": expected(a1, b, a2)})
+
+
+def test_tag_strict_single_value():
+    out, found = fx.handle(line, fx.Tag(names="b", mode="strict"))(X)
+    ref_out, _, b, _ = line_ref(X)
+    assert_trees_close(out, ref_out)
+    # strict gives the value itself, not a one-entry tuple
+    assert_trees_close(found, {"intermediates": {"b": b}})
+
+
+@pytest.mark.parametrize(
+    "fn, name", [(line, "a"), (model, "c")], ids=["repeated", "in_scan"]
+)
+def test_tag_strict_repeat_raises(fn, name):
+    with pytest.raises(ValueError, match=f"'{name}'"):
+        fx.handle(fn, fx.Tag(names=name, mode="strict"))(X)
+    # a failed call leaves nothing behind
+    out, found = fx.handle(line, fx.Tag(names="b", mode="strict"))(X)
+    assert_trees_close(found, {"intermediates": {"b": line_ref(X)[2]}})
+
+
+def test_tag_modes_in_scan():
+    _, h, cs = evaluate(model_ref, X)
+    found = {
+        mode: fx.handle(model, fx.Tag(mode=mode))(X)[1]["intermediates"]
+        for mode in ["append", "last", "sum"]
+    }
+    assert_trees_close(found["append"], {"h": (h,), "c": (cs,)})
+    assert_trees_close(found["last"], {"h": h, "c": cs[-1]})
+    assert_trees_close(found["sum"], {"h": h, "c": np.sum(cs, 0)})
+    _, found = fx.handle(model, fx.Tag(mode=RUNNING_MAX))(X)
+    assert_trees_close(found["intermediates"], {"h": h, "c": np.max(cs, 0)})
+    _, found = fx.handle(model, fx.Tag(mode=COUNT))(X)
+    assert_trees_close(found["intermediates"], {"h": np.int32(1), "c": np.int32(N)})
+
+
+@pytest.mark.parametrize(
+    "reduce",
+    [
+        fx.Reduce(lambda acc, x: jnp.concatenate([acc, x]), lambda z: z),
+        fx.Reduce(lambda acc, x: jnp.sum(acc + x), lambda z: z),
+        fx.Reduce(lambda acc, x: (acc + x).astype(jnp.int32), lambda z: z),
+    ],
+    ids=["grows", "shrinks", "dtype"],
+)
+def test_reduce_changing_accumulator_raises(reduce):
+    with pytest.raises(ValueError, match="'b'"):
+        fx.handle(line, fx.Tag(names="b", mode=reduce))(X)
+
+
+@pytest.mark.parametrize("mode", ["bogus", "max", "first", None])
+def test_unknown_mode_raises_at_construction(mode):
+    with pytest.raises(ValueError, match="mode"):
+        fx.Tag(mode=mode)
+
+
+#
+# Tag: names and collections
+#
+
+
+def named(x):
+    h = fx.tag(x + 1.0, "enc/h")
+    g = fx.tag(h * 2.0, "enc/g")
+    d = fx.tag(g - 3.0, "dec/h")
+    return d**2
+
+
+def named_ref(x):
+    h = x + f32(1.0)
+    g = h * f32(2.0)
+    d = g - f32(3.0)
+    return d**2, {"enc/h": h, "enc/g": g, "dec/h": d}
+
+
+@pytest.mark.parametrize(
+    "names, expected",
+    [
+        (None, {"enc/h", "enc/g", "dec/h"}),
+        ("enc/*", {"enc/h", "enc/g"}),
+        ("*/h", {"enc/h", "dec/h"}),
+        ("enc/g", {"enc/g"}),
+        (["dec/*", "enc/g"], {"dec/h", "enc/g"}),
+        (("dec/?",), {"dec/h"}),
+        (lambda n: n.endswith("g"), {"enc/g"}),
+        ("nothing*", set()),
+    ],
+    ids=[
+        "none",
+        "glob",
+        "glob_suffix",
+        "exact",
+        "list",
+        "tuple",
+        "predicate",
+        "none_match",
+    ],
+)
+def test_tag_names_filter(names, expected):
+    out, found = fx.handle(named, fx.Tag(names=names))(X)
+    ref_out, values = named_ref(X)
+    assert_trees_close(out, ref_out)
+    assert_trees_close(
+        found, {"intermediates": {n: (values[n],) for n in sorted(expected)}}
+    )
+
+
+def test_tag_consumes_only_what_it_collects():
+    ref_out, v = named_ref(X)
+    # The first Tag consumes enc/*, the second sees only dec/h: the modes show
+    # which handler collected what.
+    out, found = fx.handle(named, fx.Tag(names="enc/*", mode="last"), fx.Tag())(X)
+    assert_trees_close(out, ref_out)
+    assert_trees_close(
+        found,
+        {
+            "intermediates": {
+                "enc/h": v["enc/h"],
+                "enc/g": v["enc/g"],
+                "dec/h": (v["dec/h"],),
+            }
+        },
+    )
+
+
+def test_nested_handle_outer_tag_sees_what_inner_left():
+    ref_out, v = named_ref(X)
+    inner_handled = fx.handle(named, fx.Tag(names="enc/*"))
+    (out, inner), outer = fx.handle(inner_handled, fx.Tag())(X)
+    assert_trees_close(out, ref_out)
+    assert_trees_close(
+        inner, {"intermediates": {"enc/h": (v["enc/h"],), "enc/g": (v["enc/g"],)}}
+    )
+    assert_trees_close(outer, {"intermediates": {"dec/h": (v["dec/h"],)}})
+
+
+def two_collections(x):
+    s = fx.tag(jnp.sin(x), "s", collection="a")
+    t = fx.tag(s * 2.0, "s", collection="b")  # same name, other collection
+    u = fx.tag(t + 1.0, "u", collection="b")
+    return u * s
+
+
+def two_collections_ref(x):
+    s = np.sin(x)
+    t = s * f32(2.0)
+    u = t + f32(1.0)
+    return u * s, {"a": {"s": (s,)}, "b": {"s": (t,), "u": (u,)}}
+
+
+@pytest.mark.parametrize(
+    "handlers, collections",
+    [
+        ((fx.Tag("a"),), {"a"}),
+        ((fx.Tag("b"),), {"b"}),
+        ((fx.Tag("a"), fx.Tag("b")), {"a", "b"}),
+        ((fx.Tag("b"), fx.Tag("a")), {"a", "b"}),
+    ],
+    ids=["a", "b", "a_then_b", "b_then_a"],
+)
+def test_tag_collections(handlers, collections):
+    out, found = fx.handle(two_collections, *handlers)(X)
+    ref_out, ref_found = two_collections_ref(X)
+    assert_trees_close(out, ref_out)
+    assert_trees_close(found, {c: ref_found[c] for c in sorted(collections)})
+
+
+def test_tag_with_no_matching_collection_reports_empty():
+    out, found = fx.handle(two_collections, fx.Tag())(X)
+    assert_trees_close(out, two_collections_ref(X)[0])
+    assert found == {"intermediates": {}}
+
+
+def test_nested_handle_other_collection_left_for_outer_handler():
+    ref_out, ref_found = two_collections_ref(X)
+    inner_handled = fx.handle(two_collections, fx.Tag("a"))
+    (out, inner), outer = fx.handle(inner_handled, fx.Tag("b"))(X)
+    assert_trees_close(out, ref_out)
+    assert_trees_close(inner, {"a": ref_found["a"]})
+    assert_trees_close(outer, {"b": ref_found["b"]})
+
+
+#
+# Pytree-valued tags
+#
+
+
+def tree_fn(x):
+    p = fx.tag({"w": x * 2.0, "b": (jnp.sum(x), x[:2])}, "p")
+    t = fx.tag((x + 1.0, x - 1.0), "t")
+    p = fx.tag({"w": p["w"] + t[1], "b": p["b"]}, "p")
+    return p["w"] * t[0] + p["b"][0] + jnp.sum(p["b"][1])
+
+
+def tree_ref(x, on_t=lambda t: t):
+    p1 = {"w": x * f32(2.0), "b": (np.sum(x), x[:2])}
+    t = on_t((x + f32(1.0), x - f32(1.0)))
+    p2 = {"w": p1["w"] + t[1], "b": p1["b"]}
+    out = p2["w"] * t[0] + p2["b"][0] + np.sum(p2["b"][1])
+    return out, p1, t, p2
+
+
+def test_tag_pytree_values():
+    ref_out, p1, t, p2 = tree_ref(X)
+    out, found = fx.handle(tree_fn, fx.Tag())(X)
+    assert_trees_close(out, ref_out)
+    assert_trees_close(found, {"intermediates": {"p": (p1, p2), "t": (t,)}})
+    _, found = fx.handle(tree_fn, fx.Tag(mode="sum"))(X)
+    p_sum = jax.tree.map(np.add, p1, p2)
+    assert_trees_close(found, {"intermediates": {"p": p_sum, "t": t}})
+    _, found = fx.handle(tree_fn, fx.Tag(names="t", mode="strict"))(X)
+    assert_trees_close(found, {"intermediates": {"t": t}})
+
+
+def test_substitute_and_intervene_pytree_values():
+    new_t = (np.array([1.0, 2.0, 3.0], f32), np.array([-1.0, 0.5, 4.0], f32))
+    out, found = fx.handle(tree_fn, fx.Substitute({"t": new_t}))(X)
+    assert_trees_close(out, tree_ref(X, lambda t: new_t)[0])
+    assert found == {}
+
+    def swap(t):
+        return (t[1], t[0])
+
+    out, found = fx.handle(tree_fn, fx.Intervene({"t": swap}), fx.Tag(names="t"))(X)
+    ref_out, _, t, _ = tree_ref(X, swap)
+    assert_trees_close(out, ref_out)
+    assert_trees_close(found, {"intermediates": {"t": (t,)}})
+
+
+def test_substitute_pytree_wrong_structure_raises():
+    with pytest.raises(ValueError, match="'t'"):
+        fx.handle(tree_fn, fx.Substitute({"t": (X, X, X)}))(X)
+
+
+#
+# Perturb
+#
+
+DH = _rng(1, (3,))
+DC = _rng(2, (N, 3))
+
+
+def test_perturb_reports_zeros_in_append_layout():
+    out, found = fx.handle(ploss, fx.Perturb())(X)
+    assert_trees_close(out, evaluate(ploss_ref, X, ZH, ZC))
+    assert_trees_close(found, {"perturbations": {"h": (ZH,), "c": (ZC,)}})
+
+    def twice(x):
+        p = fx.perturb(x * 2.0, "p")
+        return fx.perturb(jnp.sum(p).astype(jnp.float16), "p")
+
+    out, found = fx.handle(twice, fx.Perturb())(X)
+    assert_trees_close(out, np.sum(X * f32(2.0)).astype(np.float16), rtol=1e-3)
+    assert_trees_close(found, {"perturbations": {"p": (ZH, np.float16(0.0))}})
+
+
+def test_perturb_ignores_tags_and_tag_ignores_perturbs():
+    out, found = fx.handle(ploss, fx.Tag())(X)
+    assert_trees_close(out, evaluate(ploss_ref, X, ZH, ZC))
+    assert found == {"intermediates": {}}
+    out, found = fx.handle(model, fx.Perturb())(X)
+    assert_trees_close(out, evaluate(model_ref, X)[0])
+    assert found == {"perturbations": {}}
+
+
+def test_perturb_deltas_are_added():
+    out, found = fx.handle(ploss, fx.Perturb({"h": (DH,), "c": (DC,)}))(X)
+    assert_trees_close(out, evaluate(ploss_ref, X, DH, DC))
+    assert found == {}
+
+
+def test_perturb_grad_wrt_deltas():
+    def handled(d):
+        return fx.handle(ploss, fx.Perturb(d))(X)[0]
+
+    grads = evaluate(jax.grad(handled), {"h": (DH,), "c": (DC,)})
+    gh, gc = evaluate(jax.grad(ploss_ref, argnums=(1, 2)), X, DH, DC)
+    assert_trees_close(grads, {"h": (gh,), "c": (gc,)}, rtol=1e-4, atol=1e-5)
+
+
+def test_perturb_absent_names_untouched():
+    expected = evaluate(ploss_ref, X, DH, ZC)
+    out, found = fx.handle(ploss, fx.Perturb({"h": (DH,)}))(X)
+    assert_trees_close(out, expected)
+    assert found == {}
+    # "c" is still a perturb site, visible further out.
+    out, found = fx.handle(ploss, fx.Perturb({"h": (DH,)}), fx.Perturb())(X)
+    assert_trees_close(out, expected)
+    assert_trees_close(found, {"perturbations": {"c": (ZC,)}})
+
+
+@pytest.mark.parametrize(
+    "deltas, match",
+    [
+        ({"zz": (DH,)}, "zz"),
+        ({"h": (np.zeros(4, f32),)}, "'h'"),
+        ({"h": (np.zeros((), f32),)}, "'h'"),
+        ({"h": (np.zeros(3, np.int32),)}, "'h'"),
+        ({"c": (np.zeros((N + 1, 3), f32),)}, "'c'"),
+        ({"c": (ZH,)}, "'c'"),
+        ({"h": (DH, DH)}, "'h'"),
+        ({"c": ()}, "'c'"),
+    ],
+    ids=[
+        "unknown_name",
+        "wrong_shape",
+        "scalar",
+        "wrong_dtype",
+        "wrong_scan_length",
+        "not_stacked",
+        "too_many",
+        "too_few",
+    ],
+)
+def test_perturb_bad_deltas_raise(deltas, match):
+    with pytest.raises(ValueError, match=match):
+        fx.handle(ploss, fx.Perturb(deltas))(X)
+
+
+def test_perturb_unknown_name_lists_known():
+    with pytest.raises(ValueError, match="zz") as info:
+        fx.handle(ploss, fx.Perturb({"zz": (DH,)}))(X)
+    assert "'h'" in str(info.value) and "'c'" in str(info.value)
+
+
+W = _rng(3, (3, 5))
+
+
+def batch_loss(x):  # x: (n, 3), any n
+    h = fx.perturb(jnp.tanh(x @ W), "h")
+    return jnp.sum(h**2)
+
+
+def test_perturb_new_batch_size_just_works():
+    handled = fx.handle(batch_loss, fx.Perturb())
+    grads_fn = jax.jit(fx.intermediate_grads(batch_loss))
+    for n in [2, 5]:
+        x = _rng(n, (n, 3))
+        h = np.tanh(x @ W)
+        out, found = handled(x)
+        assert_trees_close(out, np.sum(h**2))
+        assert_trees_close(found, {"perturbations": {"h": (np.zeros((n, 5), f32),)}})
+        d = _rng(10 + n, (n, 5))
+        out, _ = fx.handle(batch_loss, fx.Perturb({"h": (d,)}))(x)
+        assert_trees_close(out, np.sum((h + d) ** 2))
+        loss, grads = grads_fn(x)
+        assert_trees_close(loss, np.sum(h**2))
+        assert_trees_close(grads, {"h": (2 * h,)})
+
+
+def test_intermediate_grads():
+    loss, grads = evaluate(fx.intermediate_grads(ploss), X)
+    assert_trees_close(loss, evaluate(ploss_ref, X, ZH, ZC))
+    gh, gc = evaluate(jax.grad(ploss_ref, argnums=(1, 2)), X, ZH, ZC)
+    # c in the scan: one gradient per iteration, stacked.
+    assert_trees_close(grads, {"h": (gh,), "c": (gc,)}, rtol=1e-4, atol=1e-5)
+
+
+def test_intermediate_grads_eager_repeated_site():
+    def loss(x):
+        a = fx.perturb(jnp.sin(x), "a")
+        a = fx.perturb(a * x, "a")
+        return jnp.sum(a**2)
+
+    out, grads = fx.intermediate_grads(loss)(X)
+    a1 = np.sin(X)
+    a2 = a1 * X
+    assert_trees_close(out, np.sum(a2**2))
+    # d/da2 = 2 a2; d/da1 = 2 a2 x
+    assert_trees_close(grads, {"a": (2 * a2 * X, 2 * a2)})
+
+
+def test_intermediate_grads_vmap_inside_loss():
+    # vmap over axis 1 of x: the site's gradient has the batch axis first.
+    def loss(x):  # x: (3, B)
+        h = jax.vmap(lambda r: fx.perturb(jnp.sin(r) * r, "h"), in_axes=1, out_axes=1)(
+            x
+        )
+        return jnp.sum(jnp.cos(h) * x)
+
+    x = _rng(4, (3, B + 1))
+    out, grads = evaluate(fx.intermediate_grads(loss), x)
+    h = np.sin(x) * x
+    assert_trees_close(out, np.sum(np.cos(h) * x))
+    assert_trees_close(grads, {"h": ((-np.sin(h) * x).T,)})
+
+
+#
+# Substitute
+#
+
+V = _rng(6, (3,))
+VC = _rng(7, (N, 3))
+
+
+def test_substitute_every_execution():
+    out, found = fx.handle(model, fx.Substitute({"h": V}))(X)
+    assert_trees_close(out, evaluate(lambda x: model_ref(x, on_h=lambda h: V)[0], X))
+    assert found == {}
+    # inside the scan: the same value in every iteration
+    out, _ = fx.handle(model, fx.Substitute({"c": V}))(X)
+    assert_trees_close(out, V * np.sin(X))
+    # repeated in straight-line code: every execution replaced
+    out, _ = fx.handle(line, fx.Substitute({"a": V}))(X)
+    assert_trees_close(out, V + V * f32(3.0))
+
+
+def test_substitute_per_call_round_trip():
+    for fn, expected in [
+        (line, line_ref(X)[0]),
+        (model, evaluate(model_ref, X)[0]),
+        (tree_fn, tree_ref(X)[0]),
+    ]:
+        out, found = fx.handle(fn, fx.Tag())(X)
+        assert_trees_close(out, expected)
+        substitute = fx.Substitute(found["intermediates"], per_call=True)
+        out, none = fx.handle(fn, substitute)(X)
+        assert_trees_close(out, expected)
+        assert none == {}
+
+
+def test_substitute_per_call_different_values():
+    out, _ = fx.handle(model, fx.Substitute({"c": (VC,)}, per_call=True))(X)
+    # a hand-written scan with the values as inputs
+    h = np.sin(X)
+    assert_trees_close(out, VC[-1] * h)
+    _, cs = evaluate(lambda h, vc: lax.scan(lambda c, v: (v, v), h, vc), h, VC)
+    assert_trees_close(out, cs[-1] * h)
+    # straight-line code: one value per execution, in program order
+    v1, v2 = V, _rng(8, (3,))
+    out, _ = fx.handle(line, fx.Substitute({"a": (v1, v2)}, per_call=True))(X)
+    assert_trees_close(out, v2 + v1 * f32(3.0))
+
+
+def test_substitute_per_call_in_scan_feeds_the_carry():
+    # the substituted c is the carry of the next iteration
+    vc = _rng(9, (N, 3))
+
+    def f(x):
+        def body(c, xi):
+            c = fx.tag(c * xi + 1.0, "c")
+            return c, c * 2.0
+
+        return lax.scan(body, x, XS)
+
+    (c, ys), _ = fx.handle(f, fx.Substitute({"c": (vc,)}, per_call=True))(X)
+    assert_trees_close(c, vc[-1])
+    assert_trees_close(ys, vc * f32(2.0))
+
+
+def test_substitute_unknown_name_lists_known():
+    with pytest.raises(ValueError, match="'nope'") as info:
+        fx.handle(model, fx.Substitute({"nope": V}))(X)
+    assert "'h'" in str(info.value) and "'c'" in str(info.value)
+    with pytest.raises(ValueError, match="'nope'"):
+        fx.handle(model, fx.Substitute({"nope": (V,)}, per_call=True))(X)
+
+
+@pytest.mark.parametrize(
+    "handler, match",
+    [
+        (fx.Substitute({"h": np.zeros(4, f32)}), "'h'"),
+        (fx.Substitute({"h": np.zeros((1, 3), f32)}), "'h'"),
+        (fx.Substitute({"h": np.zeros(3, np.int32)}), "'h'"),
+        (fx.Substitute({"c": np.zeros(3, np.float16)}), "'c'"),
+        (fx.Substitute({"c": ZC}), "'c'"),
+        (fx.Substitute({"c": (ZH,)}, per_call=True), "'c'"),
+        (fx.Substitute({"c": (np.zeros((N, 3), np.int32),)}, per_call=True), "'c'"),
+        (fx.Substitute({"h": (ZC,)}, per_call=True), "'h'"),
+    ],
+    ids=[
+        "shape",
+        "rank",
+        "dtype",
+        "dtype_in_scan",
+        "stacked_without_per_call",
+        "per_call_not_stacked",
+        "per_call_dtype",
+        "per_call_shape",
+    ],
+)
+def test_substitute_mismatch_raises(handler, match):
+    with pytest.raises(ValueError, match=match):
+        fx.handle(model, handler)(X)
+
+
+@pytest.mark.parametrize(
+    "fn, values",
+    [
+        (line, {"a": (V,)}),
+        (line, {"a": (V, V, V)}),
+        (model, {"c": ()}),
+        (model, {"c": (VC, VC)}),
+    ],
+    ids=["too_few", "too_many", "too_few_scan", "too_many_scan"],
+)
+def test_substitute_per_call_wrong_count_raises(fn, values):
+    with pytest.raises(ValueError):
+        fx.handle(fn, fx.Substitute(values, per_call=True))(X)
+
+
+def test_outer_tag_collects_substituted_value():
+    out, found = fx.handle(model, fx.Substitute({"h": V}), fx.Tag())(X)
+    ref_out, _, cs = evaluate(lambda x: model_ref(x, on_h=lambda h: V), X)
+    assert_trees_close(out, ref_out)
+    assert_trees_close(found, {"intermediates": {"h": (V,), "c": (cs,)}})
+    substitute = fx.Substitute({"c": (VC,)}, per_call=True)
+    out, found = fx.handle(model, substitute, fx.Tag(names="c"))(X)
+    assert_trees_close(found, {"intermediates": {"c": (VC,)}})
+
+
+def test_nested_handle_outer_tag_collects_substituted_value():
+    ref_out, _, cs = evaluate(lambda x: model_ref(x, on_h=lambda h: V), X)
+    inner_handled = fx.handle(model, fx.Substitute({"h": V}))
+    (out, inner), outer = fx.handle(inner_handled, fx.Tag())(X)
+    assert_trees_close(out, ref_out)
+    assert inner == {}
+    assert_trees_close(outer, {"intermediates": {"h": (V,), "c": (cs,)}})
+
+
+def scalar_fn(x):
+    h = fx.tag(jnp.sin(x), "h")
+    return jnp.sum(h * x)
+
+
+def test_substitute_order_grad_outside():
+    # grad(handle(f, Substitute)): no gradient flows through the substituted value.
+    got = jax.grad(lambda x: fx.handle(scalar_fn, fx.Substitute({"h": V}))(x)[0])(X)
+    assert_trees_close(got, evaluate(jax.grad(lambda x: jnp.sum(V * x)), X))
+    assert_trees_close(got, V)
+
+
+def test_substitute_order_grad_inside():
+    # handle(grad(f), Substitute): the primal value is replaced inside the
+    # gradient computation; sin's derivative is still taken at x.
+    got, found = fx.handle(jax.grad(scalar_fn), fx.Substitute({"h": V}))(X)
+    expected = evaluate(
+        jax.grad(lambda x: jnp.sum((jnp.sin(x) + sg(V - jnp.sin(x))) * x)), X
+    )
+    assert_trees_close(got, expected)
+    assert_trees_close(got, np.cos(X) * X + V)
+    assert found == {}
+    # the two orders differ
+    assert not np.allclose(got, V)
+
+
+#
+# Intervene
+#
+
+
+def test_intervene_each_execution():
+    def fn(c):
+        return 0.5 * c + 1.0
+
+    out, found = fx.handle(model, fx.Intervene({"c": fn}))(X)
+    assert_trees_close(
+        out, evaluate(lambda x: model_ref(x, on_c=lambda i, c: fn(c))[0], X)
+    )
+    assert found == {}
+    out, _ = fx.handle(model, fx.Intervene({"h": jnp.exp, "c": fn}))(X)
+    assert_trees_close(
+        out, evaluate(lambda x: model_ref(x, jnp.exp, lambda i, c: fn(c))[0], X)
+    )
+    out, _ = fx.handle(line, fx.Intervene({"a": jnp.square}))(X)
+    a1 = np.sin(X) ** 2
+    assert_trees_close(out, np.cos(a1 * f32(3.0)) ** 2 + a1 * f32(3.0))
+
+
+def test_intervene_outer_tag_sees_new_value():
+    out, found = fx.handle(model, fx.Intervene({"h": jnp.exp}), fx.Tag())(X)
+    ref_out, h, cs = evaluate(lambda x: model_ref(x, on_h=jnp.exp), X)
+    assert_trees_close(out, ref_out)
+    assert_trees_close(h, np.exp(np.sin(X)))
+    assert_trees_close(found, {"intermediates": {"h": (h,), "c": (cs,)}})
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda h: h[:2],
+        lambda h: h[None],
+        lambda h: jnp.sum(h),
+        lambda h: h.astype(jnp.int32),
+        lambda h: (h, h),
+    ],
+    ids=["shorter", "extra_axis", "scalar", "dtype", "structure"],
+)
+@pytest.mark.parametrize("name", ["h", "c"])
+def test_intervene_changing_shape_raises(fn, name):
+    with pytest.raises(ValueError, match=f"'{name}'"):
+        fx.handle(model, fx.Intervene({name: fn}))(X)
+
+
+def test_intervene_unknown_name_lists_known():
+    with pytest.raises(ValueError, match="'nope'") as info:
+        fx.handle(model, fx.Intervene({"nope": jnp.exp}))(X)
+    assert "'h'" in str(info.value) and "'c'" in str(info.value)
+
+
+#
+# Every handler under jit, vmap and grad, outside and inside
+#
+
+
+def _found(collection, **values):
+    return {collection: values}
+
+
+# Each case: the site kind, the per-example parameters (with a leading shape
+# `lead`, the batch under vmap), the handler built from them, and the
+# reference `(x, params, straight) -> (out, found)`.
+CASES = {
+    "tag_append": (
+        fx.tag,
+        lambda lead: {},
+        lambda p: fx.Tag(),
+        lambda x, p, st: (
+            lambda o, h, cs: (o, _found("intermediates", h=(h,), c=(cs,)))
+        )(*model_ref(x)),
+    ),
+    "tag_running_max": (
+        fx.tag,
+        lambda lead: {},
+        lambda p: fx.Tag(mode=RUNNING_MAX),
+        lambda x, p, st: (
+            lambda o, h, cs: (o, _found("intermediates", h=h, c=cs.max(0)))
+        )(*model_ref(x)),
+    ),
+    "perturb_report": (
+        fx.perturb,
+        lambda lead: {},
+        lambda p: fx.Perturb(),
+        lambda x, p, st: (
+            model_ref(x)[0],
+            _found("perturbations", h=(jnp.zeros(3),), c=(jnp.zeros((N, 3)),)),
+        ),
+    ),
+    "perturb_deltas": (
+        fx.perturb,
+        lambda lead: {"h": _rng(11, lead + (3,)), "c": _rng(12, lead + (N, 3))},
+        lambda p: fx.Perturb({"h": (p["h"],), "c": (p["c"],)}),
+        lambda x, p, st: (
+            model_ref(
+                x,
+                _through(lambda h: h + p["h"], st),
+                _through(lambda i, c: c + p["c"][i], st),
+            )[0],
+            {},
+        ),
+    ),
+    "substitute": (
+        fx.tag,
+        lambda lead: {"h": _rng(13, lead + (3,))},
+        lambda p: fx.Substitute({"h": p["h"]}),
+        lambda x, p, st: (model_ref(x, _through(lambda h: p["h"], st))[0], {}),
+    ),
+    "substitute_per_call": (
+        fx.tag,
+        lambda lead: {"c": _rng(14, lead + (N, 3))},
+        lambda p: fx.Substitute({"c": (p["c"],)}, per_call=True),
+        lambda x, p, st: (
+            model_ref(x, on_c=_through(lambda i, c: p["c"][i], st))[0],
+            {},
+        ),
+    ),
+    "intervene": (
+        fx.tag,
+        lambda lead: {},
+        lambda p: fx.Intervene({"h": lambda h: h**2 + 1.0, "c": lambda c: 0.5 * c}),
+        lambda x, p, st: (
+            model_ref(
+                x,
+                _through(lambda h: h**2 + 1.0, st),
+                _through(lambda i, c: 0.5 * c, st),
+            )[0],
+            {},
+        ),
+    ),
+}
+
+
+def _sum_out(fn):
+    # A scalar loss with `found` as auxiliary output.
+    def loss(*args):
+        out, found = fn(*args)
+        return jnp.sum(out), found
+
+    return loss
+
+
+TRANSFORMS = ["jit_outside", "jit_inside", "vmap_outside", "vmap_inside"]
+TRANSFORMS += ["grad_outside", "grad_inside"]
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_handler_under_transformations(case, transform):
+    site, params, handler, ref = CASES[case]
+    f = make_model(site)
+    p = params(())
+    xb = _rng(20, (B, 3))
+    pb = params((B,))
+
+    # vmap and grad outside `handle` run inside one jit here, to compile once;
+    # other tests run `handle` under eager vmap and grad.
+    if transform == "jit_outside":
+        got = jax.jit(fx.handle(f, handler(p)))(X)
+        expected = evaluate(lambda x: ref(x, p, False), X)
+    elif transform == "jit_inside":
+        got = fx.handle(jax.jit(f), handler(p))(X)
+        expected = evaluate(lambda x: ref(x, p, False), X)
+    elif transform == "vmap_outside":
+        # the handler's values are batched tracers here
+        got = evaluate(jax.vmap(lambda x, p: fx.handle(f, handler(p))(x)), xb, pb)
+        expected = evaluate(jax.vmap(lambda x, p: ref(x, p, False)), xb, pb)
+    elif transform == "vmap_inside":
+        # values and found in the layout seen from the handler: batch axis first
+        got = fx.handle(jax.vmap(f), handler(pb))(xb)
+        expected = evaluate(jax.vmap(lambda x, p: ref(x, p, False)), xb, pb)
+    elif transform == "grad_outside":
+        loss = _sum_out(lambda x: fx.handle(f, handler(p))(x))
+        got = evaluate(jax.grad(loss, has_aux=True), X)
+        loss = _sum_out(lambda x: ref(x, p, False))
+        expected = evaluate(jax.grad(loss, has_aux=True), X)
+    else:
+        assert transform == "grad_inside"
+        got = fx.handle(jax.grad(lambda x: jnp.sum(f(x))), handler(p))(X)
+        expected = evaluate(
+            lambda x: (
+                jax.grad(lambda x: jnp.sum(ref(x, p, True)[0]))(x),
+                ref(x, p, False)[1],
+            ),
+            X,
+        )
+    assert_trees_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_tag_under_eager_vmap_and_grad():
+    xb = _rng(23, (B, 3))
+    out, found = jax.vmap(fx.handle(line, fx.Tag()))(xb)
+    ref_out, a1, b, a2 = line_ref(xb)
+    assert_trees_close(out, ref_out)
+    assert_trees_close(found, {"intermediates": {"a": (a1, a2), "b": (b,)}})
+
+    loss = _sum_out(fx.handle(line, fx.Tag(mode="last")))
+    grad, found = jax.grad(loss, has_aux=True)(X)
+    # d/dx sum(cos(3 sin x) + 3 sin x)
+    _, a1, b, a2 = line_ref(X)
+    assert_trees_close(grad, (1 - np.sin(b)) * f32(3.0) * np.cos(X))
+    assert_trees_close(found, {"intermediates": {"a": a2, "b": b}})
+
+
+def test_vmap_inside_batch_axis_first_for_any_in_axes():
+    # vmap over axis 1: found and substituted values still have the batch first.
+    xt = _rng(21, (3, B + 1))
+    vmapped = jax.vmap(model, in_axes=1, out_axes=1)
+    out, found = fx.handle(vmapped, fx.Tag())(xt)
+    ref_out, h, cs = evaluate(jax.vmap(model_ref, in_axes=1, out_axes=(1, 0, 0)), xt)
+    assert cs.shape == (B + 1, N, 3)
+    assert_trees_close(out, ref_out)
+    assert_trees_close(found, {"intermediates": {"h": (h,), "c": (cs,)}})
+
+    def ref_with_h(x, v):
+        return model_ref(x, on_h=lambda h: v)[0]
+
+    vb = _rng(22, (B + 1, 3))
+    out, _ = fx.handle(vmapped, fx.Substitute({"h": vb}))(xt)
+    expected = evaluate(jax.vmap(ref_with_h, in_axes=(1, 0), out_axes=1), xt, vb)
+    assert_trees_close(out, expected)
+
+    # Intervene sees the whole batch: centre h over the batch axis.
+    out, _ = fx.handle(vmapped, fx.Intervene({"h": lambda h: h - h.mean(0)}))(xt)
+    hb = np.sin(xt.T)
+    hb = hb - hb.mean(0)
+    expected = evaluate(jax.vmap(ref_with_h, in_axes=(1, 0), out_axes=1), xt, hb)
+    assert_trees_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+#
+# Values and functions that close over traced values
+#
+
+
+def test_intervene_closing_over_grad_tracer():
+    def handled(s):
+        intervene = fx.Intervene({"h": lambda h: h * s})
+        return fx.handle(scalar_fn, intervene)(X)[0]
+
+    # sum(sin(x) * s * x): the derivative in s is sum(sin(x) * x)
+    assert_trees_close(jax.grad(handled)(2.0), np.sum(np.sin(X) * X))
+    assert_trees_close(handled(2.0), np.sum(np.sin(X) * f32(2.0) * X))
+    # the same through the scan model
+    got = evaluate(
+        jax.grad(
+            lambda s: jnp.sum(
+                fx.handle(model, fx.Intervene({"h": lambda h: h * s}))(X)[0]
+            )
+        ),
+        2.0,
+    )
+    expected = evaluate(
+        jax.grad(lambda s: jnp.sum(model_ref(X, on_h=lambda h: h * s)[0])), 2.0
+    )
+    assert_trees_close(got, expected, rtol=1e-4)
+
+
+def test_intervene_closing_over_jit_and_vmap_tracers():
+    def handled(x, s):
+        return fx.handle(scalar_fn, fx.Intervene({"h": lambda h: h * s}))(x)[0]
+
+    s = np.float32(0.7)
+    assert_trees_close(jax.jit(handled)(X, s), np.sum(np.sin(X) * s * X))
+    ss = np.array([0.7, -1.3], f32)
+    assert_trees_close(
+        jax.vmap(handled, in_axes=(None, 0))(X, ss),
+        np.sum(np.sin(X) * X) * ss,
+    )
+
+
+def test_substitute_closing_over_grad_tracer():
+    def handled(v):
+        return fx.handle(scalar_fn, fx.Substitute({"h": v}))(X)[0]
+
+    # sum(v * x): the derivative in v is x
+    assert_trees_close(jax.grad(handled)(V), X)
+
+    def handled_per_call(vc):
+        out, _ = fx.handle(model, fx.Substitute({"c": (vc,)}, per_call=True))(X)
+        return jnp.sum(out**2)
+
+    def reference_per_call(vc):
+        return jnp.sum(model_ref(X, on_c=lambda i, c: vc[i])[0] ** 2)
+
+    assert_trees_close(
+        evaluate(jax.grad(handled_per_call), VC),
+        evaluate(jax.grad(reference_per_call), VC),
+        rtol=1e-4,
+    )
+
+
+def test_substitute_closing_over_tracer_inside_jit_of_grad():
+    def handled(x, v):
+        return jax.grad(
+            lambda x: jnp.sum(fx.handle(model, fx.Substitute({"c": v}))(x)[0])
+        )(x)
+
+    def reference(x, v):
+        return jax.grad(lambda x: jnp.sum(model_ref(x, on_c=lambda i, c: v)[0]))(x)
+
+    assert_trees_close(jax.jit(handled)(X, V), evaluate(reference, X, V), rtol=1e-4)
