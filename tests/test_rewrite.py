@@ -1,0 +1,946 @@
+"""Sites inside every higher-order primitive, under every collection mode, and the
+handler inside and outside jit, vmap and grad. Each collected value is checked
+against plain JAX code that computes the same intermediates without `effects`."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_trees_close
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import effects as fx
+
+
+def arr(values):
+    return np.asarray(values, np.float32)
+
+
+def lin(start, stop, num):
+    return np.linspace(start, stop, num, dtype=np.float32)
+
+
+def found_of(**values):
+    return {"intermediates": values}
+
+
+def total(tree):
+    return sum(jnp.sum(leaf) for leaf in jax.tree.leaves(tree))
+
+
+def dynamic_three(x):
+    # An int32 3 that JAX cannot see through, so `fori_loop` becomes a while loop.
+    return jnp.where(jnp.sum(x) > -1e6, 3, 4).astype(jnp.int32)
+
+
+#
+# The table: one case per higher-order primitive. `f` has tags; `ref` computes the
+# same output and, alongside, the tagged values as `found` should hold them.
+#
+
+
+def jit_f(x):
+    def inner(z):
+        return jnp.sin(fx.tag(z * 3.0, "inner"))
+
+    def outer(y):
+        return jax.jit(inner)(y) * fx.tag(jnp.cos(y), "outer")
+
+    return jax.jit(outer)(x)
+
+
+def jit_ref(x):
+    return jnp.sin(x * 3.0) * jnp.cos(x), found_of(
+        inner=(x * 3.0,), outer=(jnp.cos(x),)
+    )
+
+
+def make_scan(reverse, tagged):
+    # Carry, xs and a tagged value are pytrees; two tags per iteration.
+    tag = fx.tag if tagged else (lambda v, name: v)
+
+    def body(c, xs):
+        a, b = c
+        h = tag(jnp.sin(xs["u"]) * a, "h")
+        p = tag({"s": h + b, "t": xs["v"] * 2.0}, "p")
+        return (a + h, b * 0.5 + p["s"].sum()), (p["t"] - h.sum(), (h, p))
+
+    def run(x):
+        carry = (x["a"], x["b"])
+        xs = {"u": x["u"], "v": x["v"]}
+        return lax.scan(body, carry, xs, reverse=reverse)
+
+    def f(x):
+        carry, (ys, _) = run(x)
+        return carry, ys
+
+    def ref(x):
+        carry, (ys, (hs, ps)) = run(x)
+        return (carry, ys), found_of(h=(hs,), p=(ps,))
+
+    return f if tagged else ref
+
+
+SCAN_X = {
+    "a": arr([0.5, -1.0, 2.0]),
+    "b": arr(0.25),
+    "u": lin(-1.0, 1.0, 12).reshape(4, 3),
+    "v": lin(0.0, 2.0, 8).reshape(4, 2),
+}
+
+
+def map_f(x):
+    return lax.map(lambda r: 2.0 * fx.tag(jnp.cos(r).sum() * r, "h"), x)
+
+
+def map_ref(x):
+    hs = jnp.cos(x).sum(axis=1, keepdims=True) * x
+    return 2.0 * hs, found_of(h=(hs,))
+
+
+def fori_static_f(x):
+    return lax.fori_loop(0, 4, lambda i, c: c * 0.9 + fx.tag(jnp.sin(c + i), "h"), x)
+
+
+def fori_static_ref(x):
+    c, hs = x, []
+    for i in range(4):
+        hs.append(jnp.sin(c + i))
+        c = c * 0.9 + hs[-1]
+    return c, found_of(h=(jnp.stack(hs),))
+
+
+def fori_dynamic_f(x):
+    body = lambda i, c: c * 0.9 + fx.tag(jnp.sin(c + i), "h")  # noqa: E731
+    return lax.fori_loop(0, dynamic_three(x), body, x)
+
+
+def fori_dynamic_ref(x):  # mode="sum"
+    c, hs = x, []
+    for i in range(3):
+        hs.append(jnp.sin(c + i))
+        c = c * 0.9 + hs[-1]
+    return c, found_of(h=sum(hs))
+
+
+def while_f(x):
+    def body(s):
+        i, c = s
+        h = fx.tag(jnp.cos(c) * (i + 1), "h")
+        return i + 1, c + h
+
+    return lax.while_loop(lambda s: s[0] < 3, body, (0, x))[1]
+
+
+def while_ref(x):  # mode="last"
+    c = x
+    for i in range(3):
+        h = jnp.cos(c) * (i + 1)
+        c = c + h
+    return c, found_of(h=h)
+
+
+def cond_f(x):
+    return lax.cond(
+        jnp.sum(x) > 0,
+        lambda y: 2.0 * fx.tag(jnp.sin(y), "h"),
+        lambda y: fx.tag(jnp.cos(y), "h") + fx.tag(y * y, "only_false"),
+        x,
+    )
+
+
+def cond_ref(x):
+    p = jnp.sum(x) > 0
+    h = jnp.where(p, jnp.sin(x), jnp.cos(x))
+    only_false = jnp.where(p, 0.0, x * x)
+    out = jnp.where(p, 2.0 * jnp.sin(x), jnp.cos(x) + x * x)
+    return out, found_of(h=(h,), only_false=(only_false,))
+
+
+def switch_index(x):
+    return jnp.clip(jnp.floor(x[0]), 0, 2).astype(jnp.int32)
+
+
+def switch_f(x):
+    def b0(y):
+        return fx.tag(y + 1.0, "h") * 2.0
+
+    def b1(y):
+        return fx.tag(y * 2.0, "h") * fx.tag(jnp.sum(y), "s")
+
+    def b2(y):
+        return y * 3.0
+
+    return lax.switch(switch_index(x), [b0, b1, b2], x)
+
+
+def switch_ref(x):
+    # The three branches by hand; names a branch does not tag are zeros.
+    i = switch_index(x)
+    zero = jnp.zeros_like(x)
+    h = jnp.select([i == 0, i == 1], [x + 1.0, x * 2.0], zero)
+    s = jnp.where(i == 1, jnp.sum(x), 0.0)
+    out = jnp.select([i == 0, i == 1], [(x + 1.0) * 2.0, x * 2.0 * jnp.sum(x)], x * 3.0)
+    return out, found_of(h=(h,), s=(s,))
+
+
+def checkpoint_f(x):
+    @jax.checkpoint
+    def g(y):
+        return jnp.sin(fx.tag(y * 2.0, "h")) * fx.tag(jnp.cos(y), "c").sum()
+
+    return g(x)
+
+
+def checkpoint_ref(x):
+    return jnp.sin(x * 2.0) * jnp.cos(x).sum(), found_of(h=(x * 2.0,), c=(jnp.cos(x),))
+
+
+# The custom rules are deliberately wrong (true derivative: 2 cos(2x) and
+# cos(x) exp(x) + sin(x) exp(x)), so a test can tell which one differentiation used.
+
+
+def make_custom_jvp(tagged):
+    tag = fx.tag if tagged else (lambda v, name: v)
+
+    @jax.custom_jvp
+    def g(y):
+        return jnp.sin(tag(y * 2.0, "h"))
+
+    @g.defjvp
+    def g_jvp(primals, tangents):
+        (y,), (t,) = primals, tangents
+        return jnp.sin(y * 2.0), 5.0 * t
+
+    return g
+
+
+def custom_jvp_f(x):
+    return make_custom_jvp(True)(x) + x
+
+
+def custom_jvp_ref(x):
+    return make_custom_jvp(False)(x) + x, found_of(h=(x * 2.0,))
+
+
+def make_custom_vjp(tagged):
+    tag = fx.tag if tagged else (lambda v, name: v)
+
+    @jax.custom_vjp
+    def g(y):
+        return jnp.sin(tag(y, "h")) * jnp.exp(y)
+
+    def fwd(y):
+        return jnp.sin(y) * jnp.exp(y), y
+
+    def bwd(y, ct):
+        return (7.0 * ct * y,)
+
+    g.defvjp(fwd, bwd)
+    return g
+
+
+def custom_vjp_f(x):
+    return make_custom_vjp(True)(x) * 2.0
+
+
+def custom_vjp_ref(x):
+    return make_custom_vjp(False)(x) * 2.0, found_of(h=(x,))
+
+
+def shard_map_f(x):
+    mesh = Mesh(np.array(jax.devices()), ("i",))
+    body = lambda s: fx.tag(s * 2.0, "s") + 1.0  # noqa: E731
+    return jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))(x)
+
+
+def shard_map_ref(x):
+    # Eight shards of two elements: the per-shard values stacked on a leading axis.
+    return x * 2.0 + 1.0, found_of(s=((x * 2.0).reshape(8, 2),))
+
+
+def pmap_f(x):
+    return jax.pmap(lambda v: jnp.cos(fx.tag(v * 2.0, "p")))(x)
+
+
+def pmap_ref(x):
+    return jnp.cos(x * 2.0), found_of(p=(x * 2.0,))
+
+
+ALL = (
+    "eager",
+    "jit_outside",
+    "jit_inside",
+    "vmap_outside",
+    "vmap_inside",
+    "grad_outside",
+    "grad_inside",
+)
+# Under vmap a batched predicate turns cond into a select that runs every branch
+# (see test_batched_predicate_runs_every_branch), so no "vmap_inside" for branches.
+BRANCHES = (
+    "eager",
+    "jit_outside",
+    "jit_inside",
+    "vmap_outside",
+    "grad_outside",
+    "grad_inside",
+)
+# Loops whose trip count is dynamic are not reverse-differentiable. Custom rules:
+# under grad inside the handler, the primal function never runs.
+NO_GRAD = ("eager", "jit_outside", "jit_inside", "vmap_outside", "vmap_inside")
+CUSTOM = ALL[:6]
+
+CASES = {
+    # name: (f, ref, x, mode, placements)
+    "jit": (jit_f, jit_ref, arr([0.3, -0.7, 1.1]), "append", ALL),
+    "scan": (make_scan(False, True), make_scan(False, False), SCAN_X, "append", ALL),
+    "scan_reverse": (
+        make_scan(True, True),
+        make_scan(True, False),
+        SCAN_X,
+        "append",
+        ("eager", "vmap_inside", "grad_inside"),
+    ),
+    "map": (
+        map_f,
+        map_ref,
+        lin(-1.0, 1.0, 8).reshape(4, 2),
+        "append",
+        ("eager", "vmap_outside", "grad_inside"),
+    ),
+    "fori_static": (
+        fori_static_f,
+        fori_static_ref,
+        arr([0.1, 0.6]),
+        "append",
+        ("eager", "vmap_inside", "grad_inside"),
+    ),
+    "fori_dynamic": (fori_dynamic_f, fori_dynamic_ref, arr([0.1, 0.6]), "sum", NO_GRAD),
+    "while": (while_f, while_ref, arr([0.2, -0.4]), "last", NO_GRAD),
+    # batch_of gives this x one example per branch.
+    "cond": (cond_f, cond_ref, arr([-0.5, 0.25]), "append", BRANCHES),
+    "cond_true": (cond_f, cond_ref, arr([0.5, 0.25]), "append", ("eager",)),
+    "switch_0": (switch_f, switch_ref, arr([0.5, 2.0]), "append", ("eager",)),
+    "switch_1": (switch_f, switch_ref, arr([1.5, 2.0]), "append", BRANCHES),
+    "switch_2": (switch_f, switch_ref, arr([2.5, 2.0]), "append", ("eager",)),
+    "checkpoint": (checkpoint_f, checkpoint_ref, arr([0.3, 0.9]), "append", ALL),
+    "custom_jvp": (custom_jvp_f, custom_jvp_ref, arr([0.3, 0.9]), "append", CUSTOM),
+    "custom_vjp": (custom_vjp_f, custom_vjp_ref, arr([0.3, 0.9]), "append", CUSTOM),
+    "shard_map": (
+        shard_map_f,
+        shard_map_ref,
+        lin(-1.0, 1.0, 16),
+        "append",
+        ALL,
+    ),
+    "pmap": (
+        pmap_f,
+        pmap_ref,
+        lin(-1.0, 1.0, 24).reshape(8, 3),
+        "append",
+        ALL,
+    ),
+}
+
+
+def batch_of(x):
+    # Two examples; for cond/switch they take different branches.
+    return jax.tree.map(lambda a: np.stack([a, np.float32(1.7) - a]), x)
+
+
+def run_placement(placement, f, x, tag):
+    """`(out, found)` with the handler placed relative to jit/vmap/grad; for grad
+    placements `out` is the gradient of `total(f(x))`."""
+    handled = fx.handle(f, tag)
+    if placement == "eager":
+        return handled(x)
+    if placement == "jit_outside":
+        return jax.jit(handled)(x)
+    if placement == "jit_inside":
+        return fx.handle(jax.jit(f), tag)(x)
+    # The outer transforms run under jit so that the handled program is compiled
+    # once rather than dispatched op by op.
+    if placement == "vmap_outside":
+        return jax.jit(jax.vmap(handled))(x)
+    if placement == "vmap_inside":
+        return fx.handle(jax.vmap(f), tag)(x)
+    if placement == "grad_outside":
+
+        def loss(x):
+            out, found = handled(x)
+            return total(out), found
+
+        return jax.jit(jax.grad(loss, has_aux=True))(x)
+    if placement == "grad_inside":
+        return fx.handle(jax.grad(lambda x: total(f(x))), tag)(x)
+    raise AssertionError(placement)
+
+
+def expected_for(placement, ref, x):
+    if placement.startswith("vmap"):
+        return jax.vmap(ref)(x)
+    if placement.startswith("grad"):
+        return jax.grad(lambda x: total(ref(x)[0]))(x), ref(x)[1]
+    return ref(x)
+
+
+@pytest.mark.parametrize(
+    "case, placement",
+    [(c, p) for c, spec in CASES.items() for p in spec[4]],
+)
+def test_site_inside_primitive(case, placement):
+    f, ref, x, mode, _ = CASES[case]
+    if placement.startswith("vmap"):
+        x = batch_of(x)
+    got = run_placement(placement, f, x, fx.Tag(mode=mode))
+    # References run under one jit: op-by-op dispatch compiles every op when
+    # tracer-leak checking is on.
+    assert_trees_close(got, jax.jit(functools.partial(expected_for, placement, ref))(x))
+
+
+def test_custom_rules_govern_grad_of_handled():
+    # The rules above differ from the true derivative, and grad(handle(f)) uses them.
+    x = arr([0.3, 0.9])
+    grad_of_handled = lambda f: jax.jit(  # noqa: E731
+        jax.grad(lambda x: fx.handle(f, fx.Tag())(x)[0].sum())
+    )
+    g_jvp = grad_of_handled(custom_jvp_f)(x)
+    assert_trees_close(g_jvp, np.full_like(x, 6.0))
+    true_jvp = 2.0 * np.cos(2.0 * x) + 1.0
+    assert not np.allclose(g_jvp, true_jvp)
+
+    g_vjp = grad_of_handled(custom_vjp_f)(x)
+    assert_trees_close(g_vjp, 14.0 * x)
+    true_vjp = 2.0 * (np.cos(x) + np.sin(x)) * np.exp(x)
+    assert not np.allclose(g_vjp, true_vjp)
+
+
+def test_sites_in_custom_vjp_rules_collected_under_grad():
+    @jax.custom_vjp
+    def g(y):
+        return jnp.sin(y)
+
+    def fwd(y):
+        return jnp.sin(y), fx.tag(jnp.cos(y), "res")
+
+    def bwd(res, ct):
+        return (fx.tag(ct * res * 3.0, "bwd"),)
+
+    g.defvjp(fwd, bwd)
+    x = arr([0.2, -0.6])
+    grad, found = fx.handle(jax.grad(lambda x: g(x).sum()), fx.Tag())(x)
+    assert_trees_close(grad, 3.0 * np.cos(x))
+    assert_trees_close(found, found_of(res=(np.cos(x),), bwd=(3.0 * np.cos(x),)))
+
+
+def test_sites_in_custom_jvp_rule_collected_under_grad():
+    @jax.custom_jvp
+    def g(y):
+        return jnp.sin(y)
+
+    @g.defjvp
+    def g_jvp(primals, tangents):
+        (y,), (t,) = primals, tangents
+        return jnp.sin(y), fx.tag(jnp.cos(y), "slope") * t * 4.0
+
+    x = arr([0.2, -0.6])
+    grad, found = fx.handle(jax.grad(lambda x: g(x).sum()), fx.Tag())(x)
+    assert_trees_close(grad, 4.0 * np.cos(x))
+    assert_trees_close(found, found_of(slope=(np.cos(x),)))
+
+
+@pytest.mark.parametrize("where", ["solve", "matvec"])
+def test_custom_linear_solve_site_is_collected_or_refused(where):
+    # Never silently dropped: either the tag is collected, or a ValueError names
+    # the primitive and the tag.
+    def f(b):
+        def matvec(x):
+            return fx.tag(2.0 * x, "mv") if where == "matvec" else 2.0 * x
+
+        def solve(mv, b):
+            return fx.tag(b / 2.0, "sv") if where == "solve" else b / 2.0
+
+        return lax.custom_linear_solve(matvec, b, solve)
+
+    b = arr([1.0, -2.0, 4.0])
+    name = "sv" if where == "solve" else "mv"
+    try:
+        out, found = fx.handle(f, fx.Tag())(b)
+    except ValueError as e:
+        assert "custom_linear_solve" in str(e)
+        assert repr(name) in str(e)
+        return
+    assert_trees_close(out, b / 2.0)
+    assert name in found["intermediates"]
+    if where == "solve":
+        assert_trees_close(found, found_of(sv=(b / 2.0,)))
+
+
+#
+# Modes in each construct. `execs(x)` lists the tagged values in the order they
+# execute (plain Python loops); `layout` says how "append" stacks them.
+#
+
+
+def twice_f(x):
+    h = fx.tag(jnp.sin(x), "h")
+    return fx.tag(h * 2.0 + 1.0, "h") * x
+
+
+def twice_execs(x):
+    return [jnp.sin(x), jnp.sin(x) * 2.0 + 1.0]
+
+
+def loop_scan_f(x):
+    return lax.scan(
+        lambda c, t: (c * 0.5 + fx.tag(jnp.sin(c + t), "h"), None), x, jnp.arange(4.0)
+    )[0]
+
+
+def loop_execs(x, n=4):
+    c, hs = x, []
+    for t in range(n):
+        hs.append(jnp.sin(c + t))
+        c = c * 0.5 + hs[-1]
+    return hs
+
+
+def loop_fori_dynamic_f(x):
+    body = lambda t, c: c * 0.5 + fx.tag(jnp.sin(c + t), "h")  # noqa: E731
+    return lax.fori_loop(0, dynamic_three(x), body, x)
+
+
+def loop_while_f(x, n=3):
+    def body(s):
+        t, c = s
+        return t + 1, c * 0.5 + fx.tag(jnp.sin(c + t), "h")
+
+    return lax.while_loop(lambda s: s[0] < n, body, (0.0, x))[1]
+
+
+def single_cond_f(x):
+    return lax.cond(
+        jnp.sum(x) > 0,
+        lambda y: fx.tag(jnp.sin(y), "h"),
+        lambda y: fx.tag(jnp.cos(y), "h"),
+        x,
+    )
+
+
+def nested_scan_f(x):
+    def inner(c, s):
+        return c * 0.5 + fx.tag(jnp.sin(c + s), "h"), None
+
+    def outer(c, t):
+        return lax.scan(inner, c + t, jnp.arange(3.0))[0], None
+
+    return lax.scan(outer, x, jnp.arange(2.0))[0]
+
+
+def nested_scan_execs(x):
+    c, hs = x, []
+    for t in range(2):
+        c = c + t
+        for s in range(3):
+            hs.append(jnp.sin(c + s))
+            c = c * 0.5 + hs[-1]
+    return hs
+
+
+def scan_in_cond_f(x):
+    # The false branch does not tag: its fill is never reported (x.sum() > 0).
+    return lax.cond(jnp.sum(x) > 0, loop_scan_f, lambda y: y * 2.0, x)
+
+
+def cond_in_scan_f(x):
+    def body(c, t):
+        h = lax.cond(
+            t % 2 == 0,
+            lambda c: fx.tag(jnp.sin(c), "h"),
+            lambda c: fx.tag(jnp.cos(c) * 2.0, "h"),
+            c,
+        )
+        return c * 0.5 + h, None
+
+    return lax.scan(body, x, jnp.arange(4))[0]
+
+
+def cond_in_scan_execs(x):
+    c, hs = x, []
+    for t in range(4):
+        hs.append(jnp.sin(c) if t % 2 == 0 else jnp.cos(c) * 2.0)
+        c = c * 0.5 + hs[-1]
+    return hs
+
+
+def jit_in_scan_f(x):
+    g = jax.jit(lambda c, t: fx.tag(jnp.sin(c + t), "h"))
+    return lax.scan(lambda c, t: (c * 0.5 + g(c, t), None), x, jnp.arange(4.0))[0]
+
+
+def while_in_scan_f(x):
+    # Iteration t of the scan runs the while loop t + 1 times.
+    def body(c, t):
+        def wbody(s):
+            k, c = s
+            return k + 1, c * 0.5 + fx.tag(jnp.sin(c + k), "h")
+
+        return lax.while_loop(lambda s: s[0] <= t, wbody, (0, c))[1], None
+
+    return lax.scan(body, x, jnp.arange(3))[0]
+
+
+def while_in_scan_execs(x):
+    c, hs = x, []
+    for t in range(3):
+        for k in range(t + 1):
+            hs.append(jnp.sin(c + k))
+            c = c * 0.5 + hs[-1]
+    return hs
+
+
+MODE_CASES = {
+    # name: (f, execs, append layout (None: ValueError), strict allowed)
+    "twice": (twice_f, twice_execs, "flat", False),
+    "scan": (loop_scan_f, loop_execs, "stacked", False),
+    "fori_dynamic": (
+        loop_fori_dynamic_f,
+        functools.partial(loop_execs, n=3),
+        None,
+        False,
+    ),
+    "while": (loop_while_f, functools.partial(loop_execs, n=3), None, False),
+    "while_zero_iterations": (
+        functools.partial(loop_while_f, n=0),
+        lambda x: [],
+        None,
+        False,
+    ),
+    "cond": (single_cond_f, lambda x: [jnp.sin(x)], "flat", True),
+    "nested_scan": (nested_scan_f, nested_scan_execs, (2, 3), False),
+    "scan_in_cond": (scan_in_cond_f, loop_execs, "stacked", False),
+    "cond_in_scan": (cond_in_scan_f, cond_in_scan_execs, "stacked", False),
+    "jit_in_scan": (jit_in_scan_f, loop_execs, "stacked", False),
+    "while_in_scan": (while_in_scan_f, while_in_scan_execs, None, False),
+}
+
+running_max = fx.Reduce(jnp.maximum, lambda z: jnp.full_like(z, -jnp.inf))
+count = fx.Reduce(lambda acc, x: acc + 1, lambda z: jnp.zeros((), jnp.int32))
+MODES = {
+    "append": "append",
+    "last": "last",
+    "sum": "sum",
+    "strict": "strict",
+    "max": running_max,
+    "count": count,
+}
+
+
+def expected_mode(mode, execs, layout, strict_ok, zeros):
+    """The collected value, or None where the mode must raise."""
+    if mode == "append":
+        if layout is None:
+            return None
+        if layout == "flat":
+            return tuple(execs)
+        stacked = jnp.stack(execs)
+        if layout == "stacked":
+            return (stacked,)
+        return (stacked.reshape(layout + zeros.shape),)
+    if mode == "strict":
+        return execs[0] if strict_ok else None
+    if mode == "last":
+        return execs[-1] if execs else zeros
+    if mode == "sum":
+        return functools.reduce(jnp.add, execs, zeros)
+    if mode == "max":
+        return functools.reduce(jnp.maximum, execs, jnp.full_like(zeros, -jnp.inf))
+    if mode == "count":
+        return jnp.asarray(len(execs), jnp.int32)
+    raise AssertionError(mode)
+
+
+@pytest.mark.parametrize("case", MODE_CASES)
+@pytest.mark.parametrize("mode", MODES)
+def test_mode_in_construct(case, mode):
+    f, execs, layout, strict_ok = MODE_CASES[case]
+    x = arr([0.4, -0.3])
+    expected = jax.jit(
+        lambda x: expected_mode(mode, execs(x), layout, strict_ok, jnp.zeros_like(x))
+    )(x)
+    handled = fx.handle(f, fx.Tag(mode=MODES[mode]))
+    if expected is None:
+        with pytest.raises(ValueError, match="'h'") as error:
+            handled(x)
+        # The message says what to use instead.
+        assert "'last'" in str(error.value)
+        return
+    assert_trees_close(handled(x), (jax.jit(f)(x), found_of(h=expected)))
+
+
+def test_cond_name_in_one_branch_fills_zeros_both_ways():
+    # cond_f tags "only_false" in the false branch only, and "h" in both.
+    for x, p in [(arr([0.5, 0.25]), True), (arr([-0.5, 0.25]), False)]:
+        _, found = fx.handle(cond_f, fx.Tag(mode="strict"))(x)
+        expected_h = np.sin(x) if p else np.cos(x)
+        expected_only = np.zeros_like(x) if p else x * x
+        assert_trees_close(found, found_of(h=expected_h, only_false=expected_only))
+
+
+@pytest.mark.parametrize("construct", ["cond", "switch"])
+def test_shapes_differing_across_branches_raise(construct):
+    def f(x):
+        a = lambda y: fx.tag(y * 2.0, "h").sum()  # noqa: E731
+        b = lambda y: fx.tag(y.sum(), "h")  # noqa: E731
+        if construct == "cond":
+            return lax.cond(jnp.sum(x) > 0, a, b, x)
+        return lax.switch(jnp.int32(jnp.sum(x) > 0), [a, b, a], x)
+
+    with pytest.raises(ValueError, match="'h'"):
+        fx.handle(f, fx.Tag())(arr([1.0, 2.0]))
+    # A failed call leaves nothing behind.
+    _, found = fx.handle(lambda x: fx.tag(x, "h"), fx.Tag())(arr([1.0]))
+    assert_trees_close(found, found_of(h=(arr([1.0]),)))
+
+
+def test_batched_predicate_runs_every_branch():
+    # Documented: under vmap inside the handled function with a batched predicate,
+    # JAX runs every branch, so every branch's tag executes, in branch order.
+    def f(x):
+        return lax.switch(
+            jnp.int32(jnp.sum(x) > 0),
+            [lambda y: fx.tag(jnp.sin(y), "h"), lambda y: fx.tag(jnp.cos(y), "h")],
+            x,
+        )
+
+    xs = arr([[0.5, 0.25], [-0.5, 0.25]])
+    out, found = fx.handle(jax.vmap(f), fx.Tag())(xs)
+    taken = np.stack([np.cos(xs[0]), np.sin(xs[1])])
+    assert_trees_close(out, taken)
+    assert_trees_close(found, found_of(h=(np.sin(xs), np.cos(xs))))
+    _, found = fx.handle(jax.vmap(f), fx.Tag(mode="last"))(xs)
+    assert_trees_close(found, found_of(h=np.cos(xs)))
+    # Outside the vmap each example sees the branch it took.
+    _, found = jax.jit(jax.vmap(fx.handle(f, fx.Tag())))(xs)
+    assert_trees_close(found, found_of(h=(taken,)))
+
+
+#
+# vmap layouts
+#
+
+
+def scan_over_rows(x):  # x: (T, D)
+    def body(c, r):
+        h = fx.tag(jnp.sin(r) * c + r.sum(), "h")
+        return c + h, h * 2.0
+
+    return lax.scan(body, jnp.ones(x.shape[1]), x)
+
+
+def scan_over_rows_ref(x):
+    c, hs = np.ones(x.shape[1], np.float32), []
+    for r in x:
+        hs.append(np.sin(r) * c + r.sum())
+        c = c + hs[-1]
+    hs = np.stack(hs)
+    return (c, hs * 2.0), found_of(h=(hs,))
+
+
+@pytest.mark.parametrize("in_axes", [0, 1])
+def test_vmap_of_scan_layout_same_inside_and_outside(in_axes):
+    # B=2, T=4, D=3: found is (B, T, D) whichever axis vmap maps.
+    x = lin(-1.0, 1.0, 24).reshape(2, 4, 3)
+    xs = np.moveaxis(x, 0, in_axes)
+    refs = [scan_over_rows_ref(x[b]) for b in range(2)]
+    expected = jax.tree.map(lambda *a: np.stack(a), *refs)
+    outside = jax.jit(jax.vmap(fx.handle(scan_over_rows, fx.Tag()), in_axes=in_axes))(
+        xs
+    )
+    inside = fx.handle(jax.vmap(scan_over_rows, in_axes=in_axes), fx.Tag())(xs)
+    assert_trees_close(outside, expected)
+    assert_trees_close(inside, expected)
+
+
+def test_vmap_inside_scan_body_puts_batch_axis_first():
+    def f(x):  # x: (T, B, D)
+        def body(c, xt):
+            h = jax.vmap(lambda v: fx.tag(jnp.sin(v) * c + v.sum(), "h"))(xt)
+            return c + h.sum(), h
+
+        return lax.scan(body, 0.5, x)
+
+    x = lin(-1.0, 1.0, 24).reshape(4, 2, 3)
+    c, hs = np.float32(0.5), []
+    for xt in x:
+        hs.append(np.sin(xt) * c + xt.sum(axis=1, keepdims=True))
+        c = c + hs[-1].sum()
+    ys = np.stack(hs)  # (T, B, D)
+    out, found = fx.handle(f, fx.Tag())(x)
+    assert_trees_close(out, (c, ys))
+    assert_trees_close(found, found_of(h=(np.moveaxis(ys, 1, 0),)))
+
+
+def test_nested_vmaps_outermost_batch_axis_first():
+    # x: (A, D, C); outer vmap over A, inner over C (in_axes=1): found (A, C, D).
+    def g(v):  # v: (D,)
+        return fx.tag(v * v.sum() + jnp.arange(v.shape[0]), "h").sum()
+
+    x = lin(-1.0, 1.0, 24).reshape(2, 4, 3)
+    v = np.moveaxis(x, 2, 1)  # (A, C, D)
+    h = v * v.sum(-1, keepdims=True) + np.arange(4, dtype=np.float32)
+    expected = (h.sum(-1), found_of(h=(h,)))
+    nested = lambda g: jax.vmap(jax.vmap(g, in_axes=1))  # noqa: E731
+    assert_trees_close(fx.handle(nested(g), fx.Tag())(x), expected)
+    assert_trees_close(jax.jit(nested(fx.handle(g, fx.Tag())))(x), expected)
+
+
+#
+# A tag whose result is unused is still collected, exactly once.
+#
+
+
+def discarded(x):
+    fx.tag(x * 3.0, "z")
+    return jnp.sin(x).sum()
+
+
+def discarded_scan(x):
+    def body(c, r):
+        fx.tag(r * 3.0, "z")
+        return c + jnp.sin(r).sum(), None
+
+    return lax.scan(body, 0.0, x)[0]
+
+
+DISCARDED = {
+    "plain": lambda: discarded,
+    "jit": lambda: jax.jit(discarded),
+    "checkpoint": lambda: jax.checkpoint(discarded),
+    "grad": lambda: jax.grad(discarded),
+    "grad_jit": lambda: jax.grad(jax.jit(discarded)),
+    "grad_checkpoint": lambda: jax.grad(jax.checkpoint(discarded)),
+    "grad_jit_checkpoint": lambda: jax.grad(jax.jit(jax.checkpoint(discarded))),
+    "grad_scan": lambda: jax.grad(discarded_scan),
+    "grad_checkpoint_scan": lambda: jax.grad(jax.checkpoint(discarded_scan)),
+}
+
+
+@pytest.mark.parametrize("case", DISCARDED)
+def test_discarded_tag_collected_once(case):
+    x = lin(-1.0, 1.0, 6).reshape(3, 2)
+    fn = DISCARDED[case]()
+    expected_out = np.cos(x) if case.startswith("grad") else np.sin(x).sum()
+    out, found = fx.handle(fn, fx.Tag())(x)
+    assert_trees_close(out, expected_out)
+    assert_trees_close(found, found_of(z=(x * 3.0,)))
+    # The same under an outer jit.
+    assert_trees_close(jax.jit(fx.handle(fn, fx.Tag()))(x), (expected_out, found))
+
+
+#
+# Substitute(per_call=True) round trips, and Intervene in scan
+#
+
+
+def sub_scan_f(x):
+    def body(c, xt):
+        h = fx.tag(jnp.sin(xt) * c, "h")
+        return c + h, 2.0 * h
+
+    return lax.scan(body, jnp.ones(x.shape[1]), x)
+
+
+def sub_scan_ref(x, hs):
+    # With h replaced by hs[t] at iteration t.
+    return np.ones(x.shape[1], np.float32) + hs.sum(0), 2.0 * hs
+
+
+def sub_cond_f(x):
+    return lax.cond(
+        jnp.sum(x) > 0,
+        lambda y: 3.0 * fx.tag(jnp.sin(y), "h"),
+        lambda y: fx.tag(jnp.cos(y), "h") - 1.0,
+        x,
+    )
+
+
+def sub_cond_ref(x, h):
+    return 3.0 * h if x.sum() > 0 else h - 1.0
+
+
+def sub_jit_f(x):
+    def g(y):
+        h1 = fx.tag(y * y, "h")
+        return fx.tag(h1 + 1.0, "h") * y
+
+    return jax.jit(g)(x)
+
+
+SUBSTITUTE_CASES = {
+    # name: (f, x, new per-call values from the collected ones, reference output)
+    "scan": (
+        sub_scan_f,
+        lin(-1.0, 1.0, 8).reshape(4, 2),
+        lambda hs: (hs[0] * 0.5 + 1.0,),
+        lambda x, new: sub_scan_ref(x, new[0]),
+    ),
+    "cond_true": (
+        sub_cond_f,
+        arr([0.5, 0.2]),
+        lambda hs: (hs[0] - 2.0,),
+        lambda x, new: sub_cond_ref(x, new[0]),
+    ),
+    "cond_false": (
+        sub_cond_f,
+        arr([-0.5, 0.2]),
+        lambda hs: (hs[0] - 2.0,),
+        lambda x, new: sub_cond_ref(x, new[0]),
+    ),
+    "jit": (
+        sub_jit_f,
+        arr([0.5, -2.0]),
+        lambda hs: (hs[0] + 1.0, hs[1] * 3.0),
+        lambda x, new: new[1] * x,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", SUBSTITUTE_CASES)
+@pytest.mark.parametrize("outer_jit", [False, True])
+def test_substitute_per_call_round_trip(case, outer_jit):
+    f, x, change, ref = SUBSTITUTE_CASES[case]
+    wrap = jax.jit if outer_jit else (lambda g: g)
+
+    def substituted(values, *more):
+        return wrap(fx.handle(f, fx.Substitute({"h": values}, per_call=True), *more))
+
+    _, found = fx.handle(f, fx.Tag())(x)
+    collected = jax.tree.map(np.asarray, found["intermediates"]["h"])
+    assert_trees_close(substituted(collected)(x), (jax.jit(f)(x), {}))
+
+    new = change(collected)
+    out, found = substituted(new, fx.Tag())(x)
+    assert_trees_close(out, ref(x, new))
+    # The substituted value is passed on as the same tag.
+    assert_trees_close(found, found_of(h=new))
+
+
+def test_intervene_in_scan():
+    x = lin(-1.0, 1.0, 8).reshape(4, 2)
+    c, hs = np.ones(2, np.float32), []
+    for xt in x:
+        hs.append(2.0 * (np.sin(xt) * c) + 1.0)
+        c = c + hs[-1]
+    hs = np.stack(hs)
+    intervene = fx.Intervene({"h": lambda h: 2.0 * h + 1.0})
+    out, found = fx.handle(sub_scan_f, intervene, fx.Tag())(x)
+    assert_trees_close(out, (c, 2.0 * hs))
+    assert_trees_close(found, found_of(h=(hs,)))
+    out, found = jax.jit(fx.handle(sub_scan_f, intervene))(x)
+    assert_trees_close((out, found), ((c, 2.0 * hs), {}))
