@@ -60,6 +60,37 @@ def allow_effect(effect_type: type) -> None:
         _effects.lowerable_effects,
     ):
         effect_set.add_type(effect_type)
+    _keep_in_partial_eval(effect_type)
+
+
+def _keep_in_partial_eval(effect_type: type) -> None:
+    # jax 0.10: `JaxprTrace` (partial evaluation, e.g. when a scan's
+    # loop-invariant work is hoisted under `jax.grad`) drops an equation whose
+    # outputs are unused unless its effect is in `partial_eval_kept_effects`;
+    # then the trace keeps an `EffectHandle` to it in `trace.effect_handles`.
+    # Those handles hold the trace's tracers for as long as the trace lives, and
+    # `jax_check_tracer_leaks` reports them (`jax.debug.print` in a scan under
+    # `grad` is reported the same way) although nothing outlives the trace. So
+    # the handles of equations whose only effect is `effect_type` are dropped
+    # once `tracers_to_jaxpr` has read them, the list's only reader.
+    _effects.partial_eval_kept_effects.add_type(effect_type)
+
+    class Handles(list):
+        def __iter__(self):
+            items = list.copy(self)
+            self[:] = [h for h in items if not _only(h.recipe.effects)]
+            return iter(items)
+
+    def _only(effs) -> bool:
+        return bool(effs) and all(isinstance(e, effect_type) for e in effs)
+
+    original_init = _pe.JaxprTrace.__init__
+
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.effect_handles = Handles(self.effect_handles)
+
+    _pe.JaxprTrace.__init__ = __init__
 
 
 #
