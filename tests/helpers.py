@@ -21,6 +21,9 @@ def assert_trees_close(actual, expected, *, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
 
 
+_LOCATION_TABLES = r"^(\d+ [{\"]|FileNames|FunctionNames|FileLocations|StackFrames)"
+
+
 def optimized_hlo(fn, *args) -> str:
     """The optimized HLO of `jax.jit(fn)(*args)`, without metadata and names, so
     two programs that compute the same thing the same way compare equal."""
@@ -39,8 +42,7 @@ def optimized_hlo(fn, *args) -> str:
     lines = [
         line.rstrip()
         for line in text.splitlines()
-        if line.strip()
-        and not re.match(r"^(\d+ [{\"]|FileNames|FunctionNames|FileLocations|StackFrames)", line)
+        if line.strip() and not re.match(_LOCATION_TABLES, line)
     ]
     return "\n".join(lines)
 
