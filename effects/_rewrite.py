@@ -134,9 +134,9 @@ def _needs_rule(eqn, scope: Scope) -> bool:
 def _site_rule(eqn, invals, scope: Scope) -> list[Any]:
     site = Site.from_eqn(eqn.params, [v.aval for v in eqn.invars])
     leaves = list(invals)
-    for i, handler in enumerate(scope.handlers):
-        if handler.matches(site):
-            leaves, consumed = handler.apply(SiteCall(scope, i, site, leaves), leaves)
+    for i, (handler, (matches, apply)) in enumerate(zip(scope.handlers, scope.actions)):
+        if matches(handler, site):
+            leaves, consumed = apply(handler, SiteCall(scope, i, site, leaves), leaves)
             if consumed:
                 return list(leaves)
     return site_p.bind(*leaves, **eqn.params)
@@ -176,7 +176,7 @@ class Plan:
         self, what: str, *, appends: bool, inputs: bool, strict: bool, scope: Scope
     ) -> None:
         for key in self.entries:
-            mode = scope.handlers[key[0]].output_mode()
+            mode = scope.modes[key[0]]
             if strict and mode == "strict":
                 raise ValueError(
                     _STRICT_IN_LOOP.format(where=self.sites[key].where(), what=what)

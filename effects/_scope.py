@@ -43,6 +43,10 @@ class Scope:
         discovering: bool = False,
     ):
         self.handlers = handlers
+        # Unbound methods: going through an `eqx.Module` instance would build a
+        # bound-method module at every site, the bulk of the rewrite's cost.
+        self.actions = _actions(handlers)
+        self.modes = _modes(handlers)
         self.discovering = discovering
         self.entries: dict[Key, list[tuple[Any, int]]] = {}
         self.accs: dict[Key, Any] = dict(accs or {})
@@ -58,7 +62,7 @@ class Scope:
         return self.sites[key].where()
 
     def mode(self, key: Key):
-        return self.handlers[key[0]].output_mode()
+        return self.modes[key[0]]
 
     # Appended entries -------------------------------------------------------
 
@@ -126,6 +130,14 @@ def _check_input(value, avals, site: Site, key: Key, handlers) -> None:
             f"tag's value there is {describe(avals)}; shapes and dtypes must match "
             "the layout Tag() reports."
         )
+
+
+def _actions(handlers) -> tuple:
+    return tuple((type(h).matches, type(h).apply) for h in handlers)
+
+
+def _modes(handlers) -> tuple:
+    return tuple(type(h).output_mode(h) for h in handlers)
 
 
 def _acc_init(reduce: Reduce, site: Site):
