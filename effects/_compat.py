@@ -222,6 +222,22 @@ def shard_aval(params, spec, aval):
     )
 
 
+def vary_over_manual_axes(x):
+    """Inside a `shard_map` that checks varying axes, marks `x` as varying over
+    every manual mesh axis, so values built inside (zeros) and values computed
+    from shards can meet in one cond output or one stacked entry (jax 0.10)."""
+    if not _config._check_vma.value:
+        return x
+    axes = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+    missing = tuple(a for a in axes if a not in varying_axes(jax.typeof(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def mapped_aval(length: int, aval):
+    """The aval of one slice along the leading axis."""
+    return jex_core.mapped_aval(length, 0, aval)
+
+
 def varying_axes(aval) -> frozenset:
     """The manual mesh axes a value inside `shard_map` varies over: `aval.mat`
     in jax 0.10, `aval.vma` in earlier releases."""
@@ -235,6 +251,30 @@ try:  # jax 0.10
     from jax._src.sharding_impls import UNSPECIFIED
 except ImportError:  # pragma: no cover
     UNSPECIFIED = None  # type: ignore
+
+
+def scan_counts(params) -> tuple[int, int]:
+    """`(num_consts, num_carry)` of a scan equation."""
+    if "num_consts" in params:  # jax <= 0.11
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()  # jax 0.12: flat-tree params
+    return len(consts), len(carry)
+
+
+def scan_params(params, jaxpr, *, n_consts: int, n_carry: int, n_xs: int, n_ys: int):
+    """The params of a scan equation rebuilt around a new body."""
+    if "num_consts" in params:  # jax <= 0.11
+        new = dict(jaxpr=jaxpr, num_consts=n_consts, num_carry=n_carry)
+        if "linear" in params:  # jax < 0.8
+            new["linear"] = (False,) * (n_consts + n_carry + n_xs)
+        return new
+    from jax._src import flattree as ft  # jax 0.12
+
+    return dict(
+        jaxpr=jaxpr,
+        ft_in=ft.pack((ft.nones(n_consts), ft.nones(n_carry), ft.nones(n_xs))),
+        ft_out=ft.pack((ft.nones(n_carry), ft.nones(n_ys))),
+    )
 
 
 def jaxprs_in_params(params) -> list[Any]:

@@ -376,7 +376,14 @@ def _call_rule(eqn, invals, scope: Scope, *, get_body, rebuild) -> list[Any]:
     inputs = _take_inputs(plan, scope)
     if scope.discovering:
         return _discovered(eqn, invals, scope, plan)
-    body, hoisted = trace_region(jaxpr, consts, in_avals, scope, plan)
+    body, hoisted = trace_region(
+        jaxpr,
+        consts,
+        in_avals,
+        scope,
+        plan,
+        input_avals=[jax.typeof(v) for v in inputs],
+    )
     n_out = len(eqn.outvars)
     n_extra_in = len(acc_in) + len(inputs)
     n_extra_out = len(body.outvars) - n_out
@@ -435,7 +442,7 @@ rules[_compat.remat_p] = lambda eqn, invals, scope: _call_rule(
 def _scan_rule(eqn, invals, scope: Scope) -> list[Any]:
     p = eqn.params
     closed, length = p["jaxpr"], p["length"]
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    n_consts, n_carry = _compat.scan_counts(p)
     n_xs = len(invals) - n_consts - n_carry
     n_ys = len(eqn.outvars) - n_carry
     in_avals = closed.in_avals
@@ -460,7 +467,14 @@ def _scan_rule(eqn, invals, scope: Scope) -> list[Any]:
     inputs = _take_inputs(plan, scope, stack=(stacked, to_xs))
     if scope.discovering:
         return _discovered(eqn, invals, scope, plan, stacked)
-    body, hoisted = trace_region(closed.jaxpr, closed.consts, in_avals, scope, plan)
+    body, hoisted = trace_region(
+        closed.jaxpr,
+        closed.consts,
+        in_avals,
+        scope,
+        plan,
+        input_avals=[_compat.mapped_aval(length, jax.typeof(v)) for v in inputs],
+    )
     # The region is (hoisted, consts, carry, xs, accs, inputs) -> (carry, ys, accs,
     # entries); scan wants the accumulators in the carry: (hoisted, consts, carry,
     # accs, xs, inputs) -> (carry, accs, ys, entries).
@@ -484,13 +498,14 @@ def _scan_rule(eqn, invals, scope: Scope) -> list[Any]:
         invals[n_consts : n_consts + n_carry],
         invals[n_consts + n_carry :],
     )
-    params = dict(
-        jaxpr=_compat.ClosedJaxpr(body, ()),
-        num_consts=n_h + n_consts,
-        num_carry=n_carry + n_acc,
+    params = _compat.scan_params(
+        p,
+        _compat.ClosedJaxpr(body, ()),
+        n_consts=n_h + n_consts,
+        n_carry=n_carry + n_acc,
+        n_xs=n_xs + len(inputs),
+        n_ys=len(body.outvars) - n_carry - n_acc,
     )
-    if "linear" in p:  # jax < 0.8
-        params["linear"] = (False,) * len(invars)
     outs = _bind(eqn, [*hoisted, *consts, *carry, *acc_in, *xs, *inputs], **params)
     _set_accs(plan, scope, outs[n_carry : n_carry + n_acc])
     _emit_entries(plan, scope, outs[n_carry + n_acc + n_ys :], unstack=from_ys)
@@ -592,7 +607,20 @@ def _cond_rule(eqn, invals, scope: Scope) -> list[Any]:
     inputs = _take_inputs(plan, scope)
     if scope.discovering:
         return _discovered(eqn, invals, scope, plan)
-    traced = [trace_region(b.jaxpr, b.consts, in_avals, scope, plan) for b in branches]
+    # Inside a shard_map, one branch's entry may vary over the mesh where another
+    # branch's (or a zeros fill) does not; cond needs them alike.
+    traced = [
+        trace_region(
+            b.jaxpr,
+            b.consts,
+            in_avals,
+            scope,
+            plan,
+            input_avals=[jax.typeof(v) for v in inputs],
+            entry_out=_compat.vary_over_manual_axes,
+        )
+        for b in branches
+    ]
     all_hoisted = [c for _, hoisted in traced for c in hoisted]
     hoisted_avals = [[jax.typeof(c) for c in h] for _, h in traced]
     new_branches = []
@@ -700,10 +728,7 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
     # Entries leave each shard with a leading axis of size 1 and come out stacked
     # over the shards; per-execution inputs go in the same way.
     def entry_out(x):
-        missing = tuple(a for a in axes if a not in _compat.varying_axes(jax.typeof(x)))
-        if missing and p["check_vma"]:
-            x = jax.lax.pcast(x, missing, to="varying")
-        return x[None]
+        return _compat.vary_over_manual_axes(x)[None]
 
     def stacked(avals, nbatch):
         return jax.tree.map(

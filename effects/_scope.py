@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import _compat
 from ._handlers import Handler, Reduce
 from ._site import Site, describe, shape_dtype, strong
 
@@ -107,7 +108,10 @@ class Scope:
             self.input_avals.setdefault(key, []).extend(expected)
             if placeholders is not None:
                 return placeholders
-            return [zeros(avals) for avals, _ in expected]
+            return [
+                jax.tree.map(_compat.vary_over_manual_axes, zeros(avals))
+                for avals, _ in expected
+            ]
         remaining = self.inputs.get(key, [])
         if len(remaining) < len(expected):
             handler = type(self.handlers[key[0]]).__name__

@@ -944,3 +944,57 @@ def test_intervene_in_scan():
     assert_trees_close(found, found_of(h=(hs,)))
     out, found = jax.jit(fx.handle(sub_scan_f, intervene))(x)
     assert_trees_close((out, found), ((c, 2.0 * hs), {}))
+
+
+def _shard_map_over_8(body):
+    mesh = Mesh(np.array(jax.devices()[:8]), ("i",))
+    return lambda x: jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))(
+        x
+    )
+
+
+def test_cond_inside_shard_map_fills_per_shard_and_round_trips():
+    # Each shard takes its own branch; shards that skip the tag report zeros.
+    def body(x):
+        return lax.cond(x.sum() > 20, lambda x: fx.tag(x * 2, "a"), lambda x: x + 1, x)
+
+    f = _shard_map_over_8(body)
+    x = jnp.arange(16.0)
+    out, found = fx.handle(f, fx.Tag())(x)
+    shards = np.arange(16.0).reshape(8, 2)
+    took = shards.sum(axis=1) > 20
+    expected = np.where(took[:, None], shards * 2, 0.0).astype(np.float32)
+    assert_trees_close(found["intermediates"]["a"], (expected,))
+    assert_trees_close(
+        out,
+        jnp.asarray(
+            np.where(took[:, None], shards * 2, shards + 1).reshape(-1), jnp.float32
+        ),
+    )
+    patched, _ = fx.handle(
+        f, fx.Substitute({"a": (jnp.full((8, 2), 7.0),)}, per_call=True)
+    )(x)
+    want = np.where(took[:, None], 7.0, shards + 1).reshape(-1).astype(np.float32)
+    assert_trees_close(patched, jnp.asarray(want))
+
+
+def test_scan_inside_shard_map_stacks_shards_then_iterations():
+    def body(x):
+        def step(c, r):
+            fx.tag(r * c, "s")
+            return c + 1.0, r
+
+        return lax.scan(step, 1.0, x)[1]
+
+    f = _shard_map_over_8(body)
+    x = jnp.arange(16.0)
+    out, found = fx.handle(f, fx.Tag())(x)
+    shards = np.arange(16.0).reshape(8, 2)
+    assert_trees_close(
+        found["intermediates"]["s"],
+        ((shards * np.array([1.0, 2.0])).astype(np.float32),),
+    )
+    patched, _ = fx.handle(
+        f, fx.Substitute(found["intermediates"], per_call=True), fx.Tag()
+    )(x)
+    assert_trees_close(patched, out)
