@@ -18,14 +18,14 @@ from jax._src import source_info_util as _source_info_util
 from jax._src.api_util import debug_info as _debug_info
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import partial_eval as _pe
+from jax.core import ShapedArray as ShapedArray
+from jax.core import Tracer as Tracer
 from jax.extend import core as jex_core
 
-Tracer = jax.core.Tracer
 ClosedJaxpr = jex_core.ClosedJaxpr
 Jaxpr = jex_core.Jaxpr
 Literal = jex_core.Literal
 Var = jex_core.Var
-ShapedArray = jax.core.ShapedArray
 
 #
 # Trace-context state
@@ -190,7 +190,7 @@ _prims = jex_core.primitives
 scan_p = _prims.scan_p
 while_p = _prims.while_p
 cond_p = _prims.cond_p
-pjit_p = _prims.jit_p if hasattr(_prims, "jit_p") else _prims.pjit_p
+pjit_p = getattr(_prims, "jit_p", None) or getattr(_prims, "pjit_p")  # jit_p: jax 0.7+
 remat_p = _prims.remat_p
 closed_call_p = _prims.closed_call_p
 custom_jvp_call_p = _prims.custom_jvp_call_p
@@ -247,10 +247,7 @@ def varying_axes(aval) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))
 
 
-try:  # jax 0.10
-    from jax._src.sharding_impls import UNSPECIFIED
-except ImportError:  # pragma: no cover
-    UNSPECIFIED = None  # type: ignore
+from jax._src.named_sharding import UNSPECIFIED as UNSPECIFIED  # noqa: E402  jax 0.10
 
 
 def scan_counts(params) -> tuple[int, int]:
@@ -264,11 +261,11 @@ def scan_counts(params) -> tuple[int, int]:
 def scan_params(params, jaxpr, *, n_consts: int, n_carry: int, n_xs: int, n_ys: int):
     """The params of a scan equation rebuilt around a new body."""
     if "num_consts" in params:  # jax <= 0.11
-        new = dict(jaxpr=jaxpr, num_consts=n_consts, num_carry=n_carry)
+        new: dict[str, Any] = dict(jaxpr=jaxpr, num_consts=n_consts, num_carry=n_carry)
         if "linear" in params:  # jax < 0.8
             new["linear"] = (False,) * (n_consts + n_carry + n_xs)
         return new
-    from jax._src import flattree as ft  # jax 0.12
+    from jax._src import flattree as ft  # pyright: ignore  # jax 0.12
 
     return dict(
         jaxpr=jaxpr,

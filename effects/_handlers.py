@@ -11,6 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from . import _compat
 from ._site import Site
 
 Names = None | str | list[str] | tuple[str, ...] | Callable[[str], bool]
@@ -341,7 +342,7 @@ class _FrozenDict(dict):
 
 def _as_arrays(value, owner: str, name: str):
     def convert(x):
-        if isinstance(x, (jax.Array, jax.core.Tracer)) or eqx.is_array_like(x):
+        if isinstance(x, (jax.Array, _compat.Tracer)) or eqx.is_array_like(x):
             return jnp.asarray(x)
         raise TypeError(
             f"{owner}: the value for {name!r} must be a pytree of arrays, found "
