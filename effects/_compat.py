@@ -135,26 +135,19 @@ def trace_closed(fn: Callable, in_avals: Sequence[Any]) -> tuple[Jaxpr, list[Any
     return jaxpr, list(consts)
 
 
-def prepend_invars(jaxpr: Jaxpr, avals: Sequence[Any]) -> Jaxpr:
-    """Adds unused leading inputs of the given avals."""
+def insert_invars(jaxpr: Jaxpr, index: int, avals: Sequence[Any]) -> Jaxpr:
+    """Adds unused inputs of the given avals before input `index`."""
     if not avals:
         return jaxpr
     new = [Var(a) for a in avals]
+    invars = list(jaxpr.invars)
     dbg = jaxpr.debug_info
     if dbg is not None and dbg.arg_names is not None:
-        dbg = dbg._replace(arg_names=("",) * len(new) + tuple(dbg.arg_names))
-    return jaxpr.replace(invars=new + list(jaxpr.invars), debug_info=dbg)
-
-
-def append_invars(jaxpr: Jaxpr, avals: Sequence[Any]) -> Jaxpr:
-    """Adds unused trailing inputs of the given avals."""
-    if not avals:
-        return jaxpr
-    new = [Var(a) for a in avals]
-    dbg = jaxpr.debug_info
-    if dbg is not None and dbg.arg_names is not None:
-        dbg = dbg._replace(arg_names=tuple(dbg.arg_names) + ("",) * len(new))
-    return jaxpr.replace(invars=list(jaxpr.invars) + new, debug_info=dbg)
+        names = list(dbg.arg_names)
+        dbg = dbg._replace(
+            arg_names=tuple(names[:index] + [""] * len(new) + names[index:])
+        )
+    return jaxpr.replace(invars=invars[:index] + new + invars[index:], debug_info=dbg)
 
 
 def bind_eqn(eqn, invals, params):

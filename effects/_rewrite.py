@@ -157,10 +157,6 @@ class Plan:
     inputs: dict[Key, list[tuple[Any, int]]]
     sites: dict[Key, Site]
 
-    @property
-    def empty(self) -> bool:
-        return not (self.accs or self.entries or self.inputs)
-
     def acc_in(self, scope: Scope) -> list[Any]:
         """The accumulators' values entering the region, flat."""
         leaves = []
@@ -546,7 +542,9 @@ def _while_rule(eqn, invals, scope: Scope) -> list[Any]:
     )
     # Region: (hoisted, body_consts, carry, accs) -> (carry, accs): the accumulators
     # extend the carry; cond_fun ignores them.
-    cond = _compat.append_invars(cond_closed.jaxpr, _avals(acc_in))
+    cond = _compat.insert_invars(
+        cond_closed.jaxpr, len(cond_closed.jaxpr.invars), _avals(acc_in)
+    )
     params = dict(
         cond_jaxpr=_compat.ClosedJaxpr(cond, cond_closed.consts),
         body_jaxpr=_compat.ClosedJaxpr(body, ()),
@@ -627,19 +625,10 @@ def _cond_rule(eqn, invals, scope: Scope) -> list[Any]:
     for i, (body, hoisted) in enumerate(traced):
         before = [a for h in hoisted_avals[:i] for a in h]
         after = [a for h in hoisted_avals[i + 1 :] for a in h]
-        own = list(body.invars[: len(hoisted)])
-        rest = list(body.invars[len(hoisted) :])
-        body = _compat.prepend_invars(body.replace(invars=own + rest), before)
-        # prepend_invars put `before` first; now insert `after` behind `own`.
-        iv = list(body.invars)
-        n_b = len(before)
-        extra = [_compat.Var(a) for a in after]
-        dbg = body.debug_info
-        if dbg is not None and dbg.arg_names is not None:
-            dbg = dbg._replace(arg_names=tuple(dbg.arg_names) + ("",) * len(extra))
-        body = body.replace(
-            invars=iv[: n_b + len(own)] + extra + iv[n_b + len(own) :], debug_info=dbg
-        )
+        # Every branch takes every branch's constants: its own, with the others'
+        # as unused inputs around them.
+        body = _compat.insert_invars(body, len(hoisted), after)
+        body = _compat.insert_invars(body, 0, before)
         new_branches.append(_compat.ClosedJaxpr(body, ()))
     n_out = len(eqn.outvars)
     outs = _bind(
