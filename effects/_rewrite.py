@@ -61,9 +61,7 @@ def _matched(handlers, sites) -> list[tuple[str, str, str]]:
 
 
 def _handler_may_match(h: Handler, s) -> bool:
-    kind, collection, name = s
-    probe = Site(name, collection, kind, None, (), ())
-    return h.matches(probe)
+    return h.matches(Site.probe(*s))
 
 
 #
@@ -103,8 +101,7 @@ def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
             if rule is None:
                 matched = _matched(scope.handlers, _eqn_sites(eqn))
                 if matched:
-                    kind, collection, name = matched[0]
-                    where = Site(name, collection, kind, None, (), ()).where()
+                    where = Site.probe(*matched[0]).where()
                     raise ValueError(
                         _UNSUPPORTED.format(where=where, prim=eqn.primitive.name)
                     )
@@ -526,9 +523,8 @@ def _while_rule(eqn, invals, scope: Scope) -> list[Any]:
     )
     matched = _matched(scope.handlers, sites_in(cond_closed.jaxpr))
     if matched:
-        kind, collection, name = matched[0]
         raise ValueError(
-            f"{Site(name, collection, kind, None, (), ()).where()} is inside the "
+            f"{Site.probe(*matched[0]).where()} is inside the "
             "cond_fun of a lax.while_loop, which handlers cannot collect from. "
             "Tag the value in body_fun instead."
         )
@@ -657,8 +653,7 @@ def _custom_rule(eqn, invals, scope: Scope) -> list[Any]:
     closed = eqn.params["call_jaxpr"]
     sites = sites_in(closed.jaxpr)
     for s in sites:
-        kind, collection, name = s
-        probe = Site(name, collection, kind, None, (), ())
+        probe = Site.probe(*s)
         for h in scope.handlers:
             if h.matches(probe) and not h.reports:
                 raise ValueError(

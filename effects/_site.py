@@ -50,6 +50,12 @@ class Site:
             tuple(avals),
         )
 
+    @classmethod
+    def probe(cls, kind: str, collection: str, name: str) -> Site:
+        """A site known only by name, for matching and messages before any value
+        is at hand (e.g. from `sites_in`)."""
+        return cls(name, collection, kind, None, (), ())
+
     @property
     def nbatch(self) -> int:
         return len(self.batch[0]) if self.batch else 0
