@@ -100,8 +100,7 @@ def _trace(fn, static, treedef, dynamic) -> _Traced:
     return _Traced(jaxpr, consts, out_info["tree"], out_info["static"], sites_in(jaxpr))
 
 
-def _traced(fn, static, treedef, dynamic) -> _Traced:
-    key = _signature(static, treedef, dynamic)
+def _traced(fn, static, treedef, dynamic, key) -> _Traced:
     try:
         per_fn = _trace_cache.setdefault(fn, {}) if key is not None else None
     except TypeError:  # not weak-referenceable or not hashable
@@ -175,17 +174,15 @@ def _evaluate(traced: _Traced, handlers, consts, dynamic):
     return outs, found
 
 
-def _has_tracers(*trees) -> bool:
-    return any(isinstance(x, _compat.Tracer) for t in trees for x in jax.tree.leaves(t))
-
-
 class _Handled:
     """The function `handle` returns."""
 
     def __init__(self, fn, handlers):
         self.fn = fn
         self.handlers = handlers
-        self._compiled: dict[Any, Callable] = {}
+        self._h_dyn, self._h_static = eqx.partition(handlers, eqx.is_array)
+        # Per argument signature: the traced function and its jitted evaluation.
+        self._eager: dict[Any, tuple[_Traced, Callable]] = {}
         # `updated=()`: copying `fn.__dict__` would copy a nested wrapper's state.
         functools.update_wrapper(
             self,
@@ -198,45 +195,27 @@ class _Handled:
         if isinstance(fn, eqx.Module):  # its arrays are inputs, not constants
             fn, args = _call_module, (self.fn, *args)
         dynamic, static, treedef = _split((args, kwargs))
-        traced = _traced(fn, static, treedef, dynamic)
-        _check_names(traced, self.handlers)
-        h_dyn, h_static = eqx.partition(self.handlers, eqx.is_array)
-        if not _compat.is_top_level() or _has_tracers(dynamic, traced.consts, h_dyn):
-            outs, found = _evaluate(traced, self.handlers, traced.consts, dynamic)
-        else:
-            outs, found = self._run_compiled(
-                traced, static, treedef, dynamic, h_dyn, h_static
-            )
-        out = _merge(outs, traced.out_static, traced.out_tree)
-        return out, found
-
-    def _run_compiled(self, traced, static, treedef, dynamic, h_dyn, h_static):
-        # Called outside any transformation: evaluate through a cached jit, so
-        # repeated eager calls neither re-trace nor dispatch op by op.
         key = _signature(static, treedef, dynamic)
-        try:
-            key = (
-                None
-                if key is None
-                else (
-                    key,
-                    h_static,
-                    jax.tree.map(jax.typeof, jax.tree.leaves(h_dyn)).__repr__(),
-                )
-            )
-            hash(key)
-        except TypeError:
-            key = None
-        compiled = self._compiled.get(key) if key is not None else None
-        if compiled is None:
+        if key is not None and _compat.is_top_level():
+            # Outside any transformation: evaluate through a cached jit, so
+            # repeated eager calls neither re-trace nor dispatch op by op.
+            hit = self._eager.get(key)
+            if hit is None:
+                traced = _traced(fn, static, treedef, dynamic, key)
+                _check_names(traced, self.handlers)
+                evaluate = functools.partial(_evaluate_split, traced, self._h_static)
+                hit = self._eager[key] = (traced, jax.jit(evaluate))
+            traced, compiled = hit
+            outs, found = compiled(self._h_dyn, traced.consts, dynamic)
+        else:
+            traced = _traced(fn, static, treedef, dynamic, key)
+            _check_names(traced, self.handlers)
+            outs, found = _evaluate(traced, self.handlers, traced.consts, dynamic)
+        return _merge(outs, traced.out_static, traced.out_tree), found
 
-            def evaluate(h_dyn, consts, dynamic):
-                return _evaluate(traced, eqx.combine(h_dyn, h_static), consts, dynamic)
 
-            compiled = jax.jit(evaluate)
-            if key is not None:
-                self._compiled[key] = compiled
-        return compiled(h_dyn, traced.consts, dynamic)
+def _evaluate_split(traced, h_static, h_dyn, consts, dynamic):
+    return _evaluate(traced, eqx.combine(h_dyn, h_static), consts, dynamic)
 
 
 class _Memo:
