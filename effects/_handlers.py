@@ -3,7 +3,9 @@ nothing of control flow; the rewriter threads what they emit through it."""
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -93,6 +95,15 @@ class Handler(eqx.Module):
     kind: ClassVar[str] = "tag"
     reports: ClassVar[bool] = False
     collection: eqx.AbstractVar[str]
+
+    # Handlers are compared and hashed by their fields' values, cheaply: `handle`
+    # looks them up in its cache at every call. (Handlers holding arrays are not
+    # hashable, and are not cached.)
+    def __hash__(self):
+        return hash((type(self), _field_values(self)))
+
+    def __eq__(self, other):
+        return type(self) is type(other) and _field_values(self) == _field_values(other)
 
     def matches(self, site: Site) -> bool:
         return site.kind == self.kind and site.collection == self.collection
@@ -332,6 +343,18 @@ class Intervene(Handler):
 #
 # Helpers
 #
+
+
+@functools.cache
+def _field_names(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _field_values(handler) -> tuple:
+    # A function reading attributes with `object.__getattribute__`: going through
+    # `eqx.Module.__getattribute__` costs more than the whole comparison.
+    get = object.__getattribute__
+    return tuple(get(handler, name) for name in _field_names(type(handler)))
 
 
 class _FrozenDict(dict):
