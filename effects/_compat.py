@@ -4,6 +4,7 @@ in one place. Each entry names the JAX versions it was written against."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,9 +37,18 @@ def bool_trace_state(name: str, help: str):
     """A boolean that is part of JAX's trace context (jax 0.10): `jax.jit` caches
     keyed on it, so a function traced once with the state off is traced again
     with it on."""
-    return _config.bool_state(
-        name=name, default=False, help=help, include_in_trace_context=True
+    if "include_in_trace_context" in inspect.signature(_config.bool_state).parameters:
+        # jax 0.8+: the state declares itself part of the trace context.
+        return _config.bool_state(
+            name=name, default=False, help=help, include_in_trace_context=True
+        )
+    # jax 0.7: `include_in_jit_key` puts it in the C++ jit dispatch key, and a
+    # trace-context callback puts it in the Python trace caches' keys.
+    state = _config.bool_state(
+        name=name, default=False, help=help, include_in_jit_key=True
     )
+    _config.register_trace_context_callback.append(lambda: state.value)  # pyright: ignore
+    return state
 
 
 #
@@ -184,7 +194,12 @@ scan_p = _prims.scan_p
 while_p = _prims.while_p
 cond_p = _prims.cond_p
 pjit_p = getattr(_prims, "jit_p", None) or getattr(_prims, "pjit_p")  # jit_p: jax 0.7+
-remat_p = _prims.remat_p
+# jax 0.8+: `jax.extend.core.primitives.remat_p`; jax 0.7 exports it only
+# from `jax._src.ad_checkpoint`.
+if hasattr(_prims, "remat_p"):
+    remat_p = _prims.remat_p
+else:
+    from jax._src.ad_checkpoint import remat_p as remat_p  # noqa: E402
 closed_call_p = _prims.closed_call_p
 custom_jvp_call_p = _prims.custom_jvp_call_p
 custom_vjp_call_p = _prims.custom_vjp_call_p
@@ -195,11 +210,19 @@ from jax._src import shard_map as _shard_map  # noqa: E402
 shard_map_p = _shard_map.shard_map_p
 
 
+def shard_map_manual_axes(params) -> frozenset:
+    """The mesh axes a `shard_map` equation makes manual: the `newly_manual_axes`
+    param in jax 0.10, `manual_axes` in jax 0.7-0.9."""
+    if "newly_manual_axes" in params:  # jax 0.10
+        return params["newly_manual_axes"]
+    return params["manual_axes"]  # jax 0.7-0.9
+
+
 @contextlib.contextmanager
 def shard_map_body(params):
     """The context `shard_map` traces its body in (jax 0.10): the manual mesh
     axes bound, the abstract mesh manual over them, and its vma checking."""
-    mesh, manual = params["mesh"], params["newly_manual_axes"]
+    mesh, manual = params["mesh"], shard_map_manual_axes(params)
     with (
         _shard_map._extend_axis_env(mesh, manual),
         _mesh_lib.use_abstract_mesh(_shard_map._as_manual_mesh(mesh, manual)),
@@ -210,8 +233,9 @@ def shard_map_body(params):
 
 def shard_aval(params, spec, aval):
     """The per-shard aval of a `shard_map` input with `spec` (jax 0.10)."""
-    return _core.shard_aval(
-        params["mesh"], params["newly_manual_axes"], params["check_vma"], spec, aval
+    shard = _core.shard_aval  # jax 0.7+
+    return shard(
+        params["mesh"], shard_map_manual_axes(params), params["check_vma"], spec, aval
     )
 
 
@@ -223,12 +247,18 @@ def vary_over_manual_axes(x):
         return x
     axes = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
     missing = tuple(a for a in axes if a not in varying_axes(jax.typeof(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+    if not missing:
+        return x
+    if hasattr(jax.lax, "pcast"):  # jax 0.8+
+        return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)  # pyright: ignore  # jax 0.7
 
 
 def mapped_aval(length: int, aval):
     """The aval of one slice along the leading axis."""
-    return jex_core.mapped_aval(length, 0, aval)
+    # jax 0.10: `jax.extend.core.mapped_aval`; jax 0.7-0.9 have it only in
+    # `jax._src.core` (`jax.core.mapped_aval` warns there).
+    return getattr(jex_core, "mapped_aval", _core.mapped_aval)(length, 0, aval)
 
 
 def varying_axes(aval) -> frozenset:
@@ -269,4 +299,6 @@ def scan_params(params, jaxpr, *, n_consts: int, n_carry: int, n_xs: int, n_ys: 
 
 def jaxprs_in_params(params) -> list[Any]:
     """Every sub-jaxpr (open or closed) in an equation's params."""
-    return list(jex_core.jaxprs_in_params(params))
+    # jax 0.10: `jax.extend.core.jaxprs_in_params`; jax 0.7-0.9 have it only in
+    # `jax._src.core`.
+    return list(getattr(jex_core, "jaxprs_in_params", _core.jaxprs_in_params)(params))

@@ -698,7 +698,7 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
     p = eqn.params
     body = p["jaxpr"]
     mesh = p["mesh"]
-    axes = tuple(a for a in mesh.axis_names if a in p["newly_manual_axes"])
+    axes = tuple(a for a in mesh.axis_names if a in _compat.shard_map_manual_axes(p))
     n_shards = 1
     for a in axes:
         n_shards *= mesh.shape[a]

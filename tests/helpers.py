@@ -37,6 +37,10 @@ def optimized_hlo(fn, *args) -> str:
         return names.setdefault(m.group(0), f"%v{len(names)}")
 
     text = re.sub(r"%[\w.\-]+", rename, text)
+    # Parameter names in a computation's signature carry no `%` but embed an
+    # instruction id (`Arg_0.25`), which differs with the unoptimized program's
+    # size (jax 0.6).
+    text = re.sub(r"\b(\w+)\.\d+(?=: )", r"\1", text)
     # Drop the source-location tables (FileNames, FunctionNames, FileLocations,
     # StackFrames) that newer XLA prints after the module header.
     lines = [

@@ -598,7 +598,12 @@ class _CountCompiles:
         return self
 
     def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self)
+        unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
+        if unregister is None:  # jax 0.6-0.7: only the private spelling
+            from jax._src import monitoring
+
+            unregister = monitoring._unregister_event_duration_listener_by_callback
+        unregister(self)
 
 
 def _counted():

@@ -13,6 +13,7 @@ from helpers import assert_trees_close, optimized_hlo
 from jax import lax
 
 import effects as fx
+from effects import _compat
 
 PRIMITIVES = [
     pytest.param(fx.tag, "intermediates", id="tag"),
@@ -24,7 +25,7 @@ X = jnp.array([0.3, -1.2, 2.0])
 
 def _subjaxprs(jaxpr):
     for eqn in jaxpr.eqns:
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in _compat.jaxprs_in_params(eqn.params):
             yield sub
             yield from _subjaxprs(sub)
 
