@@ -1,0 +1,122 @@
+"""Group 5: against the Flax linen anchors, on the same model and parameters.
+
+A linen MLP of 200 `Layer`s (each `tanh(Dense(128)(h))`, batch 32) that records
+every layer's output in one of three ways:
+
+- `fx.tag` in the model, collected by `fx.handle(model.apply, fx.Tag())`;
+- `self.sow("intermediates", ...)` with `apply(..., mutable="intermediates")`;
+- nothing in the model, and `apply(..., capture_intermediates=...)` with a
+  filter that keeps exactly the `Layer` outputs.
+
+Measured: cold trace+lower (fresh function objects every round) and the run time
+of the jitted functions, each `fx.tag` (A) vs an anchor (B).
+
+Run with `python benchmarks/bench_flax.py [--append FILE]`.
+"""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from _timing import (
+    arguments,
+    blocking,
+    compare,
+    compare_cold,
+    emit,
+    identical_row,
+    optimized_hlo,
+    ratio_row,
+    table,
+)
+
+import effects as fx
+
+LAYERS, WIDTH = 200, 128
+
+
+class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, h):
+        return jnp.tanh(nn.Dense(WIDTH)(h))
+
+
+class MLP(nn.Module):
+    record: str  # "tag", "sow" or "none"
+
+    @nn.compact
+    def __call__(self, h):
+        for i in range(LAYERS):
+            h = Layer()(h)
+            if self.record == "tag":
+                h = fx.tag(h, f"layer{i}")
+            elif self.record == "sow":
+                self.sow("intermediates", f"layer{i}", h)
+        return h
+
+
+def only_layers(module, method_name):
+    return isinstance(module, Layer) and method_name == "__call__"
+
+
+# Each returns a new function object on every call, so caches keyed on the
+# function miss (linen modules compare equal field by field, hence the partials).
+def with_tag():
+    return fx.handle(MLP("tag").apply, fx.Tag())
+
+
+def with_sow():
+    return functools.partial(MLP("sow").apply, mutable="intermediates")
+
+
+def with_capture():
+    return functools.partial(
+        MLP("none").apply, capture_intermediates=only_layers, mutable="intermediates"
+    )
+
+
+def main():
+    args = arguments(__doc__.splitlines()[0])
+    repeats = 5 if args.quick else 11
+    x = jax.random.normal(jax.random.key(1), (32, WIDTH))
+    params = MLP("none").init(jax.random.key(0), x)
+
+    def trace_lower(make_fn):
+        return lambda: lambda: jax.jit(make_fn()).lower(params, x)
+
+    rows = [
+        identical_row(
+            "optimized HLO, `fx.tag` vs `sow`",
+            optimized_hlo(with_tag(), params, x),
+            optimized_hlo(with_sow(), params, x),
+        )
+    ]
+    for label, anchor, limit in (
+        ("`sow`", with_sow, 1.0),
+        ("`capture_intermediates`", with_capture, None),
+    ):
+        pair = compare_cold(trace_lower(with_tag), trace_lower(anchor), repeats=repeats)
+        rows.append(ratio_row(f"cold trace+lower, `fx.tag` vs {label}", pair, limit))
+    for label, anchor in (
+        ("`sow`", with_sow),
+        ("`capture_intermediates`", with_capture),
+    ):
+        pair = compare(
+            blocking(jax.jit(with_tag()), params, x),
+            blocking(jax.jit(anchor()), params, x),
+            repeats=6 * repeats,
+            number=4,
+            warmup=3,
+        )
+        rows.append(ratio_row(f"run time, `fx.tag` vs {label}", pair, 1.02, "≤ 1.02 †"))
+    emit(
+        table(
+            "5. Flax linen, 200 layers: `fx.tag` (A) vs anchor (B)", ("A", "B"), rows
+        ),
+        args,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Group 4: repeated calls of a handled function, as in a training loop.
+
+- Eager: `fx.handle(f, fx.Tag())(params, x)` written inline in the loop, with no
+  outer jit, vs the jitted hand-written function `jax.jit(hand)` held in a
+  variable.
+- Inline jit: `jax.jit(fx.handle(f, fx.Tag()))(params, x)` written inline in the
+  loop vs `g(params, x)` with `g = jax.jit(fx.handle(f, fx.Tag()))` made once.
+
+Each on a small MLP (4 layers, where per-call overhead dominates) and on the
+200-layer MLP of group 2 (width 128, batch 32, a tag per layer). For context,
+JAX's own cost of writing `jax.jit(hand)` inline (no `handle`) vs holding it:
+the floor under the inline row.
+
+Run with `python benchmarks/bench_repeated.py [--append FILE]`.
+"""
+
+import jax
+import jax.numpy as jnp
+from _timing import arguments, blocking, compare, emit, mlp_params, ratio_row, table
+
+import effects as fx
+
+
+def f(params, x):
+    h = x
+    for i, w in enumerate(params):
+        h = fx.tag(jnp.tanh(h @ w), f"layer{i}")
+    return h
+
+
+def hand(params, x):
+    h = x
+    found = {}
+    for i, w in enumerate(params):
+        h = jnp.tanh(h @ w)
+        found[f"layer{i}"] = (h,)
+    return h, {"intermediates": found}
+
+
+def main():
+    args = arguments(__doc__.splitlines()[0])
+    repeats = 5 if args.quick else 21
+    x = jax.random.normal(jax.random.key(1), (32, 128))
+    rows = []
+    for n, number in ((4, 200), (200, 10)):
+        params = mlp_params(n)
+
+        def eager():
+            return jax.block_until_ready(fx.handle(f, fx.Tag())(params, x))
+
+        def inline_jit():
+            return jax.block_until_ready(jax.jit(fx.handle(f, fx.Tag()))(params, x))
+
+        held = jax.jit(fx.handle(f, fx.Tag()))
+        kwargs = dict(repeats=repeats, number=number, warmup=3)
+        pair = compare(eager, blocking(jax.jit(hand), params, x), **kwargs)
+        rows.append(
+            ratio_row(f"eager `handle(f)(x)` vs `jit(hand)(x)`, {n} layers", pair, 1.5)
+        )
+        pair = compare(inline_jit, blocking(held, params, x), **kwargs)
+        rows.append(
+            ratio_row(f"inline `jit(handle(f))(x)` vs held jit, {n} layers", pair, 1.5)
+        )
+        # JAX's own cost of `jax.jit(...)` written inline, with no `handle`: the
+        # floor under the row above.
+        held_hand = jax.jit(hand)
+        pair = compare(
+            lambda: jax.block_until_ready(jax.jit(hand)(params, x)),
+            blocking(held_hand, params, x),
+            **kwargs,
+        )
+        rows.append(
+            ratio_row(
+                f"(floor) inline `jit(hand)(x)` vs held `jit(hand)`, {n} layers",
+                pair,
+                None,
+            )
+        )
+    emit(table("4. Repeated calls: per call", ("A", "B"), rows), args)
+
+
+if __name__ == "__main__":
+    main()

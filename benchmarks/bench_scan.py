@@ -1,0 +1,84 @@
+"""Group 3: a scan-over-layers model with a tag per layer, at 100 and 1000 layers.
+
+- Trace time (`jax.jit(handle(f, Tag())).trace(...)`, fresh function objects
+  every round) does not depend on the number of layers.
+- `"sum"` and a custom `fx.Reduce` keep O(1) memory in the scan's length: the
+  temporary buffers of the compiled program (`compiled.memory_analysis()`) are
+  the same at 100 and 1000 layers. For contrast, `"append"` stacks one entry
+  per layer into the program's outputs, O(length) by design: its output size.
+
+Run with `python benchmarks/bench_scan.py [--append FILE]`.
+"""
+
+import jax
+import jax.numpy as jnp
+from _timing import Row, arguments, compare_cold, emit, nbytes, ratio_row, table
+
+import effects as fx
+
+WIDTH = 128
+
+
+def make_scanned():
+    # A new function object on every call: caches keyed on the function miss.
+    def f(ws, x):
+        def layer(h, w):
+            return fx.tag(jnp.tanh(h @ w), "layer"), None
+
+        h, _ = jax.lax.scan(layer, x, ws)
+        return h
+
+    return f
+
+
+def weights(n_layers):
+    w = jax.random.normal(jax.random.key(0), (n_layers, WIDTH, WIDTH))
+    return w / jnp.sqrt(WIDTH)
+
+
+def memory(mode, ws, x):
+    handled = fx.handle(make_scanned(), fx.Tag(mode=mode))
+    return jax.jit(handled).lower(ws, x).compile().memory_analysis()
+
+
+def main():
+    args = arguments(__doc__.splitlines()[0])
+    repeats = 5 if args.quick else 41
+    x = jax.random.normal(jax.random.key(1), (32, WIDTH))
+    ws = {n: weights(n) for n in (100, 1000)}
+
+    def trace(n):
+        handled = lambda: fx.handle(make_scanned(), fx.Tag())  # noqa: E731
+        return lambda: lambda: jax.jit(handled()).trace(ws[n], x)
+
+    pair = compare_cold(trace(1000), trace(100), repeats=repeats)
+    rows = [ratio_row("trace time, `Tag()`", pair, 1.2, "≈ 1 (≤ 1.2 †)")]
+
+    running_max = fx.Reduce(jnp.maximum, lambda z: jnp.full_like(z, -jnp.inf))
+    for label, mode, field, limit in (
+        ('temp memory, `mode="sum"`', "sum", "temp", 1.0),
+        ("temp memory, `fx.Reduce` (running max)", running_max, "temp", 1.0),
+        ('output memory, `mode="append"` (for contrast)', "append", "output", None),
+    ):
+        big, small = (
+            getattr(memory(mode, ws[n], x), f"{field}_size_in_bytes")
+            for n in (1000, 100)
+        )
+        rows.append(
+            Row(
+                label,
+                nbytes(big),
+                nbytes(small),
+                f"{big / small:.2f}",
+                "—" if limit is None else "= 1 (O(1))",
+                None if limit is None else big <= small * limit,
+            )
+        )
+    emit(
+        table("3. Scan over layers: 1000 layers (A) vs 100 (B)", ("1000", "100"), rows),
+        args,
+    )
+
+
+if __name__ == "__main__":
+    main()
