@@ -15,26 +15,14 @@ Run with `python benchmarks/bench_repeated.py [--append FILE]`.
 """
 
 import jax
-import jax.numpy as jnp
 from _timing import arguments, blocking, compare, emit, mlp_params, ratio_row, table
+from bench_mlp import make_hand_written, make_tagged
 
 import effects as fx
 
-
-def f(params, x):
-    h = x
-    for i, w in enumerate(params):
-        h = fx.tag(jnp.tanh(h @ w), f"layer{i}")
-    return h
-
-
-def hand(params, x):
-    h = x
-    found = {}
-    for i, w in enumerate(params):
-        h = jnp.tanh(h @ w)
-        found[f"layer{i}"] = (h,)
-    return h, {"intermediates": found}
+# The same models as the MLP benchmark, held once: these rows measure calls.
+f = make_tagged()
+hand = make_hand_written()
 
 
 def main():
