@@ -1,22 +1,127 @@
+"""Sessions: `nox -l` lists them, `nox` runs the default (`tests`).
+
+Every session installs the package from this checkout (`-e .`) into its own
+environment, with uv when it is available.
+"""
+
+import shutil
+import subprocess
+
 import nox
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.sessions = ["tests"]
 
+PYTHONS = ["3.11", "3.12", "3.13"]
 
-@nox.session(python=["3.11", "3.12", "3.13"])
+# Every JAX minor release from the floor in pyproject.toml to the newest, with
+# the Python it runs on here (jax 0.11 and later need Python 3.12). Flax is not
+# pinned: the resolver picks the newest Flax that supports the pinned JAX
+# (0.12.0 for jax 0.7, 0.12.6 for 0.8 and 0.9, 0.12.8 for 0.10).
+JAX_MINORS = {
+    "0.7": "3.11",
+    "0.8": "3.11",
+    "0.9": "3.11",
+    "0.10": "3.11",
+    "0.11": "3.12",
+    "0.12": "3.12",
+}
+
+
+def _pytest(session: nox.Session, *env_overrides: tuple[str, str]) -> None:
+    session.run(
+        "python", "-c", "import jax, sys; print('jax', jax.__version__, sys.version)"
+    )
+    session.run("pytest", *session.posargs, env=dict(env_overrides))
+
+
+@nox.session(python=PYTHONS)
 def tests(session: nox.Session) -> None:
-    """Run the test suite."""
+    """The test suite on the newest JAX each Python resolves to (CPU)."""
     session.install("-e", ".[test]")
-    session.run("pytest", *session.posargs)
+    _pytest(session)
+
+
+@nox.session
+@nox.parametrize(
+    ("python", "jax"),
+    [(python, jax) for jax, python in JAX_MINORS.items()],
+    ids=list(JAX_MINORS),
+)
+def tests_jax(session: nox.Session, jax: str) -> None:
+    """The test suite on each JAX minor release, pinned (`jax==0.X.*`), on CPU."""
+    session.install("-e", ".[test]", f"jax=={jax}.*", f"jaxlib=={jax}.*")
+    session.run(
+        "python", "-c", "import flax; print('flax', flax.__version__)", silent=False
+    )
+    _pytest(session)
+
+
+@nox.session(python="3.11")
+def minimums(session: nox.Session) -> None:
+    """The test suite on the lowest versions pyproject.toml allows."""
+    if not _has_uv():
+        session.error("the minimums session needs uv (`pip install uv`)")
+    session.install("--resolution", "lowest-direct", "-e", ".[test]")
+    _pytest(session)
+
+
+@nox.session(python="3.12")
+def cuda(session: nox.Session) -> None:
+    """The test suite on a GPU with the CUDA build of JAX (skips without a GPU)."""
+    gpus = _visible_gpus()
+    if not gpus:
+        session.skip(
+            "no GPU is visible (`nvidia-smi -L` lists none): the cuda session needs "
+            "an NVIDIA GPU and driver; run `nox -s tests` for the CPU suite"
+        )
+    session.log(f"GPUs: {gpus}")
+    session.install("-e", ".[test]", "jax[cuda12]")
+    _pytest(session, ("JAX_PLATFORMS", "cuda"))
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check."""
+    session.install("-e", ".[lint]")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python="3.11")
+def typecheck(session: nox.Session) -> None:
+    """pyright on effects/."""
+    session.install("-e", ".[lint]")
+    session.run("pyright", "--pythonpath", f"{session.virtualenv.location}/bin/python")
+
+
+@nox.session(python="3.11")
+def docs(session: nox.Session) -> None:
+    """Build the docs strictly and run every code block in them."""
+    session.install("-e", ".[docs,test]")
+    session.run(
+        "mkdocs", "build", "--strict", "--site-dir", f"{session.create_tmp()}/site"
+    )
+    session.run("pytest", "tests/test_docs.py", *session.posargs)
+
+
+@nox.session(python="3.11")
+def examples(session: nox.Session) -> None:
+    """Run every script in examples/."""
+    session.install("-e", ".[test]")
+    scripts = sorted(p for p in _glob("examples/*.py"))
+    if not scripts:
+        session.error("no scripts in examples/")
+    for script in scripts:
+        session.run("python", script)
 
 
 # Not among the default sessions: run it with `nox -s bench` (`-- --quick` for a
 # smoke run with fewer repeats).
-@nox.session
+@nox.session(python="3.11")
 def bench(session: nox.Session) -> None:
     """Run the benchmarks; write benchmarks/results.md and docs/performance.md."""
-    session.install("-e", ".", "flax>=0.12")
+    session.install("-e", ".[flax]")
     session.run(
         "python",
         "benchmarks/run_all.py",
@@ -26,3 +131,29 @@ def bench(session: nox.Session) -> None:
         "docs/performance.md",
         *session.posargs,
     )
+
+
+#
+# Helpers
+#
+
+
+def _glob(pattern: str) -> list[str]:
+    import glob
+
+    return glob.glob(pattern)
+
+
+def _has_uv() -> bool:
+    return shutil.which("uv") is not None
+
+
+def _visible_gpus() -> list[str]:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line for line in out.stdout.splitlines() if line.startswith("GPU ")]
