@@ -28,11 +28,17 @@ JAX_MINORS = {
 }
 
 
-def _pytest(session: nox.Session, *env_overrides: tuple[str, str]) -> None:
-    session.run(
-        "python", "-c", "import jax, sys; print('jax', jax.__version__, sys.version)"
-    )
-    session.run("pytest", *session.posargs, env=dict(env_overrides))
+_VERSIONS = """
+import importlib.metadata as m, sys
+names = ["jax", "jaxlib", "equinox", "jaxtyping", "flax", "pytest"]
+print("python", sys.version.split()[0], *(f"{n} {m.version(n)}" for n in names))
+"""
+
+
+def _pytest(session: nox.Session, **env: str) -> None:
+    """Print the versions under test, then run pytest."""
+    session.run("python", "-c", _VERSIONS, silent=False)
+    session.run("pytest", *session.posargs, env=env)
 
 
 @nox.session(python=PYTHONS)
@@ -51,9 +57,6 @@ def tests(session: nox.Session) -> None:
 def tests_jax(session: nox.Session, jax: str) -> None:
     """The test suite on each JAX minor release, pinned (`jax==0.X.*`), on CPU."""
     session.install("-e", ".[test]", f"jax=={jax}.*", f"jaxlib=={jax}.*")
-    session.run(
-        "python", "-c", "import flax; print('flax', flax.__version__)", silent=False
-    )
     _pytest(session)
 
 
@@ -77,7 +80,9 @@ def cuda(session: nox.Session) -> None:
         )
     session.log(f"GPUs: {gpus}")
     session.install("-e", ".[test]", "jax[cuda12]")
-    _pytest(session, ("JAX_PLATFORMS", "cuda"))
+    # The GPU is the default backend; the CPU backend is there for the tests
+    # that need 8 devices when fewer GPUs are visible (tests/helpers.py).
+    _pytest(session, JAX_PLATFORMS="cuda,cpu")
 
 
 @nox.session(python="3.11")

@@ -51,6 +51,17 @@ def optimized_hlo(fn, *args) -> str:
     return "\n".join(lines)
 
 
+def devices(n: int) -> list:
+    """`n` devices for a multi-device test: the default backend's when it has
+    that many, else the CPU's (conftest forces 8 host devices), so the suite
+    also runs on a machine with a single GPU."""
+    found = jax.devices()
+    if len(found) < n:
+        found = jax.devices("cpu")
+    assert len(found) >= n, f"the test needs {n} devices, found {found}"
+    return found[:n]
+
+
 def mlp_params(key, widths):
     keys = jax.random.split(key, len(widths) - 1)
     return [

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_trees_close
+from helpers import assert_trees_close, devices
 from jax.sharding import PartitionSpec as P
 
 import effects as fx
@@ -104,7 +104,7 @@ def _every_higher_order_primitive(x):
     x = jax.checkpoint(lambda y: y * 2)(x)
     x = _custom_jvp(x)
     x = _custom_vjp(x)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("i",))
+    mesh = jax.sharding.Mesh(np.array(devices(1)), ("i",))
     return _shard_map(lambda y: y, mesh=mesh, in_specs=P(), out_specs=P())(x)
 
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_trees_close
+from helpers import assert_trees_close, devices
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -253,7 +253,7 @@ def custom_vjp_ref(x):
 
 
 def shard_map_f(x):
-    mesh = Mesh(np.array(jax.devices()), ("i",))
+    mesh = Mesh(np.array(devices(8)), ("i",))
     body = lambda s: fx.tag(s * 2.0, "s") + 1.0  # noqa: E731
     return jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))(x)
 
@@ -264,7 +264,7 @@ def shard_map_ref(x):
 
 
 def pmap_f(x):
-    return jax.pmap(lambda v: jnp.cos(fx.tag(v * 2.0, "p")))(x)
+    return jax.pmap(lambda v: jnp.cos(fx.tag(v * 2.0, "p")), devices=devices(8))(x)
 
 
 def pmap_ref(x):
@@ -954,7 +954,7 @@ def test_intervene_in_scan():
 
 
 def _shard_map_over_8(body):
-    mesh = Mesh(np.array(jax.devices()[:8]), ("i",))
+    mesh = Mesh(np.array(devices(8)), ("i",))
     return lambda x: jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))(
         x
     )
