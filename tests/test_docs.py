@@ -1,0 +1,92 @@
+"""Runs the code blocks of the documentation: each page's blocks in order, in one
+namespace per page, so a page is checked exactly as a reader runs it.
+
+A fenced block whose info string starts with `python` runs, unless it carries
+the class `.no-test` (```` ```python {.no-test} ````): that marks code which
+cannot run here, such as another library's API shown for comparison. Blocks in
+any other language (`bash`, `text`, ...) are not run. A failing block is
+reported with its page and line, and the traceback points into the page."""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
+
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
+
+
+def code_blocks(path: Path) -> list[tuple[int, str]]:
+    """The runnable blocks of a Markdown page, as (line of the first code line,
+    code). Fences may be indented (inside admonitions, tabs, lists)."""
+    blocks = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if m is None:
+            i += 1
+            continue
+        indent, fence, info = m["indent"], m["fence"], m["info"].strip()
+        body, i = [], i + 1
+        start = i + 1  # 1-based line of the first code line
+        while i < len(lines):
+            close = _FENCE.match(lines[i])
+            if (
+                close
+                and close["fence"][0] == fence[0]
+                and len(close["fence"]) >= len(fence)
+                and not close["info"].strip()
+            ):
+                break
+            line = lines[i]
+            body.append(line[len(indent) :] if line.startswith(indent) else line)
+            i += 1
+        i += 1
+        if _runs(info):
+            blocks.append((start, "\n".join(body) + "\n"))
+    return blocks
+
+
+def _runs(info: str) -> bool:
+    language = re.split(r"[\s{]", info, maxsplit=1)[0]
+    return language == "python" and ".no-test" not in info
+
+
+def _id(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if code_blocks(p)], ids=_id)
+def test_page(page: Path):
+    # A real module, so that classes defined on the page (dataclasses, Flax and
+    # Equinox modules) can find the module they were defined in.
+    name = "docs_" + re.sub(r"\W", "_", _id(page).removesuffix(".md"))
+    module = types.ModuleType(name)
+    sys.modules[name] = module
+    try:
+        for line, code in code_blocks(page):
+            # Padding puts the code on its own lines of the page, so tracebacks
+            # show the page's source.
+            compiled = compile("\n" * (line - 1) + code, str(page), "exec")
+            try:
+                exec(compiled, module.__dict__)
+            except Exception as e:
+                e.add_note(f"in the code block at {_id(page)}:{line}")
+                raise
+    finally:
+        del sys.modules[name]
+
+
+def test_blocks_are_found():
+    # The collector itself: every page with Python fences yields blocks, and a
+    # `.no-test` block is skipped.
+    assert code_blocks(ROOT / "README.md")
+    assert _runs("python") and _runs('python title="x"')
+    assert not _runs("python {.no-test}") and not _runs("bash")
