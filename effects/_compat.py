@@ -4,6 +4,7 @@ in one place. Each entry names the JAX versions it was written against."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -127,19 +128,45 @@ def is_top_level() -> bool:
 #
 
 
-def trace(fn: Callable, in_avals: Sequence[Any]) -> tuple[Jaxpr, list[Any]]:
+def _nameless_debug_info(fn):
+    # jax 0.7-0.12: `api_util.debug_info` names every argument (a `keystr` per
+    # flat argument, a millisecond for a few hundred); the functions traced here
+    # take flat arrays whose names say nothing, and `arg_names=None` is the
+    # documented "unknown".
+    return _debug_info("effects", fn, (), {})._replace(arg_names=None)
+
+
+def trace(
+    fn: Callable, in_avals: Sequence[Any], *, keep_jit: bool = False
+) -> tuple[Jaxpr, list[Any]]:
     """Traces `fn(*flat_args) -> list of arrays` to an open jaxpr whose constants
     (which may be tracers of enclosing traces) are returned separately, as leading
-    inputs of the jaxpr."""
-    dbg = _debug_info("effects", fn, tuple(in_avals), {})
-    wrapped = _lu.wrap_init(fn, debug_info=dbg)
+    inputs of the jaxpr.
+
+    With `keep_jit`, calls of `jax.jit(..., inline=True)` functions (most of
+    `jax.numpy`) made directly in `fn` stay `jit` equations instead of being
+    inlined: evaluating the jaxpr later binds them again, so under `jax.grad` they
+    reuse JAX's cached derivative of each, as a hand-written function does, and
+    under `jax.jit` they are inlined then."""
+    dbg = _nameless_debug_info(fn)
+    traced_fn = fn
+    if keep_jit:
+
+        def traced_fn(*args):
+            _keep_jit_in.append(_core.trace_ctx.trace)
+            try:
+                return fn(*args)
+            finally:
+                _keep_jit_in.pop()
+
+    wrapped = _lu.wrap_init(traced_fn, debug_info=dbg)
     jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
     return _pe.convert_constvars_jaxpr(jaxpr), list(consts)
 
 
 def trace_closed(fn: Callable, in_avals: Sequence[Any]) -> tuple[Jaxpr, list[Any]]:
     """Like `trace`, but keeps the constants as the jaxpr's constvars."""
-    dbg = _debug_info("effects", fn, tuple(in_avals), {})
+    dbg = _nameless_debug_info(fn)
     wrapped = _lu.wrap_init(fn, debug_info=dbg)
     jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
     return jaxpr, list(consts)
@@ -203,6 +230,143 @@ else:
 closed_call_p = _prims.closed_call_p
 custom_jvp_call_p = _prims.custom_jvp_call_p
 custom_vjp_call_p = _prims.custom_vjp_call_p
+
+#
+# Staging equations without re-binding them
+#
+
+# The traces `trace(..., keep_jit=True)` is building, innermost last.
+_keep_jit_in: list[Any] = []
+_inline_jit_rule = _pe.custom_staging_rules[pjit_p]
+_Ref = getattr(_core, "Ref", ())  # jax 0.7+: mutable array references
+
+
+_Inline = getattr(jax, "Inline", None)
+
+
+def _inlines_when_traced(inline) -> bool:
+    """Whether a `jit` equation's `inline` param asks for its jaxpr to be inlined
+    into the enclosing trace: `inline=True` in jax 0.7-0.11; in jax 0.12+ the
+    param is a `jax.Inline` and only `JAX_EARLY` does (`True` became
+    `JAX_LATE`, inlined only when lowering)."""
+    if _Inline is not None and isinstance(inline, _Inline):
+        return inline is _Inline.JAX_EARLY
+    return bool(inline)
+
+
+def _jit_staging_rule(trace, source_info, *args, **params):
+    # jax 0.7-0.12: `pjit_staging_rule(trace, source_info, *args, **params)`
+    # inlines a `jit(inline=True)` call's jaxpr into the trace; in a trace that
+    # keeps jit calls, stage the equation as a non-inlined call is staged (the
+    # rule's default path, minus its handling of mutable constants).
+    if (
+        _inlines_when_traced(params["inline"])
+        and _keep_jit_in
+        and _keep_jit_in[-1] is trace
+        and not any(isinstance(c, _Ref) for c in params["jaxpr"].consts)
+    ):
+        return trace.default_process_primitive(
+            pjit_p, args, params, source_info=source_info
+        )
+    return _inline_jit_rule(trace, source_info, *args, **params)
+
+
+_pe.custom_staging_rules[pjit_p] = _jit_staging_rule
+
+
+def _inlined_when_staged(params) -> bool:
+    # jax 0.7-0.12: the condition under which `pjit_staging_rule` inlines.
+    return (
+        _inlines_when_traced(params["inline"])
+        and not params["compiler_options_kvs"]
+        and all(isinstance(s, _Unspecified) for s in params["in_shardings"])
+        and all(isinstance(s, _Unspecified) for s in params["out_shardings"])
+        and all(lay is None for lay in params["in_layouts"])
+        and all(lay is None for lay in params["out_layouts"])
+        and not any(isinstance(c, _Ref) for c in params["jaxpr"].consts)
+    )
+
+
+def _stages_as_is(params) -> bool:
+    # jax 0.7-0.12: `pjit_staging_rule` stages a jit equation that it does not
+    # inline through `default_process_primitive`, unless mutable constants
+    # need moving or compiler options make it raise.
+    closed = params["jaxpr"]
+    return (
+        not params["compiler_options_kvs"]
+        and not getattr(closed.jaxpr, "is_high", False)
+        and not any(isinstance(c, _Ref) for c in closed.consts)
+    )
+
+
+def staging_trace():
+    """The current trace if it builds a jaxpr (`jax.jit`, `make_jaxpr`, `trace`
+    above), else None (jax 0.7-0.12: a `DynamicJaxprTrace`)."""
+    current = _core.trace_ctx.trace
+    return current if type(current) is _pe.DynamicJaxprTrace else None
+
+
+def current_name_stack():
+    """The name stack equations are bound under here, or None when empty."""
+    stack = _source_info_util.current_name_stack()
+    return stack if stack.stack else None
+
+
+_DynamicJaxprTracer = _pe.DynamicJaxprTracer
+_base_is_high = getattr(_core.Primitive, "is_high", None)
+
+
+@functools.cache
+def _is_high(prim_type) -> bool:
+    # jax 0.7+: a primitive class overriding `is_high` may need lowering to
+    # other primitives when staged ("hijax"); such equations are bound.
+    return getattr(prim_type, "is_high", None) is not _base_is_high
+
+
+def emit_eqn(trace, eqn, invals, name_stack) -> list[Any] | None:
+    """Adds a copy of `eqn`, on `invals`, to the jaxpr `trace` is building, as
+    `pe.inline_jaxpr_into_trace` copies equations (jax 0.7-0.12): the output
+    types are the equation's, so nothing is evaluated abstractly and no source
+    context is entered. Like it, this skips staging rules (other than jit's):
+    they ran when the equation was first staged. None when a copy would not be
+    what binding it does (the caller binds it then): an equation with effects or
+    a constant-folding rule, or inputs whose types differ from the equation's (a
+    handler replaced a value by one of another weak type)."""
+    prim = eqn.primitive
+    inline = False
+    if prim is pjit_p:
+        # What its staging rule does: inline the jaxpr, or stage the equation as
+        # it is (its forwarding rule already ran when it was first staged).
+        inline = _inlined_when_staged(eqn.params)
+        if not inline and (eqn.effects or not _stages_as_is(eqn.params)):
+            return None
+    elif eqn.effects or prim in _pe.const_fold_rules or _is_high(type(prim)):
+        return None
+    src = eqn.source_info
+    if name_stack is not None:
+        src = src.replace(name_stack=name_stack + src.name_stack)
+    tracers = []
+    for x, v in zip(invals, eqn.invars):
+        if type(v) is Literal:
+            tracers.append(_DynamicJaxprTracer(trace, v.aval, v, src))
+            continue
+        if type(x) is not _DynamicJaxprTracer or x._trace is not trace:
+            x = trace.to_jaxpr_tracer(x, src)
+        aval = x.aval
+        if aval is not v.aval and aval != v.aval:
+            return None
+        tracers.append(x)
+    if inline:  # what the jit staging rule does, without binding
+        closed = eqn.params["jaxpr"]
+        outs = _pe.inline_jaxpr_into_trace(
+            trace, src, closed.jaxpr, closed.consts, *tracers
+        )
+        return [trace.to_jaxpr_tracer(x, src) for x in outs]
+    out_avals = [v.aval for v in eqn.outvars]
+    return trace.emit_eqn(
+        tracers, out_avals, prim, eqn.params, eqn.effects, src, eqn.ctx
+    )
+
 
 from jax._src import mesh as _mesh_lib  # noqa: E402
 from jax._src import shard_map as _shard_map  # noqa: E402
@@ -272,23 +436,25 @@ def varying_axes(aval) -> frozenset:
 
 from jax._src.named_sharding import UNSPECIFIED as UNSPECIFIED  # noqa: E402  jax 0.10
 
+_Unspecified = type(UNSPECIFIED)
+
 
 def scan_counts(params) -> tuple[int, int]:
     """`(num_consts, num_carry)` of a scan equation."""
-    if "num_consts" in params:  # jax <= 0.11
+    if "num_consts" in params:  # jax <= 0.10
         return params["num_consts"], params["num_carry"]
-    consts, carry, _ = params["ft_in"].unpack()  # jax 0.12: flat-tree params
+    consts, carry, _ = params["ft_in"].unpack()  # jax 0.11+: flat-tree params
     return len(consts), len(carry)
 
 
 def scan_params(params, jaxpr, *, n_consts: int, n_carry: int, n_xs: int, n_ys: int):
     """The params of a scan equation rebuilt around a new body."""
-    if "num_consts" in params:  # jax <= 0.11
+    if "num_consts" in params:  # jax <= 0.10
         new: dict[str, Any] = dict(jaxpr=jaxpr, num_consts=n_consts, num_carry=n_carry)
-        if "linear" in params:  # jax < 0.8
+        if "linear" in params:  # jax 0.7-0.9
             new["linear"] = (False,) * (n_consts + n_carry + n_xs)
         return new
-    from jax._src import flattree as ft  # pyright: ignore  # jax 0.12
+    from jax._src import flattree as ft  # pyright: ignore  # jax 0.11+
 
     return dict(
         jaxpr=jaxpr,

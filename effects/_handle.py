@@ -3,7 +3,6 @@ handlers, evaluate it on the caller's trace, and cache what can be cached."""
 
 from __future__ import annotations
 
-import collections
 import functools
 import weakref
 from collections.abc import Callable
@@ -46,6 +45,7 @@ class _Traced:
         self.consts = consts
         self.out_tree = out_tree
         self.out_static = out_static  # non-array outputs, by position
+        self.out_arrays = all(s is None for s in out_static)
         self.sites = sites
 
 
@@ -56,11 +56,24 @@ def _call_module(module, *args, **kwargs):
     return module(*args, **kwargs)
 
 
+# Per leaf type: whether `eqx.is_array` holds (it depends on the type alone; an
+# `isinstance` check against `jax.Array` costs more than this look-up).
+_is_array_type: dict[type, bool] = {}
+
+
 def _split(tree):
     leaves, treedef = jax.tree.flatten(tree)
-    dynamic = [x for x in leaves if eqx.is_array(x)]
-    static = tuple(None if eqx.is_array(x) else x for x in leaves)
-    return dynamic, static, treedef
+    dynamic, static = [], []
+    for x in leaves:
+        array = _is_array_type.get(type(x))
+        if array is None:
+            array = _is_array_type[type(x)] = eqx.is_array(x)
+        if array:
+            dynamic.append(x)
+            static.append(None)
+        else:
+            static.append(x)
+    return dynamic, tuple(static), treedef
 
 
 def _merge(dynamic, static, treedef):
@@ -68,14 +81,19 @@ def _merge(dynamic, static, treedef):
     return jax.tree.unflatten(treedef, [next(it) if s is None else s for s in static])
 
 
+def _aval(x):
+    # `x.aval` where there is one (arrays, tracers): `jax.typeof` costs more, and
+    # this runs for every argument at every call.
+    aval = getattr(x, "aval", None)
+    return jax.typeof(x) if aval is None else aval
+
+
 def _signature(static, treedef, dynamic):
+    avals = [_aval(x) for x in dynamic]
     key = (
         treedef,
         static,
-        tuple(
-            (x.shape, x.dtype, getattr(x, "weak_type", False))
-            for x in map(jax.typeof, dynamic)
-        ),
+        tuple((a.shape, a.dtype, getattr(a, "weak_type", False)) for a in avals),
     )
     try:
         hash(key)
@@ -84,7 +102,7 @@ def _signature(static, treedef, dynamic):
     return key
 
 
-def _trace(fn, static, treedef, dynamic) -> _Traced:
+def _trace(fn, static, treedef, dynamic, keep_jit: bool) -> _Traced:
     out_info = {}
 
     def flat_fn(*dyn):
@@ -96,18 +114,26 @@ def _trace(fn, static, treedef, dynamic) -> _Traced:
 
     avals = [jax.typeof(x) for x in dynamic]
     with handling(True):
-        jaxpr, consts = _compat.trace(flat_fn, avals)
+        jaxpr, consts = _compat.trace(flat_fn, avals, keep_jit=keep_jit)
     return _Traced(jaxpr, consts, out_info["tree"], out_info["static"], sites_in(jaxpr))
 
 
-def _traced(fn, static, treedef, dynamic, key) -> _Traced:
+def _traced(fn, static, treedef, dynamic, key, *, staged: bool) -> _Traced:
+    """`staged`: whether the traced function will be evaluated straight into a
+    jaxpr being built (under `jax.jit`, or eagerly through our own jit). If not
+    (under `grad`, `vmap`, ...), calls of `jit(inline=True)` functions (most of
+    `jax.numpy`) are kept as calls, so that evaluating the trace transforms each
+    with JAX's cached transformation of it, as the untransformed function would;
+    if so, they are inlined, which is cheaper to copy."""
+    if key is not None:
+        key = (key, staged)
     try:
         per_fn = _trace_cache.setdefault(fn, {}) if key is not None else None
     except TypeError:  # not weak-referenceable or not hashable
         per_fn = None
     if per_fn is not None and key in per_fn:
         return per_fn[key]
-    traced = _trace(fn, static, treedef, dynamic)
+    traced = _trace(fn, static, treedef, dynamic, keep_jit=not staged)
     if per_fn is not None and not any(
         isinstance(c, _compat.Tracer) for c in traced.consts
     ):
@@ -180,7 +206,12 @@ class _Handled:
     def __init__(self, fn, handlers):
         self.fn = fn
         self.handlers = handlers
-        self._h_dyn, self._h_static = eqx.partition(handlers, eqx.is_array)
+        self._module = isinstance(fn, eqx.Module)
+        h_dyn, self._h_static = eqx.partition(handlers, eqx.is_array)
+        # The handlers' arrays go into the jitted evaluation as a flat list: jit
+        # flattens its arguments at every call, and flattening an `eqx.Module`
+        # runs Python.
+        self._h_leaves, self._h_def = jax.tree.flatten(h_dyn)
         # Per argument signature: the traced function and its jitted evaluation.
         self._eager: dict[Any, tuple[_Traced, Callable]] = {}
         # `updated=()`: copying `fn.__dict__` would copy a nested wrapper's state.
@@ -192,7 +223,7 @@ class _Handled:
 
     def __call__(self, *args, **kwargs):
         fn = self.fn
-        if isinstance(fn, eqx.Module):  # its arrays are inputs, not constants
+        if self._module:  # its arrays are inputs, not constants
             fn, args = _call_module, (self.fn, *args)
         dynamic, static, treedef = _split((args, kwargs))
         key = _signature(static, treedef, dynamic)
@@ -201,21 +232,30 @@ class _Handled:
             # repeated eager calls neither re-trace nor dispatch op by op.
             hit = self._eager.get(key)
             if hit is None:
-                traced = _traced(fn, static, treedef, dynamic, key)
+                traced = _traced(fn, static, treedef, dynamic, key, staged=True)
                 _check_names(traced, self.handlers)
-                evaluate = functools.partial(_evaluate_split, traced, self._h_static)
+                evaluate = functools.partial(
+                    _evaluate_split, traced, self._h_static, self._h_def
+                )
                 hit = self._eager[key] = (traced, jax.jit(evaluate))
             traced, compiled = hit
-            outs, found = compiled(self._h_dyn, traced.consts, dynamic)
+            outs, found = compiled(self._h_leaves, traced.consts, dynamic)
+            if traced.out_arrays:  # the jitted function returned `fn`'s output
+                return outs, found
         else:
-            traced = _traced(fn, static, treedef, dynamic, key)
+            staged = _compat.staging_trace() is not None
+            traced = _traced(fn, static, treedef, dynamic, key, staged=staged)
             _check_names(traced, self.handlers)
             outs, found = _evaluate(traced, self.handlers, traced.consts, dynamic)
         return _merge(outs, traced.out_static, traced.out_tree), found
 
 
-def _evaluate_split(traced, h_static, h_dyn, consts, dynamic):
-    return _evaluate(traced, eqx.combine(h_dyn, h_static), consts, dynamic)
+def _evaluate_split(traced, h_static, h_def, h_leaves, consts, dynamic):
+    h_dyn = jax.tree.unflatten(h_def, h_leaves)
+    outs, found = _evaluate(traced, eqx.combine(h_dyn, h_static), consts, dynamic)
+    if traced.out_arrays:  # jit can return the output as it is: one less step
+        outs = _merge(outs, traced.out_static, traced.out_tree)
+    return outs, found
 
 
 class _Memo:
@@ -228,16 +268,33 @@ class _Memo:
 
     def __init__(self, owner):
         self.owner = id(owner)
-        self.wrappers: collections.OrderedDict = collections.OrderedDict()
+        # A plain dict, in order of use: `OrderedDict.pop` compares keys thrice.
+        self.wrappers: dict[_HandlersKey, _Handled] = {}
 
-    def get(self, fn, handlers) -> _Handled:
-        wrapper = self.wrappers.pop(handlers, None)
+    def get(self, fn, key: _HandlersKey) -> _Handled:
+        wrapper = self.wrappers.pop(key, None)
         if wrapper is None:
-            wrapper = _Handled(fn, handlers)
-        self.wrappers[handlers] = wrapper
+            wrapper = _Handled(fn, key.handlers)
+        self.wrappers[key] = wrapper
         while len(self.wrappers) > self.size:
-            self.wrappers.popitem(last=False)
+            del self.wrappers[next(iter(self.wrappers))]
         return wrapper
+
+
+class _HandlersKey:
+    """Handlers as a memo key, hashed once: a handler's hash reads its fields."""
+
+    __slots__ = ("handlers", "hash")
+
+    def __init__(self, handlers):
+        self.handlers = handlers
+        self.hash = hash(handlers)
+
+    def __hash__(self):
+        return self.hash
+
+    def __eq__(self, other):
+        return isinstance(other, _HandlersKey) and self.handlers == other.handlers
 
 
 _MEMO = "_effects_handled"
@@ -249,7 +306,7 @@ def _memoized(fn, handlers) -> _Handled:
         # memo would keep alive; and a traced function is traced once anyway.
         return _Handled(fn, handlers)
     try:
-        hash(handlers)
+        key = _HandlersKey(handlers)
         namespace = vars(fn)
     except TypeError:  # unhashable handlers, or no `__dict__`
         return _Handled(fn, handlers)
@@ -260,7 +317,7 @@ def _memoized(fn, handlers) -> _Handled:
     # `jax.vmap(fn)`) can hold `fn`'s memo: it needs its own.
     if not isinstance(memo, _Memo) or memo.owner != id(fn):
         memo = namespace[_MEMO] = _Memo(fn)
-    return memo.get(fn, handlers)
+    return memo.get(fn, key)
 
 
 def handle(fn: Callable, *handlers: Handler) -> Callable:

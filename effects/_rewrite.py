@@ -30,23 +30,34 @@ rules: dict[Any, Rule] = {}
 # Which sites does a jaxpr hold?
 #
 
-_sites_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_analysis_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _analyse(jaxpr) -> tuple[frozenset, tuple[bool, ...]]:
+    """The sites of `jaxpr` (see `sites_in`) and, per equation, whether it is
+    plain: neither a site nor holding one in a sub-jaxpr. Plain equations are
+    copied into the caller's trace as they are, never traced again."""
+    found = _analysis_cache.get(jaxpr)
+    if found is None:
+        acc, plain = set(), []
+        for eqn in jaxpr.eqns:
+            mine = frozenset()
+            if eqn.primitive is site_p:
+                p = eqn.params
+                mine = frozenset([(p["kind"], p["collection"], p["name"])])
+            elif eqn.params:
+                for sub in _compat.jaxprs_in_params(eqn.params):
+                    mine |= sites_in(sub)
+            plain.append(not mine)
+            acc |= mine
+        found = (frozenset(acc), tuple(plain))
+        _analysis_cache[jaxpr] = found
+    return found
 
 
 def sites_in(jaxpr) -> frozenset[tuple[str, str, str]]:
     """(kind, collection, name) of every site in `jaxpr` and its sub-jaxprs."""
-    found = _sites_cache.get(jaxpr)
-    if found is None:
-        acc = set()
-        for eqn in jaxpr.eqns:
-            if eqn.primitive is site_p:
-                p = eqn.params
-                acc.add((p["kind"], p["collection"], p["name"]))
-            for sub in _compat.jaxprs_in_params(eqn.params):
-                acc |= sites_in(sub)
-        found = frozenset(acc)
-        _sites_cache[jaxpr] = found
-    return found
+    return _analyse(jaxpr)[0]
 
 
 def _eqn_sites(eqn) -> frozenset:
@@ -92,9 +103,21 @@ def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
 
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        if eqn.primitive is site_p:
+    # Under a trace that builds a jaxpr (jit, or the rewriter's own traces), plain
+    # equations are copied into it without being bound again: binding would
+    # evaluate each one abstractly and run its staging rule, a second trace.
+    trace = _compat.staging_trace()
+    name_stack = _compat.current_name_stack() if trace is not None else None
+    literal = _compat.Literal
+    for eqn, plain in zip(jaxpr.eqns, _analyse(jaxpr)[1]):
+        invals = [v.val if type(v) is literal else env[v] for v in eqn.invars]
+        if plain:
+            outs = None
+            if trace is not None:
+                outs = _compat.emit_eqn(trace, eqn, invals, name_stack)
+            if outs is None:
+                outs = _bind(eqn, invals)
+        elif eqn.primitive is site_p:
             outs = _site_rule(eqn, invals, scope)
         elif _needs_rule(eqn, scope):
             rule = rules.get(eqn.primitive)

@@ -70,7 +70,7 @@ class Scope:
     def add_entry(self, key: Key, value, nbatch: int, site: Site) -> None:
         self.sites.setdefault(key, site)
         entries = self.entries.setdefault(key, [])
-        entries.append((jax.tree.map(strong, value), nbatch))
+        entries.append((_strong_tree(value), nbatch))
         if self.mode(key) == "strict" and len(entries) > 1:
             raise ValueError(_STRICT_TWICE.format(where=self.where(key)))
 
@@ -120,6 +120,17 @@ class Scope:
         for value, (avals, nbatch) in zip(taken, expected):
             _check_input(value, avals, site, key, self.handlers)
         return taken
+
+
+def _strong_tree(value):
+    # Most collected values are already strongly typed arrays: keep them as they
+    # are rather than rebuild the tree (this runs at every site).
+    if all(
+        isinstance(x, jax.Array) and not x.aval.weak_type
+        for x in jax.tree.leaves(value)
+    ):
+        return value
+    return jax.tree.map(strong, value)
 
 
 def _check_input(value, avals, site: Site, key: Key, handlers) -> None:

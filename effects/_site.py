@@ -13,7 +13,8 @@ from jax import lax
 
 def strong(x):
     # Weak types would make the avals of a loop carry or of cond branches differ.
-    x = jnp.asarray(x)
+    if not isinstance(x, jax.Array):  # `jnp.asarray` costs a few µs even on one
+        x = jnp.asarray(x)
     return lax.convert_element_type(x, x.dtype) if x.aval.weak_type else x
 
 

@@ -672,6 +672,43 @@ def test_inline_jit_of_handle_traces_once():
     )
 
 
+def test_jnp_calls_under_grad_use_jax_cached_derivatives(monkeypatch):
+    # Under `grad`, `jax.numpy`'s `jit(inline=True)` calls in the handled function
+    # stay calls, so each is differentiated with JAX's cached derivative of it, as
+    # in the untransformed function: `dot_general`'s JVP rule runs once for six
+    # identical layers, not once per layer.
+    from jax import lax
+    from jax.interpreters import ad
+
+    calls = []
+    rule = ad.primitive_jvps[lax.dot_general_p]
+
+    def counting_rule(*args, **kwargs):
+        calls.append(None)
+        return rule(*args, **kwargs)
+
+    monkeypatch.setitem(ad.primitive_jvps, lax.dot_general_p, counting_rule)
+    # Shapes no other test uses, so JAX's caches start empty for them.
+    ws = [jnp.full((5, 5), 0.1 * (i + 1), jnp.float32) for i in range(6)]
+
+    def loss(x):
+        h = x
+        for i, w in enumerate(ws):
+            h = fx.perturb(jnp.tanh(h @ w), f"l{i}")
+        return jnp.sum(h**2)
+
+    def hand(x):
+        h = x
+        for w in ws:
+            h = jnp.tanh(h @ w)
+        return jnp.sum(h**2)
+
+    x = jnp.linspace(-1.0, 1.0, 35).reshape(7, 5)
+    got = jax.grad(lambda x: fx.handle(loss, fx.Perturb())(x)[0])(x)
+    assert len(calls) <= 1
+    assert_trees_close(got, jax.grad(hand)(x))
+
+
 def test_handlers_holding_arrays_do_not_bake_them_in():
     # Same wrapper shape, new substituted values: each call uses its own.
     def f(x):

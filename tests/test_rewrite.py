@@ -1005,3 +1005,80 @@ def test_scan_inside_shard_map_stacks_shards_then_iterations():
         f, fx.Substitute(found["intermediates"], per_call=True), fx.Tag()
     )(x)
     assert_trees_close(patched, out)
+
+
+#
+# Equations without sites are copied, not interpreted again
+#
+
+
+def _plain_parts(x):
+    def step(c, r):
+        return c * 0.5 + r, c
+
+    c, ys = lax.scan(step, jnp.float32(1.0), x)
+    z = jax.jit(lambda a: jnp.cumsum(a) * 2)(ys)
+    with jax.named_scope("block"):
+        return jnp.tanh(z @ jnp.ones((3, 2))) + c
+
+
+def _tagged_program(x):
+    h = fx.tag(_plain_parts(x), "h")
+    return jnp.sum(h**2)
+
+
+def _hand_program(x):
+    h = _plain_parts(x)
+    return jnp.sum(h**2), {"intermediates": {"h": (h,)}}
+
+
+def test_site_free_regions_are_not_interpreted_again(monkeypatch):
+    from effects import _handle, _rewrite
+
+    interpreted = []
+    original = _rewrite.run
+
+    def counting_run(jaxpr, *args, **kwargs):
+        interpreted.append(jaxpr)
+        return original(jaxpr, *args, **kwargs)
+
+    monkeypatch.setattr(_rewrite, "run", counting_run)
+    monkeypatch.setattr(_handle, "run", counting_run)
+    x = lin(-1.0, 1.0, 3)
+    handled = fx.handle(_tagged_program, fx.Tag())
+    for evaluate in (handled, jax.jit(handled)):
+        interpreted.clear()
+        assert_trees_close(evaluate(x), _hand_program(x))
+        # Only the top level, which holds the tag: the scan and the jit hold no
+        # site and are copied as they are.
+        assert len(interpreted) == 1
+
+
+def test_copied_equations_make_the_hand_written_program():
+    x = lin(-1.0, 1.0, 3)
+    handled = fx.handle(_tagged_program, fx.Tag())
+    assert str(jax.make_jaxpr(handled)(x)) == str(jax.make_jaxpr(_hand_program)(x))
+    grad_handled = jax.grad(lambda x: handled(x)[0])
+    grad_hand = jax.grad(lambda x: _hand_program(x)[0])
+    assert_trees_close(grad_handled(x), grad_hand(x))
+    assert str(jax.make_jaxpr(grad_handled)(x)) == str(jax.make_jaxpr(grad_hand)(x))
+
+
+def test_a_substituted_value_of_another_weak_type_is_typed_by_jax():
+    # A Python number substituted for a strongly typed tag is weakly typed: the
+    # equations after it cannot keep the types they were traced with.
+    def f(x):
+        h = fx.tag(jnp.sin(x), "h")
+        return jnp.cos(h), jnp.cos(h) * x
+
+    def hand(x):
+        h = jnp.asarray(3.0)
+        return jnp.cos(h), jnp.cos(h) * x
+
+    x = jnp.float32(0.5)
+    handled = jax.jit(lambda x: fx.handle(f, fx.Substitute({"h": 3.0}))(x)[0])
+    with jax.enable_checks(True):
+        assert_trees_close(handled(x), hand(x))
+        got = [jax.typeof(o) for o in jax.eval_shape(handled, x)]
+    want = [jax.typeof(o) for o in jax.eval_shape(hand, x)]
+    assert [a.weak_type for a in got] == [a.weak_type for a in want] == [True, False]
