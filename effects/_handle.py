@@ -4,6 +4,7 @@ handlers, evaluate it on the caller's trace, and cache what can be cached."""
 from __future__ import annotations
 
 import functools
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -221,6 +222,14 @@ class _Handled:
             updated=(),
         )
 
+    def with_arrays(self, handlers, leaves) -> _Handled:
+        """A copy for `handlers`, which differ from this wrapper's only in the
+        values of their arrays (`leaves`): it shares this wrapper's caches."""
+        new = object.__new__(_Handled)
+        new.__dict__.update(self.__dict__)
+        new.handlers, new._h_leaves = handlers, leaves
+        return new
+
     def __call__(self, *args, **kwargs):
         fn = self.fn
         if self._module:  # its arrays are inputs, not constants
@@ -271,14 +280,28 @@ class _Memo:
         # A plain dict, in order of use: `OrderedDict.pop` compares keys thrice.
         self.wrappers: dict[_HandlersKey, _Handled] = {}
 
-    def get(self, fn, key: _HandlersKey) -> _Handled:
+    def get(self, fn, key: _HandlersKey, handlers) -> _Handled:
         wrapper = self.wrappers.pop(key, None)
         if wrapper is None:
-            wrapper = _Handled(fn, key.handlers)
+            wrapper = _Handled(fn, handlers)
         self.wrappers[key] = wrapper
         while len(self.wrappers) > self.size:
             del self.wrappers[next(iter(self.wrappers))]
         return wrapper
+
+    def get_with_arrays(self, fn, handlers) -> _Handled:
+        """A wrapper for handlers holding arrays (`Perturb(deltas)`,
+        `Substitute(values)`): a new one each call, since the arrays differ, but
+        sharing the eager caches of every wrapper whose handlers differ only in
+        their arrays' values, which its jitted evaluation takes as arguments."""
+        leaves, treedef = jax.tree.flatten(handlers)
+        arrays = [x for x in leaves if eqx.is_array(x)]
+        try:
+            static = tuple(_ARRAY if eqx.is_array(x) else x for x in leaves)
+            key = _HandlersKey((treedef, static))
+        except TypeError:  # an unhashable leaf that is not an array
+            return _Handled(fn, handlers)
+        return self.get(fn, key, handlers).with_arrays(handlers, arrays)
 
 
 class _HandlersKey:
@@ -298,6 +321,14 @@ class _HandlersKey:
 
 
 _MEMO = "_effects_handled"
+_ARRAY = object()  # an array's place in a memo key of handlers holding arrays
+
+
+# Callables whose `__dict__` holds nothing but attributes set on them, so the
+# memo may live there: functions, partials and jitted functions. Any other
+# object (a Flax NNX or linen module, a class with `__call__`) may treat its
+# `__dict__` as its state, and gets a new wrapper per call.
+_MEMOIZABLE = (types.FunctionType, functools.partial, type(jax.jit(lambda: None)))
 
 
 def _memoized(fn, handlers) -> _Handled:
@@ -305,19 +336,19 @@ def _memoized(fn, handlers) -> _Handled:
         # Inside a transformation, handlers may close over its tracers, which a
         # memo would keep alive; and a traced function is traced once anyway.
         return _Handled(fn, handlers)
-    try:
-        key = _HandlersKey(handlers)
-        namespace = vars(fn)
-    except TypeError:  # unhashable handlers, or no `__dict__`
+    if not isinstance(fn, _MEMOIZABLE):
         return _Handled(fn, handlers)
-    if isinstance(fn, eqx.Module):  # its fields are its state: leave them alone
-        return _Handled(fn, handlers)
+    namespace = vars(fn)
     memo = namespace.get(_MEMO)
     # `functools.wraps` copies `__dict__` entries, so a wrapper of `fn` (say
     # `jax.vmap(fn)`) can hold `fn`'s memo: it needs its own.
     if not isinstance(memo, _Memo) or memo.owner != id(fn):
         memo = namespace[_MEMO] = _Memo(fn)
-    return memo.get(fn, key)
+    try:
+        key = _HandlersKey(handlers)
+    except TypeError:  # handlers holding arrays are unhashable
+        return memo.get_with_arrays(fn, handlers)
+    return memo.get(fn, key, handlers)
 
 
 def handle(fn: Callable, *handlers: Handler) -> Callable:

@@ -3,18 +3,23 @@ namespace per page, so a page is checked exactly as a reader runs it.
 
 A fenced block whose info string starts with `python` runs, unless it carries
 the class `.no-test` (```` ```python {.no-test} ````): that marks code which
-cannot run here, such as another library's API shown for comparison. Blocks in
-any other language (`bash`, `text`, ...) are not run. A failing block is
-reported with its page and line, and the traceback points into the page."""
+cannot run here, such as another library's API shown for comparison. A block
+with `requires="flax>=0.12.6"` runs only where that requirement holds: the docs
+show the current release of a library, and the JAX-version matrix also runs
+older ones (the newest versions run every block). Blocks in any other language
+(`bash`, `text`, ...) are not run. A failing block is reported with its page and
+line, and the traceback points into the page."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import sys
 import types
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
@@ -22,9 +27,10 @@ PAGES = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 
 
-def code_blocks(path: Path) -> list[tuple[int, str]]:
+def code_blocks(path: Path) -> list[tuple[int, str, str]]:
     """The runnable blocks of a Markdown page, as (line of the first code line,
-    code). Fences may be indented (inside admonitions, tabs, lists)."""
+    code, unmet requirement or ""). Fences may be indented (inside admonitions,
+    tabs, lists)."""
     blocks = []
     lines = path.read_text(encoding="utf-8").splitlines()
     i = 0
@@ -50,13 +56,25 @@ def code_blocks(path: Path) -> list[tuple[int, str]]:
             i += 1
         i += 1
         if _runs(info):
-            blocks.append((start, "\n".join(body) + "\n"))
+            blocks.append((start, "\n".join(body) + "\n", _unmet(info)))
     return blocks
 
 
 def _runs(info: str) -> bool:
     language = re.split(r"[\s{]", info, maxsplit=1)[0]
     return language == "python" and ".no-test" not in info
+
+
+def _unmet(info: str) -> str:
+    """The block's `requires="..."` if the installed version does not meet it."""
+    m = re.search(r'requires="([^"]+)"', info)
+    if m is None:
+        return ""
+    requirement = Requirement(m[1])
+    installed = importlib.metadata.version(requirement.name)
+    if requirement.specifier.contains(installed, prereleases=True):
+        return ""
+    return f"{requirement} (installed: {installed})"
 
 
 def _id(path: Path) -> str:
@@ -70,8 +88,12 @@ def test_page(page: Path):
     name = "docs_" + re.sub(r"\W", "_", _id(page).removesuffix(".md"))
     module = types.ModuleType(name)
     sys.modules[name] = module
+    unmet = []
     try:
-        for line, code in code_blocks(page):
+        for line, code, requirement in code_blocks(page):
+            if requirement:
+                unmet.append(f"{_id(page)}:{line} needs {requirement}")
+                continue
             # Padding puts the code on its own lines of the page, so tracebacks
             # show the page's source.
             compiled = compile("\n" * (line - 1) + code, str(page), "exec")
@@ -82,6 +104,8 @@ def test_page(page: Path):
                 raise
     finally:
         del sys.modules[name]
+    if unmet:  # every other block ran and passed
+        pytest.skip("blocks not run: " + "; ".join(unmet))
 
 
 def test_blocks_are_found():
@@ -90,3 +114,5 @@ def test_blocks_are_found():
     assert code_blocks(ROOT / "README.md")
     assert _runs("python") and _runs('python title="x"')
     assert not _runs("python {.no-test}") and not _runs("bash")
+    assert _unmet('python {requires="pytest>=1"}') == ""
+    assert "installed" in _unmet('python {requires="pytest<1"}')

@@ -650,6 +650,50 @@ def test_handle_returns_the_same_wrapper():
     assert fx.handle(f, fx.Tag()) is not fx.handle(f, fx.Tag(mode="last"))
 
 
+def test_handlers_with_arrays_share_compiled_evaluation():
+    # `Perturb(deltas)` and `Substitute(values)` hold arrays, so each call builds
+    # a new wrapper; eager calls in a loop must still compile once, each call
+    # evaluating with its own arrays.
+    calls = []
+
+    def f(x):
+        calls.append(None)
+        return jnp.sum(fx.perturb(jnp.sin(x), "h") ** 2)
+
+    deltas = [{"h": (jnp.full(X.shape, 0.1 * i),)} for i in range(4)]
+
+    def expected(d):
+        h = jnp.sin(X) + d
+        return jnp.sum(h**2)
+
+    results = [fx.handle(f, fx.Perturb(deltas[0]))(X)]
+    with _CountCompiles() as counter:
+        for d in deltas[1:]:
+            results.append(fx.handle(f, fx.Perturb(d))(X))
+    assert counter.traces == 0 and counter.compiles == 0
+    assert len(calls) == 1
+    for d, (out, found) in zip(deltas, results):
+        assert_trees_close(out, expected(d["h"][0]))
+        assert found == {}
+
+
+def test_handle_leaves_callable_objects_alone():
+    # A callable object's `__dict__` may be its state (a Flax NNX module's is):
+    # `handle` must not store anything there.
+    class Scale:
+        def __init__(self):
+            self.w = jnp.float32(3.0)
+
+        def __call__(self, x):
+            return fx.tag(self.w * x, "h")
+
+    model = Scale()
+    before = dict(vars(model))
+    out, found = fx.handle(model, fx.Tag())(X)
+    assert_trees_close((out, found), (3.0 * X, {"intermediates": {"h": (3.0 * X,)}}))
+    assert vars(model).keys() == before.keys()
+
+
 def test_inline_jit_of_handle_traces_once():
     f, calls = _counted()
     xs = [X + i for i in range(5)]
@@ -1018,6 +1062,10 @@ def test_flax_nnx_module_with_tags():
     expected = by_hand(weights, x)
 
     assert_trees_close(fx.handle(lambda x: model(x), fx.Tag())(x), expected)
+    # The module itself, called: handling it leaves its graph as it was.
+    graphdef_before = nnx.split(model)[0]
+    assert_trees_close(fx.handle(model, fx.Tag())(x), expected)
+    assert nnx.split(model)[0] == graphdef_before
 
     graphdef, state = nnx.split(model)
 
