@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import functools
+import operator
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, dataclass_transform
 
 import equinox as eqx
 import jax
@@ -44,7 +44,8 @@ def _name_matches(names, name: str) -> bool:
     return bool(names(name))
 
 
-class Reduce(eqx.Module):
+@dataclasses.dataclass(frozen=True)
+class Reduce:
     """A custom collection mode for `Tag`: folds every execution of a tag into an
     accumulator, carried through loops in constant memory.
 
@@ -60,8 +61,15 @@ class Reduce(eqx.Module):
     ```
     """
 
-    fn: Callable = eqx.field(static=True)
-    init: Callable = eqx.field(static=True)
+    fn: Callable
+    init: Callable
+
+    def __repr__(self):
+        return eqx.tree_pformat(self)
+
+
+# A pytree with no leaves: `fn` and `init` are part of its structure.
+jax.tree_util.register_dataclass(Reduce, data_fields=[], meta_fields=["fn", "init"])
 
 
 def _last(acc, x):
@@ -83,18 +91,98 @@ _BAD_MODE = (
 )
 
 #
+# Handlers as frozen dataclasses and pytrees
+#
+
+
+def _static() -> Any:
+    # A field that is part of a handler's tree structure rather than a leaf (the
+    # convention `eqx.field(static=True)` and `jax.tree_util.register_dataclass`
+    # share).
+    return dataclasses.field(metadata={"static": True})
+
+
+def _set_fields(handler, **fields):
+    # A frozen dataclass refuses `self.x = ...`, in its `__init__` too.
+    handler.__dict__.update(fields)
+
+
+def _register(cls) -> None:
+    # `jax.tree_util.register_dataclass` would rebuild a handler by calling its
+    # class, which re-runs the constructor's validation on whatever leaves a
+    # transformation put in (`None`, tracers, placeholders): unflattening here
+    # sets the fields directly instead, as `eqx.Module` does.
+    fields = dataclasses.fields(cls)
+    data = tuple(f.name for f in fields if not f.metadata.get("static", False))
+    meta = tuple(f.name for f in fields if f.metadata.get("static", False))
+    _FIELD_VALUES[cls] = _getter(tuple(f.name for f in fields))
+    get_data, get_meta = _getter(data), _getter(meta)
+    keys = tuple(jax.tree_util.GetAttrKey(n) for n in data)
+
+    def flatten(handler):
+        return get_data(handler), get_meta(handler)
+
+    def flatten_with_keys(handler):
+        return tuple(zip(keys, get_data(handler))), get_meta(handler)
+
+    def unflatten(aux, children):
+        handler = object.__new__(cls)
+        handler.__dict__.update(zip(data, children))
+        handler.__dict__.update(zip(meta, aux))
+        return handler
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+
+
+def _getter(names: tuple[str, ...]) -> Callable[[Any], tuple]:
+    # `operator.attrgetter`, the fastest way to read several attributes, returns
+    # a bare value for a single name.
+    if len(names) == 1:
+        get = operator.attrgetter(names[0])
+        return lambda obj: (get(obj),)
+    return operator.attrgetter(*names) if names else lambda obj: ()
+
+
+# Per handler class: its fields' values, as a tuple.
+_FIELD_VALUES: dict[type, Callable[[Any], tuple]] = {}
+
+
+def _field_values(handler) -> tuple:
+    return _FIELD_VALUES[type(handler)](handler)
+
+
+#
 # Handlers
 #
 
 
-class Handler(eqx.Module):
+# Handlers are frozen dataclasses rather than `eqx.Module`s: users build them
+# inline at every call (`fx.handle(f, fx.Tag())(x)`), and an `eqx.Module` costs
+# several microseconds to construct, a frozen dataclass a fraction of one.
+@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field, _static))
+class Handler:
     """Base class of handlers. `apply` returns the site's new leaves and whether
     the handler consumed the site (a consumed site is no longer visible to
-    handlers further out)."""
+    handlers further out).
+
+    A subclass is made a frozen dataclass and a pytree: its fields are leaves,
+    except those declared `dataclasses.field(metadata={"static": True})`, which
+    are part of the tree's structure."""
 
     kind: ClassVar[str] = "tag"
     reports: ClassVar[bool] = False
-    collection: eqx.AbstractVar[str]
+    collection: str
+    # Whether the class or a base defines its own `__init__` (as `Tag` does, to
+    # validate its arguments): it is then kept, and no dataclass one generated.
+    _custom_init: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._custom_init = "__init__" in vars(cls) or cls._custom_init
+        dataclasses.dataclass(
+            cls, frozen=True, eq=False, repr=False, init=not cls._custom_init
+        )
+        _register(cls)
 
     # Handlers are compared and hashed by their fields' values, cheaply: `handle`
     # looks them up in its cache at every call. (Handlers holding arrays are not
@@ -104,6 +192,9 @@ class Handler(eqx.Module):
 
     def __eq__(self, other):
         return type(self) is type(other) and _field_values(self) == _field_values(other)
+
+    def __repr__(self):
+        return eqx.tree_pformat(self)
 
     def matches(self, site: Site) -> bool:
         return site.kind == self.kind and site.collection == self.collection
@@ -142,9 +233,9 @@ class Tag(Handler):
     """
 
     reports: ClassVar[bool] = True
-    collection: str
-    names: Any
-    mode: Any
+    collection: str = _static()
+    names: Any = _static()
+    mode: Any = _static()
 
     def __init__(
         self,
@@ -159,9 +250,9 @@ class Tag(Handler):
             isinstance(mode, Reduce) or mode in ("append", "strict", "last", "sum")
         ):
             raise ValueError(_BAD_MODE.format(mode=mode))
-        self.collection = collection
-        self.names = _check_names(names, "Tag")
-        self.mode = mode
+        _set_fields(
+            self, collection=collection, names=_check_names(names, "Tag"), mode=mode
+        )
 
     def matches(self, site):
         return super().matches(site) and _name_matches(self.names, site.name)
@@ -200,9 +291,9 @@ class Perturb(Handler):
     """
 
     kind: ClassVar[str] = "perturb"
+    collection: str = _static()
     deltas: Any
-    collection: str
-    names: Any
+    names: Any = _static()
 
     def __init__(
         self,
@@ -216,9 +307,12 @@ class Perturb(Handler):
                 f"Perturb: deltas must be a dict from name to a tuple of deltas, got "
                 f"{type(deltas).__name__}."
             )
-        self.deltas = None if deltas is None else _per_call_dict(deltas, "Perturb")
-        self.collection = collection
-        self.names = _check_names(names, "Perturb")
+        _set_fields(
+            self,
+            collection=collection,
+            deltas=None if deltas is None else _per_call_dict(deltas, "Perturb"),
+            names=_check_names(names, "Perturb"),
+        )
 
     @property
     def reports(self):  # type: ignore[override]
@@ -266,9 +360,9 @@ class Substitute(Handler):
     ```
     """
 
+    collection: str = _static()
     values: Any
-    collection: str
-    per_call: bool = eqx.field(static=True)
+    per_call: bool = _static()
 
     def __init__(
         self,
@@ -282,12 +376,12 @@ class Substitute(Handler):
                 f"Substitute: values must be a dict from name to value, got "
                 f"{type(values).__name__}."
             )
-        self.per_call = bool(per_call)
-        if self.per_call:
-            self.values = _per_call_dict(values, "Substitute(per_call=True)")
+        per_call = bool(per_call)
+        if per_call:
+            values = _per_call_dict(values, "Substitute(per_call=True)")
         else:
-            self.values = {k: _as_arrays(v, "Substitute", k) for k, v in values.items()}
-        self.collection = collection
+            values = {k: _as_arrays(v, "Substitute", k) for k, v in values.items()}
+        _set_fields(self, collection=collection, values=values, per_call=per_call)
 
     def matches(self, site):
         return super().matches(site) and site.name in self.values
@@ -318,16 +412,15 @@ class Intervene(Handler):
     ```
     """
 
-    fns: Any = eqx.field(static=True)
-    collection: str
+    collection: str = _static()
+    fns: Any = _static()
 
     def __init__(
         self, fns: Mapping[str, Callable], *, collection: str = "intermediates"
     ):
         if not isinstance(fns, Mapping) or not all(callable(f) for f in fns.values()):
             raise TypeError("Intervene: fns must be a dict from name to a function.")
-        self.fns = _FrozenDict(fns)
-        self.collection = collection
+        _set_fields(self, collection=collection, fns=_FrozenDict(fns))
 
     def matches(self, site):
         return super().matches(site) and site.name in self.fns
@@ -343,18 +436,6 @@ class Intervene(Handler):
 #
 # Helpers
 #
-
-
-@functools.cache
-def _field_names(cls) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))
-
-
-def _field_values(handler) -> tuple:
-    # A function reading attributes with `object.__getattribute__`: going through
-    # `eqx.Module.__getattribute__` costs more than the whole comparison.
-    get = object.__getattribute__
-    return tuple(get(handler, name) for name in _field_names(type(handler)))
 
 
 class _FrozenDict(dict):

@@ -9,6 +9,8 @@ references are NumPy, and JAX references run as one compiled program
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -985,3 +987,92 @@ def test_substitute_closing_over_tracer_inside_jit_of_grad():
         return jax.grad(lambda x: jnp.sum(model_ref(x, on_c=lambda i, c: v)[0]))(x)
 
     assert_trees_close(jax.jit(handled)(X, V), evaluate(reference, X, V), rtol=1e-4)
+
+
+#
+# Handlers as objects: immutable, compared by value, pytrees of their arrays
+#
+
+
+def test_handlers_are_immutable_and_compare_by_value():
+    tag = fx.Tag(names=["a*"], mode="sum")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tag.mode = "last"  # type: ignore[misc]
+    assert tag == fx.Tag(names=("a*",), mode="sum")
+    assert hash(tag) == hash(fx.Tag(names=("a*",), mode="sum"))
+    assert tag != fx.Tag(names=["a*"], mode="last")
+    assert fx.Tag() != fx.Perturb() and fx.Reduce(max, min) == fx.Reduce(max, min)
+    assert hash(fx.Intervene({"h": jnp.exp})) == hash(fx.Intervene({"h": jnp.exp}))
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(fx.Perturb({"h": (ZH,)}))
+
+
+@pytest.mark.parametrize(
+    "handler, leaves",
+    [
+        (fx.Tag(names="a*", mode=RUNNING_MAX), []),
+        (fx.Intervene({"h": jnp.exp}), []),
+        (fx.Perturb(), []),
+        (fx.Perturb({"h": (ZH,), "c": (ZC,)}, names="?"), [ZC, ZH]),
+        (fx.Substitute({"h": {"u": X, "v": ZH}}), [X, ZH]),
+        (fx.Substitute({"c": (X, ZH)}, per_call=True), [X, ZH]),
+    ],
+    ids=repr,
+)
+def test_handlers_are_pytrees_of_their_arrays(handler, leaves):
+    flat, treedef = jax.tree.flatten(handler)
+    assert len(flat) == len(leaves)
+    for leaf, expected in zip(flat, leaves):
+        np.testing.assert_array_equal(leaf, expected)
+    # Rebuilt with leaves no constructor would accept: no validation runs again.
+    marked = jax.tree.unflatten(treedef, ["leaf"] * len(flat))
+    assert type(marked) is type(handler)
+    assert jax.tree.leaves(marked) == ["leaf"] * len(flat)
+    assert jax.tree.structure(jax.tree.unflatten(treedef, flat)) == treedef
+    paths = jax.tree_util.tree_leaves_with_path(handler)
+    assert all(
+        jax.tree_util.keystr(p).startswith((".deltas", ".values")) for p, _ in paths
+    )
+
+
+class Scale(fx.Handler):
+    """A user's handler: multiplies the tagged value `name` by `scale`."""
+
+    scale: jax.Array
+    name: str = dataclasses.field(metadata={"static": True})
+    collection: str = dataclasses.field(
+        default="intermediates", metadata={"static": True}
+    )
+
+    def matches(self, site):
+        return super().matches(site) and site.name == self.name
+
+    def apply(self, call, leaves):
+        return [x * self.scale for x in leaves], False
+
+
+def test_handler_subclass_is_a_frozen_dataclass_and_pytree():
+    scale = Scale(jnp.float32(2.0), "b")
+    assert jax.tree.leaves(scale) == [scale.scale]
+    assert repr(scale) == "Scale(scale=f32[], name='b')"  # the default left out
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        scale.name = "a"  # type: ignore[misc]
+
+    def reference(s):
+        _, a1, b, _ = line_ref(X)
+        return np.cos(a1 * f32(3.0) * s) + a1 * f32(3.0) * s
+
+    out, found = fx.handle(line, scale)(X)
+    assert_trees_close(out, reference(f32(2.0)))
+    assert found == {}
+
+    # The array is a leaf: a handler closing over a tracer, under grad and jit.
+    def loss(s):
+        return jnp.sum(fx.handle(line, Scale(s, "b"))(X)[0])
+
+    def loss_ref(s):
+        b = jnp.sin(X) * 3.0 * s
+        return jnp.sum(jnp.cos(b) + b)
+
+    s = np.float32(0.5)
+    assert_trees_close(jax.jit(jax.grad(loss))(s), evaluate(jax.grad(loss_ref), s))
