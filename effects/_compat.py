@@ -239,9 +239,13 @@ custom_vjp_call_p = _prims.custom_vjp_call_p
 _keep_jit_in: list[Any] = []
 _inline_jit_rule = _pe.custom_staging_rules[pjit_p]
 _Ref = getattr(_core, "Ref", ())  # jax 0.7+: mutable array references
-
-
 _Inline = getattr(jax, "Inline", None)
+
+
+def _has_refs(closed) -> bool:
+    """Whether a closed jaxpr closes over mutable array references, which jit's
+    staging rule moves out rather than staging the equation as it is."""
+    return any(isinstance(c, _Ref) for c in closed.consts)
 
 
 def _inlines_when_traced(inline) -> bool:
@@ -263,7 +267,7 @@ def _jit_staging_rule(trace, source_info, *args, **params):
         _inlines_when_traced(params["inline"])
         and _keep_jit_in
         and _keep_jit_in[-1] is trace
-        and not any(isinstance(c, _Ref) for c in params["jaxpr"].consts)
+        and not _has_refs(params["jaxpr"])
     ):
         return trace.default_process_primitive(
             pjit_p, args, params, source_info=source_info
@@ -283,7 +287,7 @@ def _inlined_when_staged(params) -> bool:
         and all(isinstance(s, _Unspecified) for s in params["out_shardings"])
         and all(lay is None for lay in params["in_layouts"])
         and all(lay is None for lay in params["out_layouts"])
-        and not any(isinstance(c, _Ref) for c in params["jaxpr"].consts)
+        and not _has_refs(params["jaxpr"])
     )
 
 
@@ -295,7 +299,7 @@ def _stages_as_is(params) -> bool:
     return (
         not params["compiler_options_kvs"]
         and not getattr(closed.jaxpr, "is_high", False)
-        and not any(isinstance(c, _Ref) for c in closed.consts)
+        and not _has_refs(closed)
     )
 
 

@@ -295,9 +295,10 @@ class _Memo:
         sharing the eager caches of every wrapper whose handlers differ only in
         their arrays' values, which its jitted evaluation takes as arguments."""
         leaves, treedef = jax.tree.flatten(handlers)
-        arrays = [x for x in leaves if eqx.is_array(x)]
+        is_array = [eqx.is_array(x) for x in leaves]
+        arrays = [x for x, a in zip(leaves, is_array) if a]
         try:
-            static = tuple(_ARRAY if eqx.is_array(x) else x for x in leaves)
+            static = tuple(_ARRAY if a else x for x, a in zip(leaves, is_array))
             key = _HandlersKey((treedef, static))
         except TypeError:  # an unhashable leaf that is not an array
             return _Handled(fn, handlers)

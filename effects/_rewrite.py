@@ -33,13 +33,13 @@ rules: dict[Any, Rule] = {}
 _analysis_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _analyse(jaxpr) -> tuple[frozenset, tuple[bool, ...]]:
-    """The sites of `jaxpr` (see `sites_in`) and, per equation, whether it is
-    plain: neither a site nor holding one in a sub-jaxpr. Plain equations are
-    copied into the caller's trace as they are, never traced again."""
+def _analyse(jaxpr) -> tuple[frozenset, tuple[frozenset, ...]]:
+    """The sites of `jaxpr` (see `sites_in`) and, per equation, the sites it is
+    or holds in its sub-jaxprs. An equation with none is plain: it is copied into
+    the caller's trace as it is, never traced again."""
     found = _analysis_cache.get(jaxpr)
     if found is None:
-        acc, plain = set(), []
+        acc, per_eqn = set(), []
         for eqn in jaxpr.eqns:
             mine = frozenset()
             if eqn.primitive is site_p:
@@ -48,9 +48,9 @@ def _analyse(jaxpr) -> tuple[frozenset, tuple[bool, ...]]:
             elif eqn.params:
                 for sub in _compat.jaxprs_in_params(eqn.params):
                     mine |= sites_in(sub)
-            plain.append(not mine)
+            per_eqn.append(mine)
             acc |= mine
-        found = (frozenset(acc), tuple(plain))
+        found = (frozenset(acc), tuple(per_eqn))
         _analysis_cache[jaxpr] = found
     return found
 
@@ -58,13 +58,6 @@ def _analyse(jaxpr) -> tuple[frozenset, tuple[bool, ...]]:
 def sites_in(jaxpr) -> frozenset[tuple[str, str, str]]:
     """(kind, collection, name) of every site in `jaxpr` and its sub-jaxprs."""
     return _analyse(jaxpr)[0]
-
-
-def _eqn_sites(eqn) -> frozenset:
-    out = frozenset()
-    for sub in _compat.jaxprs_in_params(eqn.params):
-        out |= sites_in(sub)
-    return out
 
 
 def _matched(handlers, sites) -> list[tuple[str, str, str]]:
@@ -109,9 +102,9 @@ def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
     trace = _compat.staging_trace()
     name_stack = _compat.current_name_stack() if trace is not None else None
     literal = _compat.Literal
-    for eqn, plain in zip(jaxpr.eqns, _analyse(jaxpr)[1]):
+    for eqn, sites in zip(jaxpr.eqns, _analyse(jaxpr)[1]):
         invals = [v.val if type(v) is literal else env[v] for v in eqn.invars]
-        if plain:
+        if not sites:
             outs = None
             if trace is not None:
                 outs = _compat.emit_eqn(trace, eqn, invals, name_stack)
@@ -119,10 +112,10 @@ def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
                 outs = _bind(eqn, invals)
         elif eqn.primitive is site_p:
             outs = _site_rule(eqn, invals, scope)
-        elif _needs_rule(eqn, scope):
+        elif _needs_rule(eqn, sites, scope):
             rule = rules.get(eqn.primitive)
             if rule is None:
-                matched = _matched(scope.handlers, _eqn_sites(eqn))
+                matched = _matched(scope.handlers, sites)
                 if matched:
                     where = Site.probe(*matched[0]).where()
                     raise ValueError(
@@ -138,12 +131,8 @@ def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
     return [read(v) for v in jaxpr.outvars]
 
 
-def _needs_rule(eqn, scope: Scope) -> bool:
-    if not eqn.params:
-        return False
-    sites = _eqn_sites(eqn)
-    if not sites:
-        return False
+def _needs_rule(eqn, sites, scope: Scope) -> bool:
+    """Whether an equation holding `sites` in its sub-jaxprs is rewritten."""
     if _matched(scope.handlers, sites):
         return True
     # Only sites no handler matches: rebuild the equation just to drop the effect
