@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -307,7 +309,149 @@ def staging_trace():
     """The current trace if it builds a jaxpr (`jax.jit`, `make_jaxpr`, `trace`
     above), else None (jax 0.7-0.12: a `DynamicJaxprTrace`)."""
     current = _core.trace_ctx.trace
-    return current if type(current) is _pe.DynamicJaxprTrace else None
+    kind = type(current)
+    return current if kind is _Staging or kind is _intercepted[0] else None
+
+
+#
+# Intercepting what is staged into a jaxpr being built
+#
+
+_Staging = _pe.DynamicJaxprTrace
+_TracingEqn = _pe.TracingEqn
+# The intercepting subclass, once made: (class or None,).
+_intercepted: list[Any] = [None]
+
+
+def _intercepting_class(on_primitive: Callable, on_other: Callable) -> type:
+    # jax 0.7-0.12: everything staged into a `DynamicJaxprTrace` goes through
+    # `process_primitive` or another `process_*` method (custom_jvp/vjp calls,
+    # shard_map, ...). The subclass adds no state (`__slots__ = ()`), so a trace
+    # can switch to it and back by assigning `__class__`.
+    def process_primitive(self, primitive, tracers, params, /):
+        return on_primitive(self, primitive, tracers, params)
+
+    namespace: dict[str, Any] = {
+        "__slots__": (),
+        "__module__": __name__,
+        "process_primitive": process_primitive,
+    }
+    for name in dir(_Staging):
+        if name.startswith("process_") and name != "process_primitive":
+            namespace[name] = _forwarding(getattr(_Staging, name), on_other)
+    return type("InterceptedJaxprTrace", (_Staging,), namespace)
+
+
+def _forwarding(base: Callable, on_other: Callable) -> Callable:
+    def method(self, *args, **kwargs):
+        return on_other(self, base, args, kwargs)
+
+    return method
+
+
+@contextlib.contextmanager
+def intercepting(trace, on_primitive: Callable, on_other: Callable):
+    """While active, what is staged into `trace` (a jaxpr being built) goes
+    through `on_primitive(trace, primitive, tracers, params)` or, for the other
+    `process_*` methods, `on_other(trace, base_method, args, kwargs)`; both
+    fall back on `stage_primitive` or on calling `base_method`. Re-entrant: the
+    outermost use switches the trace back."""
+    cls = _intercepted[0]
+    if cls is None:
+        cls = _intercepted[0] = _intercepting_class(on_primitive, on_other)
+    if type(trace) is cls:
+        yield
+        return
+    trace.__class__ = cls
+    try:
+        yield
+    finally:
+        trace.__class__ = _Staging
+
+
+def current_trace():
+    return _core.trace_ctx.trace
+
+
+def set_current_trace(trace) -> None:
+    """Makes `trace` current (jax 0.7-0.12: `bind` makes no trace current while
+    a trace processes a primitive; code run there that binds must set one)."""
+    _core.trace_ctx.set_trace(trace)
+
+
+def stage_primitive(trace, primitive, tracers, params):
+    """What staging `primitive` into `trace` does without interception."""
+    return _Staging.process_primitive(trace, primitive, tracers, params)
+
+
+def staged_mark(trace) -> tuple[int, set]:
+    """Where `trace`'s jaxpr is now: its equation count and effects."""
+    frame = trace.frame
+    return len(frame.tracing_eqns), set(frame.effects)
+
+
+def staged_since(trace, mark) -> list[tuple[Any, list[Any]]]:
+    """The equations staged into `trace` since `mark`, each as a jaxpr equation
+    with the tracers its inputs read."""
+    eqns = []
+    for entry in trace.frame.tracing_eqns[mark[0] :]:
+        # jax 0.7-0.12: an entry is the equation, a weak reference to it (it is
+        # dropped with its outputs), or a function returning it.
+        if isinstance(entry, (weakref.ReferenceType, types.FunctionType)):
+            entry = entry()
+        if entry is None:
+            continue
+        if isinstance(entry, _TracingEqn):  # as `JaxprStackFrame.get_eqns` does
+            tracers = list(entry.in_tracers)
+            entry = _core.JaxprEqn(
+                [t.val for t in tracers],
+                entry.outvars,
+                entry.primitive,
+                entry.params,
+                entry.effects,
+                entry.source_info,
+                entry.ctx,
+            )
+        else:
+            tracers = None
+        eqns.append((entry, tracers))
+    return eqns
+
+
+def one_eqn_jaxpr(eqn) -> tuple[Jaxpr, list[int]]:
+    """A jaxpr of `eqn` alone, and which of its inputs are its invars."""
+    positions, invars = [], []
+    for i, v in enumerate(eqn.invars):
+        if type(v) is not Literal and v not in invars:
+            positions.append(i)
+            invars.append(v)
+    dbg = _nameless_debug_info(eqn.primitive.bind)._replace(result_paths=None)
+    jaxpr = Jaxpr([], invars, list(eqn.outvars), [eqn], eqn.effects, dbg)
+    return jaxpr, positions
+
+
+def output_values(out, outvars) -> tuple[list[Any], Callable] | None:
+    """The tracers a `process_*` method returned (a list, or a jax 0.10+
+    `FlatTree`) if they are exactly `outvars`' tracers, and how to return others
+    in their place; else None."""
+    if isinstance(out, (list, tuple)):
+        vals, rebuild = list(out), list
+    elif hasattr(out, "vals") and hasattr(out, "update"):  # FlatTree
+        vals, rebuild = list(out.vals), out.update
+    else:
+        return None
+    if len(vals) != len(outvars) or any(
+        getattr(t, "val", None) is not v for t, v in zip(vals, outvars)
+    ):
+        return None
+    return vals, rebuild
+
+
+def reset_staged(trace, mark) -> None:
+    """Removes what was staged into `trace` since `mark`."""
+    frame = trace.frame
+    del frame.tracing_eqns[mark[0] :]
+    frame.effects = set(mark[1])
 
 
 def current_name_stack():

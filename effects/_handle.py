@@ -15,6 +15,7 @@ import jax
 from . import _compat
 from ._handlers import Handler, Perturb
 from ._primitives import handling
+from . import _direct
 from ._rewrite import run, sites_in
 from ._scope import Scope
 
@@ -147,14 +148,12 @@ def _traced(fn, static, treedef, dynamic, key, *, staged: bool) -> _Traced:
 #
 
 
-def _check_names(traced: _Traced, handlers) -> None:
+def _check_names(sites, handlers) -> None:
     for h in handlers:
         names = h.required_names()
         if not names:
             continue
-        known = sorted(
-            n for k, c, n in traced.sites if k == h.kind and c == h.collection
-        )
+        known = sorted(n for k, c, n in sites if k == h.kind and c == h.collection)
         for name in names:
             if name not in known:
                 raise ValueError(
@@ -168,14 +167,17 @@ def _check_names(traced: _Traced, handlers) -> None:
                 )
 
 
-def _evaluate(traced: _Traced, handlers, consts, dynamic):
+def _scope(handlers) -> Scope:
     inputs = {
         (i, name): list(entries)
         for i, h in enumerate(handlers)
         for name, entries in h.per_call_inputs().items()
     }
-    scope = Scope(handlers, inputs=inputs)
-    outs = run(traced.jaxpr, (), [*consts, *dynamic], scope)
+    return Scope(handlers, inputs=inputs)
+
+
+def _report(scope: Scope, handlers) -> dict[str, dict[str, Any]]:
+    """What the handlers found, once the whole function has run."""
     for key, left in scope.inputs.items():
         if left:
             name = key[1]
@@ -198,7 +200,32 @@ def _evaluate(traced: _Traced, handlers, consts, dynamic):
         for (j, name), acc in scope.accs.items():
             if j == i:
                 mine[name] = acc
-    return outs, found
+    return found
+
+
+def _evaluate(traced: _Traced, handlers, consts, dynamic):
+    """Two passes: evaluates the traced function's jaxpr, rewritten."""
+    _check_names(traced.sites, handlers)
+    scope = _scope(handlers)
+    outs = run(traced.jaxpr, (), [*consts, *dynamic], scope)
+    return outs, _report(scope, handlers)
+
+
+def _call_direct(fn, handlers, static, treedef, dynamic):
+    """One pass (see `_direct.py`), on a trace that builds a jaxpr; two when the
+    function stages a region the one pass cannot rewrite."""
+    args, kwargs = _merge(dynamic, static, treedef)
+    scope = _scope(handlers)
+    try:
+        out, seen = _direct.call(fn, args, kwargs, scope)
+    except _direct.Fallback as e:
+        if e.frame.scope is not scope:
+            raise
+        traced = _traced(fn, static, treedef, dynamic, None, staged=True)
+        outs, found = _evaluate(traced, handlers, traced.consts, dynamic)
+        return _merge(outs, traced.out_static, traced.out_tree), found
+    _check_names(seen, handlers)
+    return out, _report(scope, handlers)
 
 
 class _Handled:
@@ -214,7 +241,7 @@ class _Handled:
         # runs Python.
         self._h_leaves, self._h_def = jax.tree.flatten(h_dyn)
         # Per argument signature: the traced function and its jitted evaluation.
-        self._eager: dict[Any, tuple[_Traced, Callable]] = {}
+        self._eager: dict[Any, _Eager] = {}
         # `updated=()`: copying `fn.__dict__` would copy a nested wrapper's state.
         functools.update_wrapper(
             self,
@@ -235,36 +262,56 @@ class _Handled:
         if self._module:  # its arrays are inputs, not constants
             fn, args = _call_module, (self.fn, *args)
         dynamic, static, treedef = _split((args, kwargs))
+        if _compat.is_top_level():
+            key = _signature(static, treedef, dynamic)
+            if key is not None:
+                # Outside any transformation: evaluate through a cached jit, so
+                # repeated eager calls neither re-trace nor dispatch op by op.
+                hit = self._eager.get(key)
+                if hit is None:
+                    hit = self._eager[key] = _Eager(
+                        fn, self._h_static, self._h_def, static, treedef
+                    )
+                return hit(self._h_leaves, dynamic)
+        if _compat.staging_trace() is not None:
+            return _call_direct(fn, self.handlers, static, treedef, dynamic)
         key = _signature(static, treedef, dynamic)
-        if key is not None and _compat.is_top_level():
-            # Outside any transformation: evaluate through a cached jit, so
-            # repeated eager calls neither re-trace nor dispatch op by op.
-            hit = self._eager.get(key)
-            if hit is None:
-                traced = _traced(fn, static, treedef, dynamic, key, staged=True)
-                _check_names(traced, self.handlers)
-                evaluate = functools.partial(
-                    _evaluate_split, traced, self._h_static, self._h_def
-                )
-                hit = self._eager[key] = (traced, jax.jit(evaluate))
-            traced, compiled = hit
-            outs, found = compiled(self._h_leaves, traced.consts, dynamic)
-            if traced.out_arrays:  # the jitted function returned `fn`'s output
-                return outs, found
-        else:
-            staged = _compat.staging_trace() is not None
-            traced = _traced(fn, static, treedef, dynamic, key, staged=staged)
-            _check_names(traced, self.handlers)
-            outs, found = _evaluate(traced, self.handlers, traced.consts, dynamic)
+        traced = _traced(fn, static, treedef, dynamic, key, staged=False)
+        outs, found = _evaluate(traced, self.handlers, traced.consts, dynamic)
         return _merge(outs, traced.out_static, traced.out_tree), found
 
 
-def _evaluate_split(traced, h_static, h_def, h_leaves, consts, dynamic):
-    h_dyn = jax.tree.unflatten(h_def, h_leaves)
-    outs, found = _evaluate(traced, eqx.combine(h_dyn, h_static), consts, dynamic)
-    if traced.out_arrays:  # jit can return the output as it is: one less step
-        outs = _merge(outs, traced.out_static, traced.out_tree)
-    return outs, found
+class _Eager:
+    """The jitted evaluation of a handled function for one argument signature,
+    taking the handlers' arrays as a flat list."""
+
+    def __init__(self, fn, h_static, h_def, static, treedef):
+        self.fn, self.h_static, self.h_def = fn, h_static, h_def
+        self.static, self.treedef = static, treedef
+        self.out = None  # (out_static, out_tree, all arrays), once traced
+        self.compiled = jax.jit(self._evaluate)
+
+    def _evaluate(self, h_leaves, dynamic):
+        handlers = eqx.combine(jax.tree.unflatten(self.h_def, h_leaves), self.h_static)
+        out, found = _call_direct(
+            fn=self.fn,
+            handlers=handlers,
+            static=self.static,
+            treedef=self.treedef,
+            dynamic=dynamic,
+        )
+        out_dyn, out_static, out_tree = _split(out)
+        arrays = all(s is None for s in out_static)
+        self.out = (out_static, out_tree, arrays)
+        # jit can return the output as it is when it is all arrays: one less step
+        return (out if arrays else out_dyn), found
+
+    def __call__(self, h_leaves, dynamic):
+        outs, found = self.compiled(h_leaves, dynamic)
+        out_static, out_tree, arrays = self.out  # pyright: ignore[reportGeneralTypeIssues]
+        if arrays:
+            return outs, found
+        return _merge(outs, out_static, out_tree), found
 
 
 class _Memo:

@@ -133,22 +133,35 @@ def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
 
 def _needs_rule(eqn, sites, scope: Scope) -> bool:
     """Whether an equation holding `sites` in its sub-jaxprs is rewritten."""
-    if _matched(scope.handlers, sites):
+    return needs_rewrite(scope.handlers, sites, eqn.effects, bool(handling.value))
+
+
+def needs_rewrite(handlers, sites, effects, handling_outside: bool) -> bool:
+    """Whether an equation holding `sites` in its sub-jaxprs, with `effects`, is
+    rewritten by `handlers` where `handling_outside` is the handling state."""
+    if _matched(handlers, sites):
         return True
     # Only sites no handler matches: rebuild the equation just to drop the effect
     # its sites carried while `handle` traced, unless they still need it.
-    return site_effect in eqn.effects and not handling.value
+    return site_effect in effects and not handling_outside
 
 
 def _site_rule(eqn, invals, scope: Scope) -> list[Any]:
-    site = Site.from_eqn(eqn.params, [v.aval for v in eqn.invars])
+    return handle_site(eqn.params, [v.aval for v in eqn.invars], invals, scope)
+
+
+def handle_site(params, avals, invals, scope: Scope) -> list[Any]:
+    """Lets the scope's handlers act, in order, on one executed site (its
+    params, the avals of its leaves, their values). A site no handler consumes
+    is bound again, for handlers further out."""
+    site = Site.from_eqn(params, avals)
     leaves = list(invals)
     for i, (handler, (matches, apply)) in enumerate(zip(scope.handlers, scope.actions)):
         if matches(handler, site):
             leaves, consumed = apply(handler, SiteCall(scope, i, site, leaves), leaves)
             if consumed:
                 return list(leaves)
-    return site_p.bind(*leaves, **eqn.params)
+    return site_p.bind(*leaves, **params)
 
 
 #

@@ -1033,7 +1033,7 @@ def _hand_program(x):
 
 
 def test_site_free_regions_are_not_interpreted_again(monkeypatch):
-    from effects import _handle, _rewrite
+    from effects import _direct, _handle, _rewrite
 
     interpreted = []
     original = _rewrite.run
@@ -1044,14 +1044,22 @@ def test_site_free_regions_are_not_interpreted_again(monkeypatch):
 
     monkeypatch.setattr(_rewrite, "run", counting_run)
     monkeypatch.setattr(_handle, "run", counting_run)
+    monkeypatch.setattr(_direct, "run", counting_run)
     x = lin(-1.0, 1.0, 3)
     handled = fx.handle(_tagged_program, fx.Tag())
+    # Where a jaxpr is being built (eagerly, through the cached jit, and under
+    # `jax.jit`) the function runs on it in one pass: nothing is interpreted.
     for evaluate in (handled, jax.jit(handled)):
         interpreted.clear()
         assert_trees_close(evaluate(x), _hand_program(x))
-        # Only the top level, which holds the tag: the scan and the jit hold no
-        # site and are copied as they are.
-        assert len(interpreted) == 1
+        assert interpreted == []
+    # Under `jax.vmap` it is traced, then rewritten: only the top level, which
+    # holds the tag, is interpreted; the scan and the jit hold no site and are
+    # copied as they are.
+    interpreted.clear()
+    xs = jnp.stack([x, 2 * x])
+    assert_trees_close(jax.vmap(handled)(xs), jax.vmap(_hand_program)(xs))
+    assert len(interpreted) == 1
 
 
 def test_copied_equations_make_the_hand_written_program():

@@ -1,0 +1,208 @@
+"""Handling in one pass. When `handle`d code runs while a jaxpr is being built
+(under `jax.jit`, in a loop body, in `make_jaxpr`), the function is not traced
+to a jaxpr of its own and then rewritten: it runs on the caller's trace, with
+what reaches that trace intercepted.
+
+- A site bound there is handled at once.
+- An equation holding sites in its sub-jaxprs (a `jit` call, a loop, a
+  branch, ...) is traced alone and rewritten by the rewriter's rule for it.
+- Everything else is staged as it would be without `handle`.
+
+So the caller's program is built once, with no copy. Handles nested on one trace
+form a chain (`Frame.next`): a frame lets the ones further out see what it does
+not consume, as `handle(handle(f, A), B)` does when traced in two passes.
+
+A region staged through a path other than `process_primitive` (a custom_jvp or
+custom_vjp call, shard_map, ...) is checked once staged; if it holds sites a
+frame must rewrite, it is taken out of the trace and rewritten in its place. In
+the rare case that cannot be done (the path staged more than one equation), what
+the function staged is removed and the frame falls back on the two-pass rewrite
+(`_handle.py`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import jax
+
+from . import _compat
+from ._primitives import handling, site_p
+from ._rewrite import handle_site, needs_rewrite, run, sites_in
+from ._scope import Scope
+
+
+class Frame:
+    """One `handle` running on `trace`."""
+
+    __slots__ = ("trace", "scope", "outside", "seen", "next")
+
+    def __init__(self, trace, scope: Scope, outside: bool, next: Frame | None):
+        self.trace = trace
+        self.scope = scope
+        self.outside = outside  # the handling state where `handle` was called
+        self.seen: set[tuple[str, str, str]] = set()  # sites met, for messages
+        self.next = next
+
+
+class Fallback(BaseException):  # noqa: N818  (control flow, never seen by users)
+    """Raised through the handled function when `frame` must use two passes (a
+    `BaseException`, so that the function's own `except Exception` lets it
+    through)."""
+
+    def __init__(self, frame: Frame):
+        super().__init__()
+        self.frame = frame
+
+
+class _State(threading.local):
+    top: Frame | None = None
+
+
+_state = _State()
+
+
+def call(fn, args, kwargs, scope: Scope) -> tuple[Any, set]:
+    """Runs `fn(*args, **kwargs)` on the current trace (one that builds a
+    jaxpr) with the scope's handlers acting. Returns its output and the sites
+    met. Raises `Fallback` for this frame when it must use two passes; what the
+    call staged is removed then."""
+    trace = _compat.staging_trace()
+    frame = Frame(trace, scope, bool(handling.value), _state.top)
+    mark = _compat.staged_mark(trace)
+    _state.top = frame
+    try:
+        with _compat.intercepting(trace, _on_primitive, _on_other), handling(True):
+            out = fn(*args, **kwargs)
+    except Fallback as e:
+        if e.frame is frame:
+            _compat.reset_staged(trace, mark)
+        raise
+    finally:
+        _state.top = frame.next
+    return out, frame.seen
+
+
+def _on_primitive(trace, primitive, tracers, params):
+    frame = _state.top
+    subs = None
+    while frame is not None:
+        if frame.trace is trace:
+            if primitive is site_p:
+                return _site(frame, tracers, params)
+            if subs is None:
+                subs = _compat.jaxprs_in_params(params) if params else ()
+                if not subs:
+                    break
+                sites = frozenset().union(*(sites_in(_open(j)) for j in subs))
+                if not sites:
+                    break
+                effects = set().union(*(_open(j).effects for j in subs))
+            frame.seen |= sites  # pyright: ignore[reportPossiblyUnbound]
+            if needs_rewrite(frame.scope.handlers, sites, effects, frame.outside):  # pyright: ignore[reportPossiblyUnbound]
+                return _rewrite(frame, primitive, tracers, params)
+        frame = frame.next
+    return _compat.stage_primitive(trace, primitive, tracers, params)
+
+
+def _typeof(x):
+    aval = getattr(x, "aval", None)
+    return jax.typeof(x) if aval is None else aval
+
+
+def _open(jaxpr):
+    return getattr(jaxpr, "jaxpr", jaxpr)
+
+
+class _Acting:
+    """While `frame` acts: what is staged meanwhile goes to the frames further
+    out, under the handling state outside it (as in a two-pass rewrite, which
+    evaluates the rewritten program where `handle` was called)."""
+
+    __slots__ = ("frame", "saved", "state", "trace")
+
+    def __init__(self, frame: Frame):
+        self.frame = frame
+
+    def __enter__(self):
+        self.saved = _state.top
+        _state.top = self.frame.next
+        # `bind` leaves no trace current while a trace processes a primitive.
+        self.trace = _compat.current_trace()
+        _compat.set_current_trace(self.frame.trace)
+        self.state = None
+        if not self.frame.outside:
+            self.state = handling(False)
+            self.state.__enter__()
+
+    def __exit__(self, *exc):
+        if self.state is not None:
+            self.state.__exit__(*exc)
+        _compat.set_current_trace(self.trace)
+        _state.top = self.saved
+
+
+def _site(frame: Frame, tracers, params):
+    frame.seen.add((params["kind"], params["collection"], params["name"]))
+    avals = [_typeof(x) for x in tracers]
+    with _Acting(frame):
+        return handle_site(params, avals, tracers, frame.scope)
+
+
+def _rewrite(frame: Frame, primitive, tracers, params):
+    # The equation alone, as tracing the function to a jaxpr would stage it
+    # (a `jit(inline=True)` call inlined, say), then rewritten onto `trace`.
+    avals = [_typeof(x) for x in tracers]
+    jaxpr, consts = _compat.trace(lambda *xs: _bind(primitive, xs, params), avals)
+    with _Acting(frame):
+        outs = run(jaxpr, (), [*consts, *tracers], frame.scope)
+    return outs if primitive.multiple_results else outs[0]
+
+
+def _bind(primitive, args, params):
+    out = primitive.bind(*args, **params)
+    return list(out) if primitive.multiple_results else [out]
+
+
+def _on_other(trace, base, args, kwargs):
+    # A region staged some other way (a custom_jvp/vjp call, shard_map, ...):
+    # staged as usual, then rewritten if a frame must.
+    frame = _state.top
+    while frame is not None and frame.trace is not trace:
+        frame = frame.next
+    if frame is None:
+        return base(trace, *args, **kwargs)
+    mark = _compat.staged_mark(trace)
+    out = base(trace, *args, **kwargs)
+    staged = _compat.staged_since(trace, mark)
+    acting = None
+    for eqn, _ in staged:
+        subs = _compat.jaxprs_in_params(eqn.params) if eqn.params else ()
+        sites = frozenset().union(*(sites_in(_open(j)) for j in subs))
+        if not sites:
+            continue
+        outer = frame
+        while outer is not None:
+            if outer.trace is trace:
+                outer.seen |= sites
+                if acting is None and needs_rewrite(
+                    outer.scope.handlers, sites, eqn.effects, outer.outside
+                ):
+                    acting = outer
+            outer = outer.next
+    if acting is None:
+        return out
+    # One equation, returning its outputs as they are: taken out of the trace
+    # and rewritten in its place. Anything else: `acting` uses two passes.
+    if len(staged) != 1 or staged[0][1] is None:
+        raise Fallback(acting)
+    eqn, tracers = staged[0]
+    outputs = _compat.output_values(out, eqn.outvars)
+    if outputs is None:
+        raise Fallback(acting)
+    _compat.reset_staged(trace, mark)
+    jaxpr, positions = _compat.one_eqn_jaxpr(eqn)
+    with _Acting(acting):
+        outs = run(jaxpr, (), [tracers[i] for i in positions], acting.scope)
+    return outputs[1](outs)
