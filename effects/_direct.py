@@ -27,7 +27,7 @@ from typing import Any
 
 import jax
 
-from . import _compat
+from . import _compat, _primitives
 from ._primitives import handling, site_p
 from ._rewrite import handle_site, needs_rewrite, run, sites_in
 from ._scope import Scope
@@ -118,19 +118,22 @@ def _open(jaxpr):
 class _Acting:
     """While `frame` acts: what is staged meanwhile goes to the frames further
     out, under the handling state outside it (as in a two-pass rewrite, which
-    evaluates the rewritten program where `handle` was called)."""
+    evaluates the rewritten program where `handle` was called). From a trace's
+    `process_primitive`, where `bind` left no trace current, its trace is made
+    current."""
 
-    __slots__ = ("frame", "saved", "state", "trace")
+    __slots__ = ("frame", "saved", "state", "trace", "set_trace")
 
-    def __init__(self, frame: Frame):
+    def __init__(self, frame: Frame, set_trace: bool = True):
         self.frame = frame
+        self.set_trace = set_trace
 
     def __enter__(self):
         self.saved = _state.top
         _state.top = self.frame.next
-        # `bind` leaves no trace current while a trace processes a primitive.
-        self.trace = _compat.current_trace()
-        _compat.set_current_trace(self.frame.trace)
+        if self.set_trace:
+            self.trace = _compat.current_trace()
+            _compat.set_current_trace(self.frame.trace)
         self.state = None
         if not self.frame.outside:
             self.state = handling(False)
@@ -139,14 +142,31 @@ class _Acting:
     def __exit__(self, *exc):
         if self.state is not None:
             self.state.__exit__(*exc)
-        _compat.set_current_trace(self.trace)
+        if self.set_trace:
+            _compat.set_current_trace(self.trace)
         _state.top = self.saved
 
 
-def _site(frame: Frame, tracers, params):
+def _handle_here(leaves, params):
+    """A site bound with the current trace a frame's: handled without binding."""
+    frame = _state.top
+    if frame is None:
+        return None
+    trace = _compat.current_trace()
+    while frame.trace is not trace:
+        frame = frame.next
+        if frame is None:
+            return None
+    return _site(frame, leaves, params, from_bind=False)
+
+
+_primitives.direct_site.append(_handle_here)
+
+
+def _site(frame: Frame, tracers, params, from_bind: bool = True):
     frame.seen.add((params["kind"], params["collection"], params["name"]))
     avals = [_typeof(x) for x in tracers]
-    with _Acting(frame):
+    with _Acting(frame, set_trace=from_bind):
         return handle_site(params, avals, tracers, frame.scope)
 
 

@@ -12,10 +12,9 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from . import _compat
+from . import _compat, _direct
 from ._handlers import Handler, Perturb
 from ._primitives import handling
-from . import _direct
 from ._rewrite import run, sites_in
 from ._scope import Scope
 

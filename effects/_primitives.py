@@ -3,6 +3,7 @@ under every JAX transformation, and that cost nothing once lowered."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -143,15 +144,25 @@ def _bind_site(fn: str, value, name, collection, kind):
         leaves = [_to_array(fn, name, collection, p, x) for p, x in paths_leaves]
     if not leaves:
         return value
-    outs = site_p.bind(
-        *leaves,
+    params = dict(
         name=name,
         collection=collection,
         kind=kind,
         treedef=treedef,
         batch=((),) * len(leaves),
     )
+    outs = None
+    if direct_site:  # a `handle` may be running on the current trace
+        outs = direct_site[0](leaves, params)
+    if outs is None:
+        outs = site_p.bind(*leaves, **params)
     return jax.tree.unflatten(treedef, outs)
+
+
+# Set by `_direct`: `(handle_here,)`, where `handle_here(leaves, params)` handles
+# a site at once if a one-pass `handle` runs on the current trace (sparing the
+# bind), and returns None if not.
+direct_site: list[Callable] = []
 
 
 def tag(value, name: str, *, collection: str = "intermediates"):
