@@ -310,7 +310,7 @@ def staging_trace():
     above), else None (jax 0.7-0.12: a `DynamicJaxprTrace`)."""
     current = _core.trace_ctx.trace
     kind = type(current)
-    return current if kind is _Staging or kind is _intercepted[0] else None
+    return current if kind is _Staging or kind in _intercepting_classes else None
 
 
 #
@@ -319,27 +319,48 @@ def staging_trace():
 
 _Staging = _pe.DynamicJaxprTrace
 _TracingEqn = _pe.TracingEqn
-# The intercepting subclass, once made: (class or None,).
-_intercepted: list[Any] = [None]
+_intercepting_classes: set[type] = set()
 
 
-def _intercepting_class(on_primitive: Callable, on_other: Callable) -> type:
-    # jax 0.7-0.12: everything staged into a `DynamicJaxprTrace` goes through
-    # `process_primitive` or another `process_*` method (custom_jvp/vjp calls,
-    # shard_map, ...). The subclass adds no state (`__slots__ = ()`), so a trace
-    # can switch to it and back by assigning `__class__`.
-    def process_primitive(self, primitive, tracers, params, /):
-        return on_primitive(self, primitive, tracers, params)
+class Interceptor:
+    """Routes what is staged into a jaxpr being built through hooks, while
+    `on(trace)` is active: `on_primitive(trace, primitive, tracers, params)`
+    for primitives, `on_other(trace, base_method, args, kwargs)` for the other
+    `process_*` methods (custom_jvp/vjp calls, shard_map, ...). Hooks fall back
+    on `stage_primitive`, or on calling `base_method`."""
 
-    namespace: dict[str, Any] = {
-        "__slots__": (),
-        "__module__": __name__,
-        "process_primitive": process_primitive,
-    }
-    for name in dir(_Staging):
-        if name.startswith("process_") and name != "process_primitive":
-            namespace[name] = _forwarding(getattr(_Staging, name), on_other)
-    return type("InterceptedJaxprTrace", (_Staging,), namespace)
+    def __init__(self, on_primitive: Callable, on_other: Callable):
+        # jax 0.7-0.12: everything staged into a `DynamicJaxprTrace` goes
+        # through `process_primitive` or another `process_*` method. The
+        # subclass adds no state (`__slots__ = ()`), so a trace can switch to it
+        # and back by assigning `__class__`.
+        def process_primitive(self, primitive, tracers, params, /):
+            return on_primitive(self, primitive, tracers, params)
+
+        namespace: dict[str, Any] = {
+            "__slots__": (),
+            "__module__": __name__,
+            "process_primitive": process_primitive,
+        }
+        for name in dir(_Staging):
+            if name.startswith("process_") and name != "process_primitive":
+                namespace[name] = _forwarding(getattr(_Staging, name), on_other)
+        self.cls = type("InterceptedJaxprTrace", (_Staging,), namespace)
+        _intercepting_classes.add(self.cls)
+
+    @contextlib.contextmanager
+    def on(self, trace):
+        """Re-entrant: the outermost use switches `trace` back."""
+        if type(trace) is self.cls:
+            yield
+            return
+        if type(trace) is not _Staging:
+            raise RuntimeError(f"cannot intercept a {type(trace).__name__}")
+        trace.__class__ = self.cls
+        try:
+            yield
+        finally:
+            trace.__class__ = _Staging
 
 
 def _forwarding(base: Callable, on_other: Callable) -> Callable:
@@ -347,26 +368,6 @@ def _forwarding(base: Callable, on_other: Callable) -> Callable:
         return on_other(self, base, args, kwargs)
 
     return method
-
-
-@contextlib.contextmanager
-def intercepting(trace, on_primitive: Callable, on_other: Callable):
-    """While active, what is staged into `trace` (a jaxpr being built) goes
-    through `on_primitive(trace, primitive, tracers, params)` or, for the other
-    `process_*` methods, `on_other(trace, base_method, args, kwargs)`; both
-    fall back on `stage_primitive` or on calling `base_method`. Re-entrant: the
-    outermost use switches the trace back."""
-    cls = _intercepted[0]
-    if cls is None:
-        cls = _intercepted[0] = _intercepting_class(on_primitive, on_other)
-    if type(trace) is cls:
-        yield
-        return
-    trace.__class__ = cls
-    try:
-        yield
-    finally:
-        trace.__class__ = _Staging
 
 
 def current_trace():
@@ -609,6 +610,27 @@ def scan_params(params, jaxpr, *, n_consts: int, n_carry: int, n_xs: int, n_ys: 
         ft_in=ft.pack((ft.nones(n_consts), ft.nones(n_carry), ft.nones(n_xs))),
         ft_out=ft.pack((ft.nones(n_carry), ft.nones(n_ys))),
     )
+
+
+def open_jaxprs_in_params(params) -> list[Any]:
+    """Every sub-jaxpr in an equation's params, open: what `jaxprs_in_params`
+    finds (values, and items of tuple values), faster. This runs for every
+    equation a one-pass `handle` stages, most of them with tuples of shardings
+    and the like in their params."""
+    found = []
+    for v in params.values():
+        kind = type(v)
+        if kind is tuple or isinstance(v, tuple):  # a named tuple, say
+            for x in v:
+                if isinstance(x, ClosedJaxpr):
+                    found.append(x.jaxpr)
+                elif isinstance(x, Jaxpr):
+                    found.append(x)
+        elif kind is ClosedJaxpr:
+            found.append(v.jaxpr)
+        elif kind is Jaxpr:
+            found.append(v)
+    return found
 
 
 def jaxprs_in_params(params) -> list[Any]:

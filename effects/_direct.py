@@ -73,7 +73,7 @@ def call(fn, args, kwargs, scope: Scope) -> tuple[Any, set]:
     mark = _compat.staged_mark(trace)
     _state.top = frame
     try:
-        with _compat.intercepting(trace, _on_primitive, _on_other), handling(True):
+        with _interceptor.on(trace), handling(True):
             out = fn(*args, **kwargs)
     except Fallback as e:
         if e.frame is frame:
@@ -92,13 +92,13 @@ def _on_primitive(trace, primitive, tracers, params):
             if primitive is site_p:
                 return _site(frame, tracers, params)
             if subs is None:
-                subs = _compat.jaxprs_in_params(params) if params else ()
+                subs = _compat.open_jaxprs_in_params(params) if params else ()
                 if not subs:
                     break
-                sites = frozenset().union(*(sites_in(_open(j)) for j in subs))
+                sites = frozenset().union(*map(sites_in, subs))
                 if not sites:
                     break
-                effects = set().union(*(_open(j).effects for j in subs))
+                effects = set().union(*(j.effects for j in subs))
             frame.seen |= sites  # pyright: ignore[reportPossiblyUnbound]
             if needs_rewrite(frame.scope.handlers, sites, effects, frame.outside):  # pyright: ignore[reportPossiblyUnbound]
                 return _rewrite(frame, primitive, tracers, params)
@@ -111,22 +111,21 @@ def _typeof(x):
     return jax.typeof(x) if aval is None else aval
 
 
-def _open(jaxpr):
-    return getattr(jaxpr, "jaxpr", jaxpr)
-
-
 class _Acting:
     """While `frame` acts: what is staged meanwhile goes to the frames further
-    out, under the handling state outside it (as in a two-pass rewrite, which
-    evaluates the rewritten program where `handle` was called). From a trace's
-    `process_primitive`, where `bind` left no trace current, its trace is made
-    current."""
+    out, and user code that handlers call runs under the handling state outside
+    it (as in a two-pass rewrite, which evaluates the rewritten program where
+    `handle` was called). From a trace's `process_primitive`, where `bind` left
+    no trace current, its trace is made current."""
 
-    __slots__ = ("frame", "saved", "state", "trace", "set_trace")
+    __slots__ = ("frame", "saved", "state", "trace", "set_trace", "outside")
 
-    def __init__(self, frame: Frame, set_trace: bool = True):
+    def __init__(self, frame: Frame, set_trace: bool = True, outside: bool = True):
         self.frame = frame
         self.set_trace = set_trace
+        # Whether to enter the handling state outside (if it differs): always
+        # when interpreting a jaxpr, which reads it.
+        self.outside = outside and not frame.outside
 
     def __enter__(self):
         self.saved = _state.top
@@ -135,7 +134,7 @@ class _Acting:
             self.trace = _compat.current_trace()
             _compat.set_current_trace(self.frame.trace)
         self.state = None
-        if not self.frame.outside:
+        if self.outside:
             self.state = handling(False)
             self.state.__enter__()
 
@@ -166,8 +165,10 @@ _primitives.direct_site.append(_handle_here)
 def _site(frame: Frame, tracers, params, from_bind: bool = True):
     frame.seen.add((params["kind"], params["collection"], params["name"]))
     avals = [_typeof(x) for x in tracers]
-    with _Acting(frame, set_trace=from_bind):
-        return handle_site(params, avals, tracers, frame.scope)
+    # Only user code reads the handling state here; the site, if no handler
+    # consumes it, is bound with the effect of the state outside.
+    with _Acting(frame, from_bind, outside=frame.scope.calls_user_code):
+        return handle_site(params, avals, tracers, frame.scope, frame.outside)
 
 
 def _rewrite(frame: Frame, primitive, tracers, params):
@@ -198,8 +199,8 @@ def _on_other(trace, base, args, kwargs):
     staged = _compat.staged_since(trace, mark)
     acting = None
     for eqn, _ in staged:
-        subs = _compat.jaxprs_in_params(eqn.params) if eqn.params else ()
-        sites = frozenset().union(*(sites_in(_open(j)) for j in subs))
+        subs = _compat.open_jaxprs_in_params(eqn.params) if eqn.params else ()
+        sites = frozenset().union(*map(sites_in, subs))
         if not sites:
             continue
         outer = frame
@@ -226,3 +227,6 @@ def _on_other(trace, base, args, kwargs):
     with _Acting(acting):
         outs = run(jaxpr, (), [tracers[i] for i in positions], acting.scope)
     return outputs[1](outs)
+
+
+_interceptor = _compat.Interceptor(_on_primitive, _on_other)

@@ -213,6 +213,12 @@ class Handler:
     def output_mode(self) -> str | Reduce | None:
         return None
 
+    def calls_user_code(self) -> bool:
+        """Whether `apply` may call user code, which then runs as it would
+        where `handle` was called (user code may hold tags, or call functions
+        JAX caches per trace context). True unless a handler says otherwise."""
+        return True
+
 
 class Tag(Handler):
     """Collects tagged values.
@@ -267,6 +273,9 @@ class Tag(Handler):
     def apply(self, call, leaves):
         call.emit(call.site.to_front(leaves))
         return leaves, True
+
+    def calls_user_code(self):
+        return isinstance(self.mode, Reduce)
 
 
 class Perturb(Handler):
@@ -339,6 +348,9 @@ class Perturb(Handler):
         delta = call.site.from_front(call.next_input(), "Perturb delta")
         return [x + d for x, d in zip(leaves, delta)], True
 
+    def calls_user_code(self):
+        return False
+
 
 class Substitute(Handler):
     """Replaces tagged values (activation patching).
@@ -395,6 +407,9 @@ class Substitute(Handler):
     def apply(self, call, leaves):
         value = call.next_input() if self.per_call else self.values[call.site.name]
         return call.site.from_front(value, "Substitute value"), False
+
+    def calls_user_code(self):
+        return False
 
 
 class Intervene(Handler):

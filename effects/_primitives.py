@@ -53,6 +53,12 @@ site_p = _SitePrimitive("effects_site")
 site_p.multiple_results = True
 
 
+def bind_site(leaves, params, effect: bool) -> list[Any]:
+    """Binds the site primitive carrying the site effect or not, whatever the
+    handling state."""
+    return Primitive.bind(site_p, *leaves, **dict(params, effect=effect))
+
+
 @site_p.def_impl
 def _site_impl(*args, **_):
     return args

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from . import _compat
 from ._handlers import Handler
-from ._primitives import handling, site_effect, site_p
+from ._primitives import bind_site, handling, site_effect, site_p
 from ._scope import Key, Scope, SiteCall, zeros
 from ._site import Site, describe
 
@@ -150,10 +150,11 @@ def _site_rule(eqn, invals, scope: Scope) -> list[Any]:
     return handle_site(eqn.params, [v.aval for v in eqn.invars], invals, scope)
 
 
-def handle_site(params, avals, invals, scope: Scope) -> list[Any]:
+def handle_site(params, avals, invals, scope: Scope, effect=None) -> list[Any]:
     """Lets the scope's handlers act, in order, on one executed site (its
     params, the avals of its leaves, their values). A site no handler consumes
-    is bound again, for handlers further out."""
+    is bound again, for handlers further out (carrying the site effect if
+    `effect`; by default, if the current handling state says so)."""
     site = Site.from_eqn(params, avals)
     leaves = list(invals)
     for i, (handler, (matches, apply)) in enumerate(zip(scope.handlers, scope.actions)):
@@ -161,7 +162,9 @@ def handle_site(params, avals, invals, scope: Scope) -> list[Any]:
             leaves, consumed = apply(handler, SiteCall(scope, i, site, leaves), leaves)
             if consumed:
                 return list(leaves)
-    return site_p.bind(*leaves, **params)
+    if effect is None:
+        return site_p.bind(*leaves, **params)
+    return bind_site(leaves, params, effect)
 
 
 #
@@ -697,6 +700,8 @@ def _custom_rule(eqn, invals, scope: Scope) -> list[Any]:
             lambda *args: run(closed.jaxpr, closed.consts, args, Scope(())),
             closed.in_avals,
         )
+        # (the original's debug info names the function in the equation)
+        stripped = stripped.replace(debug_info=closed.jaxpr.debug_info)
         outs = _bind(eqn, invals, call_jaxpr=_compat.ClosedJaxpr(stripped, consts))
     # ...and the handlers collect from a copy of its primal computation, whose
     # outputs are unused (XLA removes the duplicate work).

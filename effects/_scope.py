@@ -48,6 +48,7 @@ class Scope:
         # bound-method module at every site, the bulk of the rewrite's cost.
         self.actions = _actions(handlers)
         self.modes = _modes(handlers)
+        self.calls_user_code = any(h.calls_user_code() for h in handlers)
         self.discovering = discovering
         self.entries: dict[Key, list[tuple[Any, int]]] = {}
         self.accs: dict[Key, Any] = dict(accs or {})

@@ -152,6 +152,47 @@ def test_jaxprs_in_params_finds_every_body():
         assert counts[prim.name] == 1, prim.name
 
 
+def test_open_jaxprs_in_params_agrees_with_jax():
+    # The fast scan finds what JAX's own helper finds, on every primitive, and
+    # in a named tuple of jaxprs (custom_linear_solve's).
+    solve = jax.make_jaxpr(
+        lambda b: jax.lax.custom_linear_solve(lambda x: 2 * x, b, lambda m, c: c / 2)
+    )(jnp.ones(3)).eqns[-1]
+    assert solve.primitive.name == "custom_linear_solve"
+    for eqn in [*_equations().values(), solve]:
+        fast = _compat.open_jaxprs_in_params(eqn.params)
+        jax_own = _compat.jaxprs_in_params(eqn.params)
+        assert [id(j) for j in fast] == [id(getattr(j, "jaxpr", j)) for j in jax_own]
+        assert fast, eqn.primitive.name
+
+
+def test_intercepting_switches_the_trace_back():
+    def on_primitive(trace, primitive, tracers, params):
+        seen.append(primitive.name)
+        return _compat.stage_primitive(trace, primitive, tracers, params)
+
+    def on_other(trace, base, args, kwargs):
+        return base(trace, *args, **kwargs)
+
+    seen, kinds = [], []
+    interceptor = _compat.Interceptor(on_primitive, on_other)
+
+    def f(x):
+        trace = _compat.current_trace()
+        with interceptor.on(trace):
+            kinds.append(type(trace))
+            with interceptor.on(trace):  # re-entrant
+                y = jnp.sin(x)
+            kinds.append(type(trace))
+        kinds.append(type(trace))
+        return y * 2
+
+    assert_trees_close(jax.jit(f)(jnp.ones(3)), 2 * jnp.sin(jnp.ones(3)))
+    assert seen == ["jit"]  # `jnp.sin`; the `mul` after was staged as usual
+    assert kinds[0] is kinds[1] and kinds[0] is not kinds[2]
+    assert kinds[2].__name__ == "DynamicJaxprTrace"
+
+
 def test_closed_call_is_rewritten():
     # `closed_call` has no public constructor; it is bound the way JAX's own
     # interpreters re-bind a closed_call equation.

@@ -14,6 +14,7 @@ import pytest
 from helpers import assert_trees_close, mlp_params, optimized_hlo
 
 import effects as fx
+from effects import _direct
 
 X = jnp.array([0.3, -1.2, 2.0])
 XB = jnp.stack([X, 0.5 * X + 1.0])  # a batch of two, for an outer vmap
@@ -830,6 +831,7 @@ def _assert_clean_afterwards():
     for fn in [_tagged_twice, jax.jit(_tagged_twice), jax.grad(_sin_sq)]:
         assert jax.make_jaxpr(fn)(X).effects == set()
     np.testing.assert_allclose(jax.jit(_tagged_twice)(X), twice[0], rtol=1e-6)
+    assert _direct._state.top is None  # no one-pass handle left running
 
 
 def _raise_in_trace(x):
