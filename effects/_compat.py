@@ -334,13 +334,11 @@ class Interceptor:
         # through `process_primitive` or another `process_*` method. The
         # subclass adds no state (`__slots__ = ()`), so a trace can switch to it
         # and back by assigning `__class__`.
-        def process_primitive(self, primitive, tracers, params, /):
-            return on_primitive(self, primitive, tracers, params)
-
         namespace: dict[str, Any] = {
             "__slots__": (),
             "__module__": __name__,
-            "process_primitive": process_primitive,
+            # `on_primitive(self, primitive, tracers, params)` is the method.
+            "process_primitive": on_primitive,
         }
         for name in dir(_Staging):
             if name.startswith("process_") and name != "process_primitive":
@@ -380,9 +378,9 @@ def set_current_trace(trace) -> None:
     _core.trace_ctx.set_trace(trace)
 
 
-def stage_primitive(trace, primitive, tracers, params):
-    """What staging `primitive` into `trace` does without interception."""
-    return _Staging.process_primitive(trace, primitive, tracers, params)
+# `stage_primitive(trace, primitive, tracers, params)`: what staging `primitive`
+# into `trace` does without interception.
+stage_primitive = _Staging.process_primitive
 
 
 def staged_mark(trace) -> tuple[int, set]:

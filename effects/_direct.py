@@ -85,25 +85,37 @@ def call(fn, args, kwargs, scope: Scope) -> tuple[Any, set]:
 
 
 def _on_primitive(trace, primitive, tracers, params):
+    # Runs for every primitive staged into a trace a frame runs on: kept short.
     frame = _state.top
-    subs = None
+    while frame is not None and frame.trace is not trace:
+        frame = frame.next
+    if frame is None:
+        return _stage(trace, primitive, tracers, params)
+    if primitive is site_p:
+        return _site(frame, tracers, params)
+    if primitive is _jit_p:
+        subs = [params["jaxpr"].jaxpr]
+    elif params:
+        subs = _compat.open_jaxprs_in_params(params)
+        if not subs:
+            return _stage(trace, primitive, tracers, params)
+    else:
+        return _stage(trace, primitive, tracers, params)
+    sites = frozenset().union(*map(sites_in, subs))
+    if not sites:
+        return _stage(trace, primitive, tracers, params)
+    effects = set().union(*(j.effects for j in subs))
     while frame is not None:
         if frame.trace is trace:
-            if primitive is site_p:
-                return _site(frame, tracers, params)
-            if subs is None:
-                subs = _compat.open_jaxprs_in_params(params) if params else ()
-                if not subs:
-                    break
-                sites = frozenset().union(*map(sites_in, subs))
-                if not sites:
-                    break
-                effects = set().union(*(j.effects for j in subs))
-            frame.seen |= sites  # pyright: ignore[reportPossiblyUnbound]
-            if needs_rewrite(frame.scope.handlers, sites, effects, frame.outside):  # pyright: ignore[reportPossiblyUnbound]
+            frame.seen |= sites
+            if needs_rewrite(frame.scope.handlers, sites, effects, frame.outside):
                 return _rewrite(frame, primitive, tracers, params)
         frame = frame.next
-    return _compat.stage_primitive(trace, primitive, tracers, params)
+    return _stage(trace, primitive, tracers, params)
+
+
+_stage = _compat.stage_primitive
+_jit_p = _compat.pjit_p
 
 
 def _typeof(x):

@@ -135,6 +135,18 @@ def _to_array(fn: str, name: str, collection: str, path, leaf) -> Any:
     )
 
 
+# Types whose instances are `jax.Array`s (arrays, tracers), as met: a set look-up
+# costs less than `isinstance` against the abstract `jax.Array`.
+_ARRAY_TYPES: set[type] = set()
+
+
+def _is_array(x) -> bool:
+    if isinstance(x, jax.Array):
+        _ARRAY_TYPES.add(type(x))
+        return True
+    return False
+
+
 def _bind_site(fn: str, value, name, collection, kind):
     if not isinstance(name, str):
         raise TypeError(_BAD_NAME.format(fn=fn, name=name, type=type(name).__name__))
@@ -143,7 +155,7 @@ def _bind_site(fn: str, value, name, collection, kind):
             f"{fn}: the collection of {name!r} must be a string, got {collection!r}."
         )
     leaves, treedef = jax.tree.flatten(value)
-    if not all(isinstance(x, jax.Array) for x in leaves):
+    if not all(type(x) in _ARRAY_TYPES or _is_array(x) for x in leaves):
         # Paths (for the error message) and `jnp.asarray` only where needed: a
         # tag costs about as much as a JAX operation, and this was a third of it.
         paths_leaves, _ = jax.tree_util.tree_flatten_with_path(value)

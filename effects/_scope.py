@@ -126,6 +126,9 @@ class Scope:
 def _strong_tree(value):
     # Most collected values are already strongly typed arrays: keep them as they
     # are rather than rebuild the tree (this runs at every site).
+    aval = getattr(value, "aval", None)  # one array (or tracer)
+    if aval is not None:
+        return value if not aval.weak_type else strong(value)
     if all(
         isinstance(x, jax.Array) and not x.aval.weak_type
         for x in jax.tree.leaves(value)
