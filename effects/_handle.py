@@ -1,5 +1,7 @@
-"""`handle`: trace a function (sites carrying their effect), rewrite it with the
-handlers, evaluate it on the caller's trace, and cache what can be cached."""
+"""`handle`: runs a function with its sites handled, in one pass on a trace
+that builds a jaxpr (`_direct.py`), else by tracing it (sites carrying their
+effect) and evaluating its rewritten jaxpr on the caller's trace; and caches
+what can be cached."""
 
 from __future__ import annotations
 
@@ -210,16 +212,16 @@ def _evaluate(traced: _Traced, handlers, consts, dynamic):
     return outs, _report(scope, handlers)
 
 
-def _call_direct(fn, handlers, static, treedef, dynamic):
+def _call_direct(fn, handlers, args, kwargs):
     """One pass (see `_direct.py`), on a trace that builds a jaxpr; two when the
     function stages a region the one pass cannot rewrite."""
-    args, kwargs = _merge(dynamic, static, treedef)
     scope = _scope(handlers)
     try:
         out, seen = _direct.call(fn, args, kwargs, scope)
     except _direct.Fallback as e:
         if e.frame.scope is not scope:
             raise
+        dynamic, static, treedef = _split((args, kwargs))
         traced = _traced(fn, static, treedef, dynamic, None, staged=True)
         outs, found = _evaluate(traced, handlers, traced.consts, dynamic)
         return _merge(outs, traced.out_static, traced.out_tree), found
@@ -260,6 +262,8 @@ class _Handled:
         fn = self.fn
         if self._module:  # its arrays are inputs, not constants
             fn, args = _call_module, (self.fn, *args)
+        if _compat.staging_trace() is not None:
+            return _call_direct(fn, self.handlers, args, kwargs)
         dynamic, static, treedef = _split((args, kwargs))
         if _compat.is_top_level():
             key = _signature(static, treedef, dynamic)
@@ -272,8 +276,6 @@ class _Handled:
                         fn, self._h_static, self._h_def, static, treedef
                     )
                 return hit(self._h_leaves, dynamic)
-        if _compat.staging_trace() is not None:
-            return _call_direct(fn, self.handlers, static, treedef, dynamic)
         key = _signature(static, treedef, dynamic)
         traced = _traced(fn, static, treedef, dynamic, key, staged=False)
         outs, found = _evaluate(traced, self.handlers, traced.consts, dynamic)
@@ -292,13 +294,8 @@ class _Eager:
 
     def _evaluate(self, h_leaves, dynamic):
         handlers = eqx.combine(jax.tree.unflatten(self.h_def, h_leaves), self.h_static)
-        out, found = _call_direct(
-            fn=self.fn,
-            handlers=handlers,
-            static=self.static,
-            treedef=self.treedef,
-            dynamic=dynamic,
-        )
+        args, kwargs = _merge(dynamic, self.static, self.treedef)
+        out, found = _call_direct(self.fn, handlers, args, kwargs)
         out_dyn, out_static, out_tree = _split(out)
         arrays = all(s is None for s in out_static)
         self.out = (out_static, out_tree, arrays)
@@ -401,9 +398,10 @@ def _memoized(fn, handlers) -> _Handled:
 def handle(fn: Callable, *handlers: Handler) -> Callable:
     """Returns `fn` with its tags handled: `wrapped(*args, **kwargs) -> (out, found)`.
 
-    `fn` is traced to a jaxpr and rewritten by the handlers (through jit, scan,
-    cond, while_loop, checkpoint, custom_jvp/vjp); the result composes with
-    `jax.jit`, `jax.vmap` and `jax.grad` in any order. Handlers act in order: the
+    `fn`'s jaxpr is rewritten by the handlers (through jit, scan, cond,
+    while_loop, checkpoint, custom_jvp/vjp, shard_map): under `jax.jit`, in one
+    pass as `fn` is traced; the result composes with `jax.jit`, `jax.vmap` and
+    `jax.grad` in any order. Handlers act in order: the
     first is closest to the sites, as in `handle(handle(fn, A), B)`. A collecting
     handler consumes the sites it collects; the others stay visible further out.
 

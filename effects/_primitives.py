@@ -154,7 +154,10 @@ def _bind_site(fn: str, value, name, collection, kind):
         raise TypeError(
             f"{fn}: the collection of {name!r} must be a string, got {collection!r}."
         )
-    leaves, treedef = jax.tree.flatten(value)
+    if type(value) in _ARRAY_TYPES:  # one array: the common case, made short
+        leaves, treedef = [value], _LEAF
+    else:
+        leaves, treedef = jax.tree.flatten(value)
     if not all(type(x) in _ARRAY_TYPES or _is_array(x) for x in leaves):
         # Paths (for the error message) and `jnp.asarray` only where needed: a
         # tag costs about as much as a JAX operation, and this was a third of it.
@@ -174,7 +177,10 @@ def _bind_site(fn: str, value, name, collection, kind):
         outs = direct_site[0](leaves, params)
     if outs is None:
         outs = site_p.bind(*leaves, **params)
-    return jax.tree.unflatten(treedef, outs)
+    return outs[0] if treedef is _LEAF else jax.tree.unflatten(treedef, outs)
+
+
+_LEAF = jax.tree.structure(0)
 
 
 # Set by `_direct`: `(handle_here,)`, where `handle_here(leaves, params)` handles
