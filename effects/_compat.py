@@ -368,6 +368,11 @@ def _forwarding(base: Callable, on_other: Callable) -> Callable:
     return method
 
 
+def trace_context():
+    """The object whose `.trace` is the current trace (jax 0.7-0.12)."""
+    return _core.trace_ctx
+
+
 def current_trace():
     return _core.trace_ctx.trace
 

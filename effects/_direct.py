@@ -23,6 +23,7 @@ the function staged is removed and the frame falls back on the two-pass rewrite
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import jax
@@ -93,8 +94,14 @@ def _on_primitive(trace, primitive, tracers, params):
         return _stage(trace, primitive, tracers, params)
     if primitive is site_p:
         return _site(frame, tracers, params)
-    if primitive is _jit_p:
-        subs = [params["jaxpr"].jaxpr]
+    if primitive is _jit_p:  # the most common by far: its one jaxpr's sites
+        closed = params["jaxpr"]
+        known = _jit_sites.get(id(closed))
+        if known is None or known[0]() is not closed:
+            known = _remember_jit_sites(closed)
+        if not known[1]:
+            return _stage(trace, primitive, tracers, params)
+        subs = [closed.jaxpr]
     elif params:
         subs = _compat.open_jaxprs_in_params(params)
         if not subs:
@@ -116,6 +123,21 @@ def _on_primitive(trace, primitive, tracers, params):
 
 _stage = _compat.stage_primitive
 _jit_p = _compat.pjit_p
+
+# id(closed jaxpr of a jit equation) -> (weak reference to it, its sites): a
+# look-up without a Python call, for every jit equation staged.
+_jit_sites: dict[int, tuple[weakref.ref, frozenset]] = {}
+
+
+def _remember_jit_sites(closed) -> tuple[weakref.ref, frozenset]:
+    key = id(closed)
+    # The entry goes when the jaxpr does (before its id can be reused).
+    known = (
+        weakref.ref(closed, lambda _: _jit_sites.pop(key, None)),
+        sites_in(closed.jaxpr),
+    )
+    _jit_sites[key] = known
+    return known
 
 
 def _typeof(x):
@@ -159,27 +181,40 @@ class _Acting:
 
 
 def _handle_here(leaves, params):
-    """A site bound with the current trace a frame's: handled without binding."""
-    frame = _state.top
+    """A site bound with the current trace a frame's: handled without binding.
+    (`tag` calls this at every site, `handle` or not: kept short.)"""
+    top = frame = _state.top
     if frame is None:
         return None
-    trace = _compat.current_trace()
+    trace = _trace_ctx.trace
     while frame.trace is not trace:
         frame = frame.next
         if frame is None:
             return None
-    return _site(frame, leaves, params, from_bind=False)
+    frame.seen.add((params["kind"], params["collection"], params["name"]))
+    avals = [x.aval for x in leaves]  # `tag` passes arrays
+    scope = frame.scope
+    if scope.calls_user_code and not frame.outside:
+        with _Acting(frame, set_trace=False):
+            return handle_site(params, avals, leaves, scope, False)
+    # Nothing reads the handling state: only the frames further out change.
+    _state.top = frame.next
+    try:
+        return handle_site(params, avals, leaves, scope, frame.outside)
+    finally:
+        _state.top = top
 
 
+_trace_ctx = _compat.trace_context()
 _primitives.direct_site.append(_handle_here)
 
 
-def _site(frame: Frame, tracers, params, from_bind: bool = True):
+def _site(frame: Frame, tracers, params):
     frame.seen.add((params["kind"], params["collection"], params["name"]))
     avals = [_typeof(x) for x in tracers]
     # Only user code reads the handling state here; the site, if no handler
     # consumes it, is bound with the effect of the state outside.
-    with _Acting(frame, from_bind, outside=frame.scope.calls_user_code):
+    with _Acting(frame, outside=frame.scope.calls_user_code):
         return handle_site(params, avals, tracers, frame.scope, frame.outside)
 
 

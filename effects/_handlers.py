@@ -261,7 +261,12 @@ class Tag(Handler):
         )
 
     def matches(self, site):
-        return super().matches(site) and _name_matches(self.names, site.name)
+        # (Handler.matches, and the name filter, spelt out: this runs at every site)
+        return (
+            site.kind == "tag"
+            and site.collection == self.collection
+            and (self.names is None or _name_matches(self.names, site.name))
+        )
 
     def output_mode(self):
         return (

@@ -158,13 +158,12 @@ def _bind_site(fn: str, value, name, collection, kind):
         leaves, treedef = [value], _LEAF
     else:
         leaves, treedef = jax.tree.flatten(value)
-    if not all(type(x) in _ARRAY_TYPES or _is_array(x) for x in leaves):
-        # Paths (for the error message) and `jnp.asarray` only where needed: a
-        # tag costs about as much as a JAX operation, and this was a third of it.
-        paths_leaves, _ = jax.tree_util.tree_flatten_with_path(value)
-        leaves = [_to_array(fn, name, collection, p, x) for p, x in paths_leaves]
-    if not leaves:
-        return value
+        if not all(type(x) in _ARRAY_TYPES or _is_array(x) for x in leaves):
+            # Paths (for the error message) and `jnp.asarray` only where needed.
+            paths_leaves, _ = jax.tree_util.tree_flatten_with_path(value)
+            leaves = [_to_array(fn, name, collection, p, x) for p, x in paths_leaves]
+        if not leaves:
+            return value
     params = dict(
         name=name,
         collection=collection,

@@ -72,7 +72,7 @@ class Scope:
         self.sites.setdefault(key, site)
         entries = self.entries.setdefault(key, [])
         entries.append((_strong_tree(value), nbatch))
-        if self.mode(key) == "strict" and len(entries) > 1:
+        if len(entries) > 1 and self.mode(key) == "strict":
             raise ValueError(_STRICT_TWICE.format(where=self.where(key)))
 
     # Accumulators -----------------------------------------------------------
