@@ -6,10 +6,12 @@ hand-written reference."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import assert_trees_close
+from helpers import assert_trees_close, optimized_hlo
 from jax import lax
 
 import effects as fx
@@ -97,9 +99,8 @@ def test_unhandled_sites_stay_effect_free():
     # Tags no handler matches are bound again as they were: the program is the
     # untagged one, with no effect that would slow its dispatch.
     handled = fx.handle(_program, fx.Tag(collection="elsewhere"))
-    handled_jaxpr = jax.make_jaxpr(handled)(X)
-    assert handled_jaxpr.effects == set()
-    assert str(handled_jaxpr) == str(jax.make_jaxpr(lambda x: (_program(x), {}))(X))
+    assert jax.make_jaxpr(handled)(X).effects == set()
+    assert optimized_hlo(handled, X) == optimized_hlo(lambda x: (_program(x), {}), X)
 
 
 def test_nested_handles_on_one_trace():
@@ -134,6 +135,10 @@ def test_tags_in_code_a_handler_calls_reach_handles_further_out():
     assert_trees_close(jax.jit(outer)(X), _two_pass(outer)(X))
 
 
+def _printed(jaxpr) -> str:
+    return re.sub(r" at 0x[0-9a-f]+", "", str(jaxpr))  # (a callback's address)
+
+
 def test_regions_that_cannot_be_rewritten_in_place_fall_back(monkeypatch):
     calls = []
 
@@ -147,7 +152,7 @@ def test_regions_that_cannot_be_rewritten_in_place_fall_back(monkeypatch):
         return jnp.sum(z)
 
     handled = fx.handle(f, fx.Tag())
-    expected_jaxpr = str(jax.make_jaxpr(handled)(X))
+    expected_jaxpr = _printed(jax.make_jaxpr(handled)(X))
     expected = jax.jit(handled)(X)
     # As if staging the custom_vjp call could not be rewritten in place.
     monkeypatch.setattr(_compat, "output_values", lambda out, outvars: None)
@@ -160,7 +165,7 @@ def test_regions_that_cannot_be_rewritten_in_place_fall_back(monkeypatch):
 
     monkeypatch.setattr(_direct.Fallback, "__init__", counting)
     handled = fx.handle(lambda x: f(x), fx.Tag())
-    assert str(jax.make_jaxpr(handled)(X)) == expected_jaxpr  # nothing left over
+    assert _printed(jax.make_jaxpr(handled)(X)) == expected_jaxpr  # nothing left
     calls.clear()
     assert_trees_close(jax.jit(handled)(X), expected)
     assert calls == [1]  # the callback staged before the fallback runs once
