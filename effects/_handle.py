@@ -375,19 +375,52 @@ _ARRAY = object()  # an array's place in a memo key of handlers holding arrays
 _MEMOIZABLE = (types.FunctionType, functools.partial, type(jax.jit(lambda: None)))
 
 
+# Memos of bound methods (`model.apply`: a new object at every attribute access),
+# keyed on the method's function and its object, least recently used last.
+_method_memos: dict[tuple[Any, Any], _Memo] = {}
+_METHOD_MEMOS = 64
+
+
+def _method_memo(method) -> _Memo | None:
+    """The memo for a method bound to an object that is hashed by value (a Flax
+    linen module, a frozen dataclass): equal objects are the same object to it,
+    as they are to `jax.jit`'s static arguments. An object hashed by identity
+    may change between calls (its attributes are read when traced), so it gets
+    none, and neither does an unhashable one."""
+    owner = method.__self__
+    if type(owner).__hash__ is object.__hash__:
+        return None
+    key = (method.__func__, owner)
+    try:
+        memo = _method_memos.pop(key, None)
+    except TypeError:  # unhashable after all (a field holding an array, say)
+        return None
+    if memo is None:
+        memo = _Memo(method)
+    _method_memos[key] = memo
+    if len(_method_memos) > _METHOD_MEMOS:
+        del _method_memos[next(iter(_method_memos))]
+    return memo
+
+
 def _memoized(fn, handlers) -> _Handled:
     if not _compat.is_top_level():
         # Inside a transformation, handlers may close over its tracers, which a
         # memo would keep alive; and a traced function is traced once anyway.
         return _Handled(fn, handlers)
-    if not isinstance(fn, _MEMOIZABLE):
+    if isinstance(fn, types.MethodType):
+        memo = _method_memo(fn)
+        if memo is None:
+            return _Handled(fn, handlers)
+    elif isinstance(fn, _MEMOIZABLE):
+        namespace = vars(fn)
+        memo = namespace.get(_MEMO)
+        # `functools.wraps` copies `__dict__` entries, so a wrapper of `fn` (say
+        # `jax.vmap(fn)`) can hold `fn`'s memo: it needs its own.
+        if not isinstance(memo, _Memo) or memo.owner != id(fn):
+            memo = namespace[_MEMO] = _Memo(fn)
+    else:
         return _Handled(fn, handlers)
-    namespace = vars(fn)
-    memo = namespace.get(_MEMO)
-    # `functools.wraps` copies `__dict__` entries, so a wrapper of `fn` (say
-    # `jax.vmap(fn)`) can hold `fn`'s memo: it needs its own.
-    if not isinstance(memo, _Memo) or memo.owner != id(fn):
-        memo = namespace[_MEMO] = _Memo(fn)
     try:
         key = _HandlersKey(handlers)
     except TypeError:  # handlers holding arrays are unhashable

@@ -3,6 +3,7 @@ side, arguments, caching, bad input, the cost of the handled program, and Flax."
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -695,6 +696,63 @@ def test_handle_leaves_callable_objects_alone():
     assert vars(model).keys() == before.keys()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Scaled:
+    """Hashed by value, like a Flax linen module."""
+
+    factor: float
+
+    def apply(self, x):
+        _SCALED_CALLS.append(None)
+        return fx.tag(self.factor * jnp.sin(x), "h")
+
+
+_SCALED_CALLS: list = []
+
+
+def test_methods_of_objects_hashed_by_value_trace_once():
+    # `model.apply` is a new bound method at every access; eager and inline-jit
+    # calls in a loop must still trace and compile once.
+    _SCALED_CALLS.clear()
+    model = _Scaled(2.0)
+    xs = [X + i for i in range(4)]
+    results = [fx.handle(model.apply, fx.Tag())(xs[0])]
+    results.append(jax.jit(fx.handle(model.apply, fx.Tag()))(xs[0]))
+    calls = len(_SCALED_CALLS)
+    with _CountCompiles() as counter:
+        for x in xs[1:]:
+            results.append(fx.handle(model.apply, fx.Tag())(x))
+            results.append(jax.jit(fx.handle(model.apply, fx.Tag()))(x))
+            # An equal object is the same model.
+            results.append(fx.handle(_Scaled(2.0).apply, fx.Tag())(x))
+    assert counter.traces == 0 and counter.compiles == 0
+    assert len(_SCALED_CALLS) == calls
+    expected = [2.0 * jnp.sin(x) for x in xs]
+    for result, h in zip(
+        results, [expected[0]] * 2 + [e for e in expected[1:] for _ in "abc"]
+    ):
+        assert_trees_close(result, (h, {"intermediates": {"h": (h,)}}))
+    # Another value is another model.
+    assert_trees_close(fx.handle(_Scaled(3.0).apply, fx.Tag())(X)[0], 3.0 * jnp.sin(X))
+
+
+def test_methods_of_objects_hashed_by_identity_see_their_changes():
+    # An object hashed by identity may change between calls: its method gets a
+    # new wrapper, which reads its attributes afresh.
+    class Model:
+        def __init__(self):
+            self.w = jnp.float32(2.0)
+
+        def apply(self, x):
+            return fx.tag(self.w * x, "h")
+
+    model = Model()
+    assert_trees_close(fx.handle(model.apply, fx.Tag())(X)[0], 2.0 * X)
+    model.w = jnp.float32(5.0)
+    assert_trees_close(fx.handle(model.apply, fx.Tag())(X)[0], 5.0 * X)
+    assert_trees_close(jax.jit(fx.handle(model.apply, fx.Tag()))(X)[0], 5.0 * X)
+
+
 def test_inline_jit_of_handle_traces_once():
     f, calls = _counted()
     xs = [X + i for i in range(5)]
@@ -1022,6 +1080,13 @@ def test_flax_linen_tag_collects_what_sow_does():
     assert_trees_close(
         jax.jit(fx.handle(tagged.apply, fx.Tag()))(variables, x), (want_out, expected)
     )
+    # `tagged.apply` is a new bound method each time; the module is hashed by
+    # value, so repeated calls reuse one wrapper and its compiled evaluation.
+    assert fx.handle(tagged.apply, fx.Tag()) is fx.handle(Net(False).apply, fx.Tag())
+    with _CountCompiles() as counter:
+        again = fx.handle(tagged.apply, fx.Tag())(variables, x)
+    assert counter.traces == 0 and counter.compiles == 0
+    assert_trees_close(again, (want_out, expected))
 
     grads, found = jax.jit(
         jax.grad(lambda v: fx.handle(tagged.apply, fx.Tag())(v, x), has_aux=True)
