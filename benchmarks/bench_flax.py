@@ -61,9 +61,10 @@ def only_layers(module, method_name):
 
 
 # Each returns a new function object on every call, so caches keyed on the
-# function miss (linen modules compare equal field by field, hence the partials).
+# function miss (linen modules compare equal field by field, hence the partials;
+# `handle` returns one wrapper for all equal modules' `apply`, so it gets one too).
 def with_tag():
-    return fx.handle(MLP("tag").apply, fx.Tag())
+    return functools.partial(fx.handle(MLP("tag").apply, fx.Tag()))
 
 
 def with_sow():
