@@ -26,12 +26,11 @@ import threading
 import weakref
 from typing import Any
 
-import jax
-
 from . import _compat, _primitives
 from ._primitives import handling, site_p
 from ._rewrite import handle_site, needs_rewrite, run, sites_in
 from ._scope import Scope
+from ._site import aval
 
 
 class Frame:
@@ -140,11 +139,6 @@ def _remember_jit_sites(closed) -> tuple[weakref.ref, frozenset]:
     return known
 
 
-def _typeof(x):
-    aval = getattr(x, "aval", None)
-    return jax.typeof(x) if aval is None else aval
-
-
 class _Acting:
     """While `frame` acts: what is staged meanwhile goes to the frames further
     out, and user code that handlers call runs under the handling state outside
@@ -211,7 +205,7 @@ _primitives.direct_site.append(_handle_here)
 
 def _site(frame: Frame, tracers, params):
     frame.seen.add((params["kind"], params["collection"], params["name"]))
-    avals = [_typeof(x) for x in tracers]
+    avals = [aval(x) for x in tracers]
     # Only user code reads the handling state here; the site, if no handler
     # consumes it, is bound with the effect of the state outside.
     with _Acting(frame, outside=frame.scope.calls_user_code):
@@ -221,7 +215,7 @@ def _site(frame: Frame, tracers, params):
 def _rewrite(frame: Frame, primitive, tracers, params):
     # The equation alone, as tracing the function to a jaxpr would stage it
     # (a `jit(inline=True)` call inlined, say), then rewritten onto `trace`.
-    avals = [_typeof(x) for x in tracers]
+    avals = [aval(x) for x in tracers]
     jaxpr, consts = _compat.trace(lambda *xs: _bind(primitive, xs, params), avals)
     with _Acting(frame):
         outs = run(jaxpr, (), [*consts, *tracers], frame.scope)

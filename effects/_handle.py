@@ -19,6 +19,7 @@ from ._handlers import Handler, Perturb
 from ._primitives import handling
 from ._rewrite import run, sites_in
 from ._scope import Scope
+from ._site import aval
 
 _NOT_CALLABLE = "handle: the first argument must be a callable, got {fn!r}."
 _NOT_HANDLER = (
@@ -48,7 +49,6 @@ class _Traced:
         self.consts = consts
         self.out_tree = out_tree
         self.out_static = out_static  # non-array outputs, by position
-        self.out_arrays = all(s is None for s in out_static)
         self.sites = sites
 
 
@@ -84,15 +84,8 @@ def _merge(dynamic, static, treedef):
     return jax.tree.unflatten(treedef, [next(it) if s is None else s for s in static])
 
 
-def _aval(x):
-    # `x.aval` where there is one (arrays, tracers): `jax.typeof` costs more, and
-    # this runs for every argument at every call.
-    aval = getattr(x, "aval", None)
-    return jax.typeof(x) if aval is None else aval
-
-
 def _signature(static, treedef, dynamic):
-    avals = [_aval(x) for x in dynamic]
+    avals = [aval(x) for x in dynamic]
     key = (
         treedef,
         static,
@@ -265,18 +258,16 @@ class _Handled:
         if _compat.staging_trace() is not None:
             return _call_direct(fn, self.handlers, args, kwargs)
         dynamic, static, treedef = _split((args, kwargs))
-        if _compat.is_top_level():
-            key = _signature(static, treedef, dynamic)
-            if key is not None:
-                # Outside any transformation: evaluate through a cached jit, so
-                # repeated eager calls neither re-trace nor dispatch op by op.
-                hit = self._eager.get(key)
-                if hit is None:
-                    hit = self._eager[key] = _Eager(
-                        fn, self._h_static, self._h_def, static, treedef
-                    )
-                return hit(self._h_leaves, dynamic)
         key = _signature(static, treedef, dynamic)
+        if key is not None and _compat.is_top_level():
+            # Outside any transformation: evaluate through a cached jit, so
+            # repeated eager calls neither re-trace nor dispatch op by op.
+            hit = self._eager.get(key)
+            if hit is None:
+                hit = self._eager[key] = _Eager(
+                    fn, self._h_static, self._h_def, static, treedef
+                )
+            return hit(self._h_leaves, dynamic)
         traced = _traced(fn, static, treedef, dynamic, key, staged=False)
         outs, found = _evaluate(traced, self.handlers, traced.consts, dynamic)
         return _merge(outs, traced.out_static, traced.out_tree), found

@@ -46,7 +46,7 @@ def _analyse(jaxpr) -> tuple[frozenset, tuple[frozenset, ...]]:
                 p = eqn.params
                 mine = frozenset([(p["kind"], p["collection"], p["name"])])
             elif eqn.params:
-                for sub in _compat.jaxprs_in_params(eqn.params):
+                for sub in _compat.open_jaxprs_in_params(eqn.params):
                     mine |= sites_in(sub)
             per_eqn.append(mine)
             acc |= mine
