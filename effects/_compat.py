@@ -64,46 +64,20 @@ Effect = _effects.Effect
 
 def allow_effect(effect_type: type) -> None:
     # jax 0.10: an unordered effect must be allowed in each of these sets to pass
-    # through control flow, custom derivatives, remat and lowering. Not in
-    # `partial_eval_kept_effects`: that makes effect handles hold tracers.
+    # through control flow, custom derivatives, remat and lowering, and be in
+    # `partial_eval_kept_effects` for partial evaluation (a scan's under
+    # `jax.grad`) to keep an equation whose outputs are unused. (With the
+    # latter, `jax_check_tracer_leaks` falsely reports the partial-evaluation
+    # trace as leaked, as it does for `jax.debug.print` in a scan under
+    # `jax.grad` with JAX alone.)
     for effect_set in (
         _effects.control_flow_allowed_effects,
         _effects.custom_derivatives_allowed_effects,
         _effects.remat_allowed_effects,
         _effects.lowerable_effects,
+        _effects.partial_eval_kept_effects,
     ):
         effect_set.add_type(effect_type)
-    _keep_in_partial_eval(effect_type)
-
-
-def _keep_in_partial_eval(effect_type: type) -> None:
-    # jax 0.10: `JaxprTrace` (partial evaluation, e.g. when a scan's
-    # loop-invariant work is hoisted under `jax.grad`) drops an equation whose
-    # outputs are unused unless its effect is in `partial_eval_kept_effects`;
-    # then the trace keeps an `EffectHandle` to it in `trace.effect_handles`.
-    # Those handles hold the trace's tracers for as long as the trace lives, and
-    # `jax_check_tracer_leaks` reports them (`jax.debug.print` in a scan under
-    # `grad` is reported the same way) although nothing outlives the trace. So
-    # the handles of equations whose only effect is `effect_type` are dropped
-    # once `tracers_to_jaxpr` has read them, the list's only reader.
-    _effects.partial_eval_kept_effects.add_type(effect_type)
-
-    class Handles(list):
-        def __iter__(self):
-            items = list.copy(self)
-            self[:] = [h for h in items if not _only(h.recipe.effects)]
-            return iter(items)
-
-    def _only(effs) -> bool:
-        return bool(effs) and all(isinstance(e, effect_type) for e in effs)
-
-    original_init = _pe.JaxprTrace.__init__
-
-    def __init__(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        self.effect_handles = Handles(self.effect_handles)
-
-    _pe.JaxprTrace.__init__ = __init__
 
 
 #
@@ -138,30 +112,12 @@ def _nameless_debug_info(fn):
     return _debug_info("effects", fn, (), {})._replace(arg_names=None)
 
 
-def trace(
-    fn: Callable, in_avals: Sequence[Any], *, keep_jit: bool = False
-) -> tuple[Jaxpr, list[Any]]:
+def trace(fn: Callable, in_avals: Sequence[Any]) -> tuple[Jaxpr, list[Any]]:
     """Traces `fn(*flat_args) -> list of arrays` to an open jaxpr whose constants
     (which may be tracers of enclosing traces) are returned separately, as leading
-    inputs of the jaxpr.
-
-    With `keep_jit`, calls of `jax.jit(..., inline=True)` functions (most of
-    `jax.numpy`) made directly in `fn` stay `jit` equations instead of being
-    inlined: evaluating the jaxpr later binds them again, so under `jax.grad` they
-    reuse JAX's cached derivative of each, as a hand-written function does, and
-    under `jax.jit` they are inlined then."""
+    inputs of the jaxpr."""
     dbg = _nameless_debug_info(fn)
-    traced_fn = fn
-    if keep_jit:
-
-        def traced_fn(*args):
-            _keep_jit_in.append(_core.trace_ctx.trace)
-            try:
-                return fn(*args)
-            finally:
-                _keep_jit_in.pop()
-
-    wrapped = _lu.wrap_init(traced_fn, debug_info=dbg)
+    wrapped = _lu.wrap_init(fn, debug_info=dbg)
     jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
     return _pe.convert_constvars_jaxpr(jaxpr), list(consts)
 
@@ -234,291 +190,38 @@ custom_jvp_call_p = _prims.custom_jvp_call_p
 custom_vjp_call_p = _prims.custom_vjp_call_p
 
 #
-# Staging equations without re-binding them
+# Putting a jaxpr on the caller's trace as one call
 #
 
-# The traces `trace(..., keep_jit=True)` is building, innermost last.
-_keep_jit_in: list[Any] = []
-_inline_jit_rule = _pe.custom_staging_rules[pjit_p]
-_Ref = getattr(_core, "Ref", ())  # jax 0.7+: mutable array references
-_Inline = getattr(jax, "Inline", None)
+
+@functools.lru_cache(maxsize=16)
+def _jit_template(mesh) -> dict[str, Any]:
+    # The params of a `jit` equation with one input and two outputs, as JAX
+    # makes them where `mesh` is the abstract mesh (its params differ across
+    # releases: jax 0.7-0.12). A tuple of length 1 holds one entry per input,
+    # of length 2 one per output; `call_jaxpr` stretches them.
+    del mesh  # (part of the cache key: `ctx_mesh` is read from the context)
+    closed = jax.make_jaxpr(jax.jit(lambda x: (x, x)))(0.0)
+    (eqn,) = closed.jaxpr.eqns
+    assert eqn.primitive is pjit_p, eqn
+    return dict(eqn.params)
 
 
-def _has_refs(closed) -> bool:
-    """Whether a closed jaxpr closes over mutable array references, which jit's
-    staging rule moves out rather than staging the equation as it is."""
-    return any(isinstance(c, _Ref) for c in closed.consts)
-
-
-def _inlines_when_traced(inline) -> bool:
-    """Whether a `jit` equation's `inline` param asks for its jaxpr to be inlined
-    into the enclosing trace: `inline=True` in jax 0.7-0.11; in jax 0.12+ the
-    param is a `jax.Inline` and only `JAX_EARLY` does (`True` became
-    `JAX_LATE`, inlined only when lowering)."""
-    if _Inline is not None and isinstance(inline, _Inline):
-        return inline is _Inline.JAX_EARLY
-    return bool(inline)
-
-
-def _jit_staging_rule(trace, source_info, *args, **params):
-    # jax 0.7-0.12: `pjit_staging_rule(trace, source_info, *args, **params)`
-    # inlines a `jit(inline=True)` call's jaxpr into the trace; in a trace that
-    # keeps jit calls, stage the equation as a non-inlined call is staged (the
-    # rule's default path, minus its handling of mutable constants).
-    if (
-        _inlines_when_traced(params["inline"])
-        and _keep_jit_in
-        and _keep_jit_in[-1] is trace
-        and not _has_refs(params["jaxpr"])
-    ):
-        return trace.default_process_primitive(
-            pjit_p, args, params, source_info=source_info
-        )
-    return _inline_jit_rule(trace, source_info, *args, **params)
-
-
-_pe.custom_staging_rules[pjit_p] = _jit_staging_rule
-
-
-def _inlined_when_staged(params) -> bool:
-    # jax 0.7-0.12: the condition under which `pjit_staging_rule` inlines.
-    return (
-        _inlines_when_traced(params["inline"])
-        and not params["compiler_options_kvs"]
-        and all(isinstance(s, _Unspecified) for s in params["in_shardings"])
-        and all(isinstance(s, _Unspecified) for s in params["out_shardings"])
-        and all(lay is None for lay in params["in_layouts"])
-        and all(lay is None for lay in params["out_layouts"])
-        and not _has_refs(params["jaxpr"])
-    )
-
-
-def _stages_as_is(params) -> bool:
-    # jax 0.7-0.12: `pjit_staging_rule` stages a jit equation that it does not
-    # inline through `default_process_primitive`, unless mutable constants
-    # need moving or compiler options make it raise.
-    closed = params["jaxpr"]
-    return (
-        not params["compiler_options_kvs"]
-        and not getattr(closed.jaxpr, "is_high", False)
-        and not _has_refs(closed)
-    )
-
-
-def staging_trace():
-    """The current trace if it builds a jaxpr (`jax.jit`, `make_jaxpr`, `trace`
-    above), else None (jax 0.7-0.12: a `DynamicJaxprTrace`)."""
-    current = _core.trace_ctx.trace
-    kind = type(current)
-    return current if kind is _Staging or kind in _intercepting_classes else None
-
-
-#
-# Intercepting what is staged into a jaxpr being built
-#
-
-_Staging = _pe.DynamicJaxprTrace
-_TracingEqn = _pe.TracingEqn
-_intercepting_classes: set[type] = set()
-
-
-class Interceptor:
-    """Routes what is staged into a jaxpr being built through hooks, while
-    `on(trace)` is active: `on_primitive(trace, primitive, tracers, params)`
-    for primitives, `on_other(trace, base_method, args, kwargs)` for the other
-    `process_*` methods (custom_jvp/vjp calls, shard_map, ...). Hooks fall back
-    on `stage_primitive`, or on calling `base_method`."""
-
-    def __init__(self, on_primitive: Callable, on_other: Callable):
-        # jax 0.7-0.12: everything staged into a `DynamicJaxprTrace` goes
-        # through `process_primitive` or another `process_*` method. The
-        # subclass adds no state (`__slots__ = ()`), so a trace can switch to it
-        # and back by assigning `__class__`.
-        namespace: dict[str, Any] = {
-            "__slots__": (),
-            "__module__": __name__,
-            # `on_primitive(self, primitive, tracers, params)` is the method.
-            "process_primitive": on_primitive,
-        }
-        for name in dir(_Staging):
-            if name.startswith("process_") and name != "process_primitive":
-                namespace[name] = _forwarding(getattr(_Staging, name), on_other)
-        self.cls = type("InterceptedJaxprTrace", (_Staging,), namespace)
-        _intercepting_classes.add(self.cls)
-
-    @contextlib.contextmanager
-    def on(self, trace):
-        """Re-entrant: the outermost use switches `trace` back."""
-        if type(trace) is self.cls:
-            yield
-            return
-        if type(trace) is not _Staging:
-            raise RuntimeError(f"cannot intercept a {type(trace).__name__}")
-        trace.__class__ = self.cls
-        try:
-            yield
-        finally:
-            trace.__class__ = _Staging
-
-
-def _forwarding(base: Callable, on_other: Callable) -> Callable:
-    def method(self, *args, **kwargs):
-        return on_other(self, base, args, kwargs)
-
-    return method
-
-
-def trace_context():
-    """The object whose `.trace` is the current trace (jax 0.7-0.12)."""
-    return _core.trace_ctx
-
-
-def current_trace():
-    return _core.trace_ctx.trace
-
-
-def set_current_trace(trace) -> None:
-    """Makes `trace` current (jax 0.7-0.12: `bind` makes no trace current while
-    a trace processes a primitive; code run there that binds must set one)."""
-    _core.trace_ctx.set_trace(trace)
-
-
-# `stage_primitive(trace, primitive, tracers, params)`: what staging `primitive`
-# into `trace` does without interception.
-stage_primitive = _Staging.process_primitive
-
-
-def staged_mark(trace) -> tuple[int, set]:
-    """Where `trace`'s jaxpr is now: its equation count and effects."""
-    frame = trace.frame
-    return len(frame.tracing_eqns), set(frame.effects)
-
-
-def staged_since(trace, mark) -> list[tuple[Any, list[Any]]]:
-    """The equations staged into `trace` since `mark`, each as a jaxpr equation
-    with the tracers its inputs read."""
-    eqns = []
-    for entry in trace.frame.tracing_eqns[mark[0] :]:
-        # jax 0.7-0.12: an entry is the equation, a weak reference to it (it is
-        # dropped with its outputs), or a function returning it.
-        if isinstance(entry, (weakref.ReferenceType, types.FunctionType)):
-            entry = entry()
-        if entry is None:
-            continue
-        if isinstance(entry, _TracingEqn):  # as `JaxprStackFrame.get_eqns` does
-            tracers = list(entry.in_tracers)
-            entry = _core.JaxprEqn(
-                [t.val for t in tracers],
-                entry.outvars,
-                entry.primitive,
-                entry.params,
-                entry.effects,
-                entry.source_info,
-                entry.ctx,
-            )
-        else:
-            tracers = None
-        eqns.append((entry, tracers))
-    return eqns
-
-
-def one_eqn_jaxpr(eqn) -> tuple[Jaxpr, list[int]]:
-    """A jaxpr of `eqn` alone, and which of its inputs are its invars."""
-    positions, invars = [], []
-    for i, v in enumerate(eqn.invars):
-        if type(v) is not Literal and v not in invars:
-            positions.append(i)
-            invars.append(v)
-    dbg = _nameless_debug_info(eqn.primitive.bind)._replace(result_paths=None)
-    jaxpr = Jaxpr([], invars, list(eqn.outvars), [eqn], eqn.effects, dbg)
-    return jaxpr, positions
-
-
-def output_values(out, outvars) -> tuple[list[Any], Callable] | None:
-    """The tracers a `process_*` method returned (a list, or a jax 0.10+
-    `FlatTree`) if they are exactly `outvars`' tracers, and how to return others
-    in their place; else None."""
-    if isinstance(out, (list, tuple)):
-        vals, rebuild = list(out), list
-    elif hasattr(out, "vals") and hasattr(out, "update"):  # FlatTree
-        vals, rebuild = list(out.vals), out.update
-    else:
-        return None
-    if len(vals) != len(outvars) or any(
-        getattr(t, "val", None) is not v for t, v in zip(vals, outvars)
-    ):
-        return None
-    return vals, rebuild
-
-
-def reset_staged(trace, mark) -> None:
-    """Removes what was staged into `trace` since `mark`."""
-    frame = trace.frame
-    del frame.tracing_eqns[mark[0] :]
-    frame.effects = set(mark[1])
-
-
-def current_name_stack():
-    """The name stack equations are bound under here, or None when empty."""
-    stack = _source_info_util.current_name_stack()
-    return stack if stack.stack else None
-
-
-_DynamicJaxprTracer = _pe.DynamicJaxprTracer
-_base_is_high = getattr(_core.Primitive, "is_high", None)
-
-
-@functools.cache
-def _is_high(prim_type) -> bool:
-    # jax 0.7+: a primitive class overriding `is_high` may need lowering to
-    # other primitives when staged ("hijax"); such equations are bound.
-    return getattr(prim_type, "is_high", None) is not _base_is_high
-
-
-def emit_eqn(trace, eqn, invals, name_stack) -> list[Any] | None:
-    """Adds a copy of `eqn`, on `invals`, to the jaxpr `trace` is building, as
-    `pe.inline_jaxpr_into_trace` copies equations (jax 0.7-0.12): the output
-    types are the equation's, so nothing is evaluated abstractly and no source
-    context is entered. Like it, this skips staging rules (other than jit's):
-    they ran when the equation was first staged. None when a copy would not be
-    what binding it does (the caller binds it then): an equation with effects or
-    a constant-folding rule, or inputs whose types differ from the equation's (a
-    handler replaced a value by one of another weak type)."""
-    prim = eqn.primitive
-    inline = False
-    if prim is pjit_p:
-        # What its staging rule does: inline the jaxpr, or stage the equation as
-        # it is (its forwarding rule already ran when it was first staged).
-        inline = _inlined_when_staged(eqn.params)
-        if not inline and (eqn.effects or not _stages_as_is(eqn.params)):
-            return None
-    elif eqn.effects or prim in _pe.const_fold_rules or _is_high(type(prim)):
-        return None
-    src = eqn.source_info
-    if name_stack is not None:
-        src = src.replace(name_stack=name_stack + src.name_stack)
-    tracers = []
-    for x, v in zip(invals, eqn.invars):
-        if type(v) is Literal:
-            tracers.append(_DynamicJaxprTracer(trace, v.aval, v, src))
-            continue
-        if type(x) is not _DynamicJaxprTracer or x._trace is not trace:
-            x = trace.to_jaxpr_tracer(x, src)
-        aval = x.aval
-        if aval is not v.aval and aval != v.aval:
-            return None
-        tracers.append(x)
-    if inline:  # what the jit staging rule does, without binding
-        closed = eqn.params["jaxpr"]
-        outs = _pe.inline_jaxpr_into_trace(
-            trace, src, closed.jaxpr, closed.consts, *tracers
-        )
-        return [trace.to_jaxpr_tracer(x, src) for x in outs]
-    out_avals = [v.aval for v in eqn.outvars]
-    return trace.emit_eqn(
-        tracers, out_avals, prim, eqn.params, eqn.effects, src, eqn.ctx
-    )
-
+def call_jaxpr(closed: ClosedJaxpr, args: Sequence[Any], name: str) -> list[Any]:
+    """Binds `closed` on the current trace as one `jit` call, as `jax.jit` binds
+    a function it traced: under `jax.jit` it is staged as one equation; under
+    `grad` and `vmap`, JAX's cached JVP and batching of the whole jaxpr apply."""
+    template = _jit_template(jax.sharding.get_abstract_mesh())
+    n_in, n_out = len(closed.in_avals), len(closed.out_avals)
+    params = {}
+    for key, value in template.items():
+        if type(value) is tuple and len(value) == 1:
+            value = value * n_in
+        elif type(value) is tuple and len(value) == 2:
+            value = (value[0],) * n_out
+        params[key] = value
+    params.update(jaxpr=closed, name=name)
+    return pjit_p.bind(*args, **params)
 
 from jax._src import mesh as _mesh_lib  # noqa: E402
 from jax._src import shard_map as _shard_map  # noqa: E402
@@ -617,9 +320,9 @@ def scan_params(params, jaxpr, *, n_consts: int, n_carry: int, n_xs: int, n_ys: 
 
 def open_jaxprs_in_params(params) -> list[Any]:
     """Every sub-jaxpr in an equation's params, open: what `jaxprs_in_params`
-    finds (values, and items of tuple values), faster. This runs for every
-    equation a one-pass `handle` stages, most of them with tuples of shardings
-    and the like in their params."""
+    finds (values, and items of tuple values), faster: this runs for every
+    equation of every traced function, most of them with tuples of shardings and
+    the like in their params."""
     found = []
     for v in params.values():
         kind = type(v)

@@ -1,11 +1,13 @@
-"""`handle`: runs a function with its sites handled, in one pass on a trace
-that builds a jaxpr (`_direct.py`), else by tracing it (sites carrying their
-effect) and evaluating its rewritten jaxpr on the caller's trace; and caches
-what can be cached."""
+"""`handle`: traces a function to a jaxpr, rewrites the jaxpr with the handlers,
+and puts the result on the caller's trace as one call, the same under `jax.jit`,
+`jax.grad`, `jax.vmap` and eagerly. Traces and rewritten programs are cached per
+function, argument signature and handler configuration."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import threading
 import types
 import weakref
 from collections.abc import Callable
@@ -14,7 +16,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from . import _compat, _direct
+from . import _compat
 from ._handlers import Handler, Perturb
 from ._primitives import handling
 from ._rewrite import run, sites_in
@@ -36,28 +38,8 @@ _LEFTOVER = (
 )
 
 #
-# Tracing, cached per function and argument signature
+# Splitting arguments into arrays (inputs) and the rest (static)
 #
-
-
-class _Traced:
-    """A traced function: its jaxpr (constants as leading inputs), the constants,
-    and how to rebuild the outputs."""
-
-    def __init__(self, jaxpr, consts, out_tree, out_static, sites):
-        self.jaxpr = jaxpr
-        self.consts = consts
-        self.out_tree = out_tree
-        self.out_static = out_static  # non-array outputs, by position
-        self.sites = sites
-
-
-_trace_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _call_module(module, *args, **kwargs):
-    return module(*args, **kwargs)
-
 
 # Per leaf type: whether `eqx.is_array` holds (it depends on the type alone; an
 # `isinstance` check against `jax.Array` costs more than this look-up).
@@ -85,11 +67,12 @@ def _merge(dynamic, static, treedef):
 
 
 def _signature(static, treedef, dynamic):
-    avals = [aval(x) for x in dynamic]
+    """A hashable key for the arguments' structure, static values and types, or
+    None when a static value is unhashable."""
     key = (
         treedef,
         static,
-        tuple((a.shape, a.dtype, getattr(a, "weak_type", False)) for a in avals),
+        tuple((a.shape, a.dtype, a.weak_type) for a in map(aval, dynamic)),
     )
     try:
         hash(key)
@@ -98,48 +81,126 @@ def _signature(static, treedef, dynamic):
     return key
 
 
-def _trace(fn, static, treedef, dynamic, keep_jit: bool) -> _Traced:
+def _call_module(module, *args, **kwargs):
+    return module(*args, **kwargs)
+
+
+#
+# Caches, bounded: per function, least recently used entries dropped
+#
+
+
+class _LRU:
+    """A bounded dict in order of use, safe across threads."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.items: dict[Any, Any] = {}
+        self.lock = threading.Lock()
+
+    def get(self, key):
+        with self.lock:
+            value = self.items.pop(key, None)
+            if value is not None:
+                self.items[key] = value
+            return value
+
+    def put(self, key, value) -> None:
+        with self.lock:
+            self.items.pop(key, None)
+            self.items[key] = value
+            while len(self.items) > self.size:
+                del self.items[next(iter(self.items))]
+
+
+# Functions whose trace may be cached: their arrays are read when traced, as
+# `jax.jit` reads them. Other callables (a Flax NNX module, an object with
+# `__call__`) may hold state that changes between calls, and are traced at
+# every call, as are functions that are unhashable or not weakly referenceable.
+_CACHEABLE = (types.FunctionType, functools.partial, type(jax.jit(lambda: None)))
+_PER_FN_SIZE = 64
+
+_per_fn: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_per_method = _LRU(64)  # bound methods: a new object per attribute access
+_per_fn_lock = threading.Lock()
+
+
+def _cache_for(fn) -> _LRU | None:
+    if isinstance(fn, types.MethodType):
+        owner = fn.__self__
+        # An owner hashed by value (a Flax linen module, a frozen dataclass) is
+        # the same object to us when equal, as to `jax.jit`'s static arguments;
+        # one hashed by identity may change between calls.
+        if type(owner).__hash__ is object.__hash__:
+            return None
+        key = (fn.__func__, owner)
+        try:
+            cache = _per_method.get(key)
+        except TypeError:  # unhashable after all (a field holding an array)
+            return None
+        if cache is None:
+            cache = _LRU(_PER_FN_SIZE)
+            _per_method.put(key, cache)
+        return cache
+    if not isinstance(fn, _CACHEABLE):
+        return None
+    with _per_fn_lock:
+        try:
+            cache = _per_fn.get(fn)
+            if cache is None:
+                cache = _per_fn[fn] = _LRU(_PER_FN_SIZE)
+        except TypeError:
+            return None
+    return cache
+
+
+#
+# Tracing and rewriting
+#
+
+
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+    """`fn` traced with sites carrying their effect: its jaxpr takes the
+    constants it closes over, then the arrays among the arguments."""
+
+    jaxpr: Any
+    consts: list[Any]
+    out_tree: Any
+    out_static: tuple  # the non-array outputs, by position
+    sites: frozenset
+
+
+def _trace(fn, static, treedef, dynamic) -> _Traced:
     out_info = {}
 
     def flat_fn(*dyn):
         args, kwargs = _merge(dyn, static, treedef)
-        out = fn(*args, **kwargs)
-        out_dyn, out_static, out_tree = _split(out)
-        out_info.update(tree=out_tree, static=out_static)
+        out_dyn, out_info["static"], out_info["tree"] = _split(fn(*args, **kwargs))
         return out_dyn
 
-    avals = [jax.typeof(x) for x in dynamic]
     with handling(True):
-        jaxpr, consts = _compat.trace(flat_fn, avals, keep_jit=keep_jit)
+        jaxpr, consts = _compat.trace(flat_fn, [aval(x) for x in dynamic])
     return _Traced(jaxpr, consts, out_info["tree"], out_info["static"], sites_in(jaxpr))
 
 
-def _traced(fn, static, treedef, dynamic, key, *, staged: bool) -> _Traced:
-    """`staged`: whether the traced function will be evaluated straight into a
-    jaxpr being built (under `jax.jit`, or eagerly through our own jit). If not
-    (under `grad`, `vmap`, ...), calls of `jit(inline=True)` functions (most of
-    `jax.numpy`) are kept as calls, so that evaluating the trace transforms each
-    with JAX's cached transformation of it, as the untransformed function would;
-    if so, they are inlined, which is cheaper to copy."""
-    if key is not None:
-        key = (key, staged)
-    try:
-        per_fn = _trace_cache.setdefault(fn, {}) if key is not None else None
-    except TypeError:  # not weak-referenceable or not hashable
-        per_fn = None
-    if per_fn is not None and key in per_fn:
-        return per_fn[key]
-    traced = _trace(fn, static, treedef, dynamic, keep_jit=not staged)
-    if per_fn is not None and not any(
-        isinstance(c, _compat.Tracer) for c in traced.consts
-    ):
-        per_fn[key] = traced
-    return traced
+@dataclasses.dataclass(frozen=True)
+class _Program:
+    """A traced function rewritten by handlers: `jaxpr` takes the constants the
+    rewrite closes over, the handlers' arrays, the function's constants and the
+    arrays among its arguments, and returns the function's arrays and what the
+    handlers found, flat."""
 
+    jaxpr: Any  # ClosedJaxpr
+    consts: list[Any]  # the constants the rewrite closes over
+    traced: _Traced
+    found_tree: Any
+    found_order: tuple  # ((collection, (name, ...)), ...) in program order
+    name: str
 
-#
-# Evaluation
-#
+    @property
+    def n_out(self) -> int:
+        return sum(s is None for s in self.traced.out_static)
 
 
 def _check_names(sites, handlers) -> None:
@@ -171,11 +232,11 @@ def _scope(handlers) -> Scope:
 
 
 def _report(scope: Scope, handlers) -> dict[str, dict[str, Any]]:
-    """What the handlers found, once the whole function has run."""
+    """What the handlers found, once the whole function has run, each
+    collection's names in the order the program first executed them."""
     for key, left in scope.inputs.items():
         if left:
-            name = key[1]
-            where = scope.sites[key].where() if key in scope.sites else repr(name)
+            where = scope.sites[key].where() if key in scope.sites else repr(key[1])
             raise ValueError(
                 _LEFTOVER.format(
                     handler=type(handlers[key[0]]).__name__, where=where, n=len(left)
@@ -183,43 +244,103 @@ def _report(scope: Scope, handlers) -> dict[str, dict[str, Any]]:
             )
     found: dict[str, dict[str, Any]] = {}
     for i, h in enumerate(handlers):
+        if h.reports:
+            found.setdefault(h.collection, {})
+    for key in scope.sites:  # in order of first execution
+        i, name = key
+        h = handlers[i]
         if not h.reports:
             continue
-        mine = found.setdefault(h.collection, {})
-        strict = h.output_mode() == "strict"
-        for (j, name), entries in scope.entries.items():
-            if j == i:
-                values = [v for v, _ in entries]
-                mine[name] = values[0] if strict else tuple(values)
-        for (j, name), acc in scope.accs.items():
-            if j == i:
-                mine[name] = acc
+        if key in scope.accs:
+            found[h.collection][name] = scope.accs[key]
+        elif key in scope.entries:
+            values = tuple(v for v, _ in scope.entries[key])
+            found[h.collection][name] = h.report(values)
     return found
 
 
-def _evaluate(traced: _Traced, handlers, consts, dynamic):
-    """Two passes: evaluates the traced function's jaxpr, rewritten."""
+def _rewrite(traced: _Traced, h_static, h_def, h_leaves) -> _Program:
+    n_h = len(h_leaves)
+    info = {}
+
+    def rewritten(*flat):
+        handlers = _combine(h_static, h_def, flat[:n_h])
+        scope = _scope(handlers)
+        outs = run(traced.jaxpr, (), flat[n_h:], scope)
+        found = _report(scope, handlers)
+        leaves, info["tree"] = jax.tree.flatten(found)
+        info["order"] = tuple((c, tuple(names)) for c, names in found.items())
+        return [*outs, *leaves]
+
+    in_avals = [*map(aval, h_leaves), *(v.aval for v in traced.jaxpr.invars)]
+    jaxpr, consts = _compat.trace(rewritten, in_avals)
+    closed = _compat.ClosedJaxpr(jaxpr, ())
+    return _Program(
+        closed,
+        consts,
+        traced,
+        info["tree"],
+        info["order"],
+        "handled",
+    )
+
+
+def _combine(h_static, h_def, h_leaves):
+    return eqx.combine(jax.tree.unflatten(h_def, list(h_leaves)), h_static)
+
+
+def _is_tracer(x) -> bool:
+    return isinstance(x, _compat.Tracer)
+
+
+def _program(fn, handlers, h_static, h_def, h_leaves, static, treedef, dynamic):
+    """The rewritten program for these arguments and handlers, from the cache
+    where it can be."""
+    cache = _cache_for(fn)
+    sig = _signature(static, treedef, dynamic) if cache is not None else None
+    if sig is None:
+        cache = None
+    traced = cache.get(sig) if cache is not None else None
+    if traced is None:
+        traced = _trace(fn, static, treedef, dynamic)
+        if cache is not None and not any(map(_is_tracer, traced.consts)):
+            cache.put(sig, traced)
     _check_names(traced.sites, handlers)
-    scope = _scope(handlers)
-    outs = run(traced.jaxpr, (), [*consts, *dynamic], scope)
-    return outs, _report(scope, handlers)
+    key = None
+    if cache is not None:
+        key = (sig, h_static, h_def, tuple(map(aval, h_leaves)), bool(handling.value))
+        try:
+            program = cache.get(key)
+        except TypeError:  # a handler's configuration is unhashable
+            key, program = None, None
+        if program is not None:
+            return program
+    program = _rewrite(traced, h_static, h_def, h_leaves)
+    program = dataclasses.replace(program, name=_name(fn))
+    if key is not None and not any(map(_is_tracer, [*program.consts, *traced.consts])):
+        cache.put(key, program)  # pyright: ignore[reportOptionalMemberAccess]
+    return program
 
 
-def _call_direct(fn, handlers, args, kwargs):
-    """One pass (see `_direct.py`), on a trace that builds a jaxpr; two when the
-    function stages a region the one pass cannot rewrite."""
-    scope = _scope(handlers)
-    try:
-        out, seen = _direct.call(fn, args, kwargs, scope)
-    except _direct.Fallback as e:
-        if e.frame.scope is not scope:
-            raise
-        dynamic, static, treedef = _split((args, kwargs))
-        traced = _traced(fn, static, treedef, dynamic, None, staged=True)
-        outs, found = _evaluate(traced, handlers, traced.consts, dynamic)
-        return _merge(outs, traced.out_static, traced.out_tree), found
-    _check_names(seen, handlers)
-    return out, _report(scope, handlers)
+def _name(fn) -> str:
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    return f"handled_{name}"
+
+
+def _apply(fn, handlers, h_static, h_def, h_leaves, dynamic, static, treedef):
+    """Runs `fn` with its sites handled, on the current trace."""
+    program = _program(fn, handlers, h_static, h_def, h_leaves, static, treedef, dynamic)
+    args = [*program.consts, *h_leaves, *program.traced.consts, *dynamic]
+    outs = _compat.call_jaxpr(program.jaxpr, args, program.name)
+    traced, n_out = program.traced, program.n_out
+    out = _merge(outs[:n_out], traced.out_static, traced.out_tree)
+    found = jax.tree.unflatten(program.found_tree, outs[n_out:])
+    return out, _in_order(found, program.found_order)
+
+
+def _in_order(found, order):
+    # Flattening a dict sorts its keys; `found` lists names in program order.
+    return {c: {n: found[c][n] for n in names} for c, names in order}
 
 
 class _Handled:
@@ -230,12 +351,9 @@ class _Handled:
         self.handlers = handlers
         self._module = isinstance(fn, eqx.Module)
         h_dyn, self._h_static = eqx.partition(handlers, eqx.is_array)
-        # The handlers' arrays go into the jitted evaluation as a flat list: jit
-        # flattens its arguments at every call, and flattening an `eqx.Module`
-        # runs Python.
         self._h_leaves, self._h_def = jax.tree.flatten(h_dyn)
-        # Per argument signature: the traced function and its jitted evaluation.
-        self._eager: dict[Any, _Eager] = {}
+        # Per argument signature, outside any transformation: a jitted call.
+        self._eager = _LRU(_PER_FN_SIZE)
         # `updated=()`: copying `fn.__dict__` would copy a nested wrapper's state.
         functools.update_wrapper(
             self,
@@ -255,79 +373,93 @@ class _Handled:
         fn = self.fn
         if self._module:  # its arrays are inputs, not constants
             fn, args = _call_module, (self.fn, *args)
-        if _compat.staging_trace() is not None:
-            return _call_direct(fn, self.handlers, args, kwargs)
         dynamic, static, treedef = _split((args, kwargs))
-        key = _signature(static, treedef, dynamic)
-        if key is not None and _compat.is_top_level():
-            # Outside any transformation: evaluate through a cached jit, so
-            # repeated eager calls neither re-trace nor dispatch op by op.
-            hit = self._eager.get(key)
-            if hit is None:
-                hit = self._eager[key] = _Eager(
-                    fn, self._h_static, self._h_def, static, treedef
-                )
-            return hit(self._h_leaves, dynamic)
-        traced = _traced(fn, static, treedef, dynamic, key, staged=False)
-        outs, found = _evaluate(traced, self.handlers, traced.consts, dynamic)
-        return _merge(outs, traced.out_static, traced.out_tree), found
+        if _compat.is_top_level():
+            # Outside any transformation: through a cached jit, so that repeated
+            # calls neither trace nor dispatch op by op.
+            key = _signature(static, treedef, dynamic)
+            if key is not None:
+                eager = self._eager.get(key)
+                if eager is None:
+                    eager = _Eager(fn, self.handlers, self._h_static, self._h_def)
+                    eager.static, eager.treedef = static, treedef
+                    self._eager.put(key, eager)
+                return eager(self._h_leaves, dynamic)
+        return _apply(
+            fn,
+            self.handlers,
+            self._h_static,
+            self._h_def,
+            self._h_leaves,
+            dynamic,
+            static,
+            treedef,
+        )
 
 
 class _Eager:
-    """The jitted evaluation of a handled function for one argument signature,
-    taking the handlers' arrays as a flat list."""
+    """The jitted call of a handled function for one argument signature, taking
+    the handlers' arrays as a flat list."""
 
-    def __init__(self, fn, h_static, h_def, static, treedef):
-        self.fn, self.h_static, self.h_def = fn, h_static, h_def
-        self.static, self.treedef = static, treedef
-        self.out = None  # (out_static, out_tree, all arrays), once traced
-        self.compiled = jax.jit(self._evaluate)
+    static: tuple
+    treedef: Any
 
-    def _evaluate(self, h_leaves, dynamic):
-        handlers = eqx.combine(jax.tree.unflatten(self.h_def, h_leaves), self.h_static)
-        args, kwargs = _merge(dynamic, self.static, self.treedef)
-        out, found = _call_direct(self.fn, handlers, args, kwargs)
+    def __init__(self, fn, handlers, h_static, h_def):
+        self.fn, self.handlers, self.h_static, self.h_def = fn, handlers, h_static, h_def
+        self.out = None  # (out_static, out_tree, found order), once traced
+        self.compiled = jax.jit(self._call)
+
+    def _call(self, h_leaves, dynamic):
+        out, found = _apply(
+            self.fn,
+            self.handlers,
+            self.h_static,
+            self.h_def,
+            h_leaves,
+            dynamic,
+            self.static,
+            self.treedef,
+        )
         out_dyn, out_static, out_tree = _split(out)
-        arrays = all(s is None for s in out_static)
-        self.out = (out_static, out_tree, arrays)
-        # jit can return the output as it is when it is all arrays: one less step
-        return (out if arrays else out_dyn), found
+        order = tuple((c, tuple(names)) for c, names in found.items())
+        self.out = (out_static, out_tree, order)
+        return out_dyn, found
 
     def __call__(self, h_leaves, dynamic):
         outs, found = self.compiled(h_leaves, dynamic)
-        out_static, out_tree, arrays = self.out  # pyright: ignore[reportGeneralTypeIssues]
-        if arrays:
-            return outs, found
-        return _merge(outs, out_static, out_tree), found
+        out_static, out_tree, order = self.out  # pyright: ignore[reportGeneralTypeIssues]
+        return _merge(outs, out_static, out_tree), _in_order(found, order)
+
+
+#
+# One wrapper per function and handlers, so that `jax.jit(fx.handle(f, ...))`
+# written inline hits jit's cache
+#
 
 
 class _Memo:
     """The wrappers made for one function, kept in the function's own `__dict__`:
     they live exactly as long as the function (a cycle the garbage collector
-    frees), so `jax.jit(fx.handle(f, fx.Tag()))` written inline reuses one
-    wrapper and its caches, and nothing keeps a closure over tracers alive."""
+    frees), and nothing keeps a closure over tracers alive."""
 
     size = 32  # least recently used wrappers beyond this are dropped
 
     def __init__(self, owner):
         self.owner = id(owner)
-        # A plain dict, in order of use: `OrderedDict.pop` compares keys thrice.
-        self.wrappers: dict[_HandlersKey, _Handled] = {}
+        self.wrappers = _LRU(self.size)
 
-    def get(self, fn, key: _HandlersKey, handlers) -> _Handled:
-        wrapper = self.wrappers.pop(key, None)
+    def get(self, fn, key, handlers) -> _Handled:
+        wrapper = self.wrappers.get(key)
         if wrapper is None:
             wrapper = _Handled(fn, handlers)
-        self.wrappers[key] = wrapper
-        while len(self.wrappers) > self.size:
-            del self.wrappers[next(iter(self.wrappers))]
+            self.wrappers.put(key, wrapper)
         return wrapper
 
     def get_with_arrays(self, fn, handlers) -> _Handled:
         """A wrapper for handlers holding arrays (`Perturb(deltas)`,
         `Substitute(values)`): a new one each call, since the arrays differ, but
         sharing the eager caches of every wrapper whose handlers differ only in
-        their arrays' values, which its jitted evaluation takes as arguments."""
+        their arrays' values, which its jitted call takes as arguments."""
         leaves, treedef = jax.tree.flatten(handlers)
         is_array = [eqx.is_array(x) for x in leaves]
         arrays = [x for x, a in zip(leaves, is_array) if a]
@@ -358,59 +490,42 @@ class _HandlersKey:
 _MEMO = "_effects_handled"
 _ARRAY = object()  # an array's place in a memo key of handlers holding arrays
 
-
-# Callables whose `__dict__` holds nothing but attributes set on them, so the
-# memo may live there: functions, partials and jitted functions. Any other
-# object (a Flax NNX or linen module, a class with `__call__`) may treat its
-# `__dict__` as its state, and gets a new wrapper per call.
-_MEMOIZABLE = (types.FunctionType, functools.partial, type(jax.jit(lambda: None)))
+# Memos of bound methods, keyed on the method's function and its object.
+_method_memos = _LRU(64)
 
 
-# Memos of bound methods (`model.apply`: a new object at every attribute access),
-# keyed on the method's function and its object, least recently used last.
-_method_memos: dict[tuple[Any, Any], _Memo] = {}
-_METHOD_MEMOS = 64
-
-
-def _method_memo(method) -> _Memo | None:
-    """The memo for a method bound to an object that is hashed by value (a Flax
-    linen module, a frozen dataclass): equal objects are the same object to it,
-    as they are to `jax.jit`'s static arguments. An object hashed by identity
-    may change between calls (its attributes are read when traced), so it gets
-    none, and neither does an unhashable one."""
-    owner = method.__self__
-    if type(owner).__hash__ is object.__hash__:
-        return None
-    key = (method.__func__, owner)
-    try:
-        memo = _method_memos.pop(key, None)
-    except TypeError:  # unhashable after all (a field holding an array, say)
-        return None
-    if memo is None:
-        memo = _Memo(method)
-    _method_memos[key] = memo
-    if len(_method_memos) > _METHOD_MEMOS:
-        del _method_memos[next(iter(_method_memos))]
-    return memo
-
-
-def _memoized(fn, handlers) -> _Handled:
-    if not _compat.is_top_level():
-        # Inside a transformation, handlers may close over its tracers, which a
-        # memo would keep alive; and a traced function is traced once anyway.
-        return _Handled(fn, handlers)
+def _memo_for(fn) -> _Memo | None:
     if isinstance(fn, types.MethodType):
-        memo = _method_memo(fn)
+        owner = fn.__self__
+        if type(owner).__hash__ is object.__hash__:
+            return None
+        key = (fn.__func__, owner)
+        try:
+            memo = _method_memos.get(key)
+        except TypeError:
+            return None
         if memo is None:
-            return _Handled(fn, handlers)
-    elif isinstance(fn, _MEMOIZABLE):
+            memo = _Memo(fn)
+            _method_memos.put(key, memo)
+        return memo
+    if isinstance(fn, _CACHEABLE):
         namespace = vars(fn)
         memo = namespace.get(_MEMO)
         # `functools.wraps` copies `__dict__` entries, so a wrapper of `fn` (say
         # `jax.vmap(fn)`) can hold `fn`'s memo: it needs its own.
         if not isinstance(memo, _Memo) or memo.owner != id(fn):
             memo = namespace[_MEMO] = _Memo(fn)
-    else:
+        return memo
+    return None
+
+
+def _memoized(fn, handlers) -> _Handled:
+    if not _compat.is_top_level():
+        # Inside a transformation, handlers may close over its tracers, which a
+        # memo would keep alive.
+        return _Handled(fn, handlers)
+    memo = _memo_for(fn)
+    if memo is None:
         return _Handled(fn, handlers)
     try:
         key = _HandlersKey(handlers)
@@ -422,12 +537,12 @@ def _memoized(fn, handlers) -> _Handled:
 def handle(fn: Callable, *handlers: Handler) -> Callable:
     """Returns `fn` with its tags handled: `wrapped(*args, **kwargs) -> (out, found)`.
 
-    `fn`'s jaxpr is rewritten by the handlers (through jit, scan, cond,
-    while_loop, checkpoint, custom_jvp/vjp, shard_map): under `jax.jit`, in one
-    pass as `fn` is traced; the result composes with `jax.jit`, `jax.vmap` and
-    `jax.grad` in any order. Handlers act in order: the
-    first is closest to the sites, as in `handle(handle(fn, A), B)`. A collecting
-    handler consumes the sites it collects; the others stay visible further out.
+    `fn` is traced to a jaxpr, the handlers rewrite it (through jit, scan, cond,
+    while_loop, checkpoint, custom_jvp/vjp, shard_map), and the rewritten jaxpr
+    runs as one call; the result composes with `jax.jit`, `jax.vmap` and
+    `jax.grad` in any order. Handlers act in order: the first is closest to the
+    sites, as in `handle(handle(fn, A), B)`. A collecting handler consumes the
+    sites it collects; the others stay visible further out.
 
     **Arguments:**
 
@@ -438,7 +553,8 @@ def handle(fn: Callable, *handlers: Handler) -> Callable:
     **Returns:**
 
     A function returning `(out, found)`, with `found` a dict from each reporting
-    handler's collection to a dict from name to value.
+    handler's collection to a dict from name to value, names in the order the
+    program first executed them.
 
     ```python
     out, found = fx.handle(f, fx.Tag())(x)

@@ -213,6 +213,11 @@ class Handler:
     def output_mode(self) -> str | Reduce | None:
         return None
 
+    def report(self, entries: tuple) -> Any:
+        """What `found` holds for a name this handler appended `entries` for
+        (one per execution)."""
+        return entries
+
     def calls_user_code(self) -> bool:
         """Whether `apply` may call user code, which then runs as it would
         where `handle` was called (user code may hold tags, or call functions
@@ -278,6 +283,9 @@ class Tag(Handler):
     def apply(self, call, leaves):
         call.emit(call.site.to_front(leaves))
         return leaves, True
+
+    def report(self, entries):
+        return entries[0] if self.mode == "strict" else entries
 
     def calls_user_code(self):
         return isinstance(self.mode, Reduce)

@@ -3,7 +3,6 @@ under every JAX transformation, and that cost nothing once lowered."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -171,21 +170,11 @@ def _bind_site(fn: str, value, name, collection, kind):
         treedef=treedef,
         batch=((),) * len(leaves),
     )
-    outs = None
-    if direct_site:  # a `handle` may be running on the current trace
-        outs = direct_site[0](leaves, params)
-    if outs is None:
-        outs = site_p.bind(*leaves, **params)
+    outs = site_p.bind(*leaves, **params)
     return outs[0] if treedef is _LEAF else jax.tree.unflatten(treedef, outs)
 
 
 _LEAF = jax.tree.structure(0)
-
-
-# Set by `_direct`: `(handle_here,)`, where `handle_here(leaves, params)` handles
-# a site at once if a one-pass `handle` runs on the current trace (sparing the
-# bind), and returns None if not.
-direct_site: list[Callable] = []
 
 
 def tag(value, name: str, *, collection: str = "intermediates"):

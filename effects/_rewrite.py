@@ -96,20 +96,11 @@ def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
 
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
-    # Under a trace that builds a jaxpr (jit, or the rewriter's own traces), plain
-    # equations are copied into it without being bound again: binding would
-    # evaluate each one abstractly and run its staging rule, a second trace.
-    trace = _compat.staging_trace()
-    name_stack = _compat.current_name_stack() if trace is not None else None
     literal = _compat.Literal
     for eqn, sites in zip(jaxpr.eqns, _analyse(jaxpr)[1]):
         invals = [v.val if type(v) is literal else env[v] for v in eqn.invars]
         if not sites:
-            outs = None
-            if trace is not None:
-                outs = _compat.emit_eqn(trace, eqn, invals, name_stack)
-            if outs is None:
-                outs = _bind(eqn, invals)
+            outs = _bind(eqn, invals)
         elif eqn.primitive is site_p:
             outs = _site_rule(eqn, invals, scope)
         elif _needs_rule(eqn, sites, scope):
@@ -182,8 +173,16 @@ class Plan:
     inputs: dict[Key, list[tuple[Any, int]]]
     sites: dict[Key, Site]
 
+    def enter(self, scope: Scope) -> None:
+        """Makes the region's sites known to the enclosing scope, in the order
+        the region first executes them."""
+        for key, site in self.sites.items():
+            scope.sites.setdefault(key, site)
+
     def acc_in(self, scope: Scope) -> list[Any]:
-        """The accumulators' values entering the region, flat."""
+        """The accumulators' values entering the region, flat (the region's
+        sites made known first)."""
+        self.enter(scope)
         leaves = []
         for key, init in self.accs.items():
             if key not in scope.accs:
@@ -738,6 +737,7 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
         plan = discover(body, (), in_avals, scope)
     for key in plan.accs:
         raise ValueError(_ACC_IN_SHARD_MAP.format(where=plan.sites[key].where()))
+    plan.enter(scope)
 
     # Entries leave each shard with a leading axis of size 1 and come out stacked
     # over the shards; per-execution inputs go in the same way.

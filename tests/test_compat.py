@@ -166,31 +166,22 @@ def test_open_jaxprs_in_params_agrees_with_jax():
         assert fast, eqn.primitive.name
 
 
-def test_intercepting_switches_the_trace_back():
-    def on_primitive(trace, primitive, tracers, params):
-        seen.append(primitive.name)
-        return _compat.stage_primitive(trace, primitive, tracers, params)
-
-    def on_other(trace, base, args, kwargs):
-        return base(trace, *args, **kwargs)
-
-    seen, kinds = [], []
-    interceptor = _compat.Interceptor(on_primitive, on_other)
-
-    def f(x):
-        trace = _compat.current_trace()
-        with interceptor.on(trace):
-            kinds.append(type(trace))
-            with interceptor.on(trace):  # re-entrant
-                y = jnp.sin(x)
-            kinds.append(type(trace))
-        kinds.append(type(trace))
-        return y * 2
-
-    assert_trees_close(jax.jit(f)(jnp.ones(3)), 2 * jnp.sin(jnp.ones(3)))
-    assert seen == ["jit"]  # `jnp.sin`; the `mul` after was staged as usual
-    assert kinds[0] is kinds[1] and kinds[0] is not kinds[2]
-    assert kinds[2].__name__ == "DynamicJaxprTrace"
+def test_call_jaxpr_binds_one_jit_equation():
+    # `call_jaxpr` stretches the params of a template jit equation: the bound
+    # equation looks like one `jax.jit` makes for the same jaxpr.
+    closed = jax.make_jaxpr(lambda a, b: (a * b, a + b, a))(1.0, 2.0)
+    outer = jax.make_jaxpr(lambda a, b: _compat.call_jaxpr(closed, [a, b], "f"))(
+        1.0, 2.0
+    )
+    (eqn,) = outer.jaxpr.eqns
+    reference = jax.make_jaxpr(jax.jit(lambda a, b: (a * b, a + b, a)))(1.0, 2.0)
+    (ref,) = reference.jaxpr.eqns
+    assert eqn.primitive is ref.primitive
+    assert eqn.params["name"] == "f"
+    assert str(eqn.params["jaxpr"]) == str(ref.params["jaxpr"])
+    for key, value in ref.params.items():
+        if key not in ("jaxpr", "name"):
+            assert eqn.params[key] == value, key
 
 
 def test_closed_call_is_rewritten():

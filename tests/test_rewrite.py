@@ -389,12 +389,19 @@ def expected_for(placement, ref, x):
     return ref(x)
 
 
+_SCANS = {"scan", "scan_reverse", "map", "fori_static"}
+
+
 @pytest.mark.parametrize(
     "case, placement",
     [(c, p) for c, spec in CASES.items() for p in spec[4]],
 )
-def test_site_inside_primitive(case, placement):
+def test_site_inside_primitive(case, placement, request):
     f, ref, x, mode, _ = CASES[case]
+    if placement == "grad_inside" and case in _SCANS:
+        # A tag in a scan under `grad`, kept by partial evaluation through its
+        # effect: JAX's leak checker reports it falsely (see the fixture).
+        request.getfixturevalue("jax_leak_check_false_report")
     if placement.startswith("vmap"):
         x = batch_of(x)
     if case == "pmap" and "xla_pmap" in str(jax.make_jaxpr(f)(x)):
@@ -839,7 +846,11 @@ DISCARDED = {
 
 
 @pytest.mark.parametrize("case", DISCARDED)
-def test_discarded_tag_collected_once(case):
+def test_discarded_tag_collected_once(case, request):
+    if case == "grad_scan":
+        # Partial evaluation of a scan under `grad` keeps the unused tag
+        # through its effect, which JAX's leak checker falsely reports.
+        request.getfixturevalue("jax_leak_check_false_report")
     x = lin(-1.0, 1.0, 6).reshape(3, 2)
     fn = DISCARDED[case]()
     expected_out = np.cos(x) if case.startswith("grad") else np.sin(x).sum()
@@ -848,6 +859,20 @@ def test_discarded_tag_collected_once(case):
     assert_trees_close(found, found_of(z=(x * 3.0,)))
     # The same under an outer jit.
     assert_trees_close(jax.jit(fx.handle(fn, fx.Tag()))(x), (expected_out, found))
+
+
+def test_jax_leak_checker_false_report():
+    # JAX alone: `jax.debug.print` in a scan under `grad` is reported as a leak.
+    # When this fails, JAX no longer does it: drop the fixture's uses.
+    def f(x):
+        def body(c, r):
+            jax.debug.print("{r}", r=r)
+            return c + jnp.sin(r).sum(), None
+
+        return lax.scan(body, 0.0, x)[0]
+
+    with pytest.raises(Exception, match="Leaked trace"):
+        jax.grad(f)(jnp.ones((2, 2)))
 
 
 #
@@ -1033,7 +1058,7 @@ def _hand_program(x):
 
 
 def test_site_free_regions_are_not_interpreted_again(monkeypatch):
-    from effects import _direct, _handle, _rewrite
+    from effects import _handle, _rewrite
 
     interpreted = []
     original = _rewrite.run
@@ -1044,32 +1069,40 @@ def test_site_free_regions_are_not_interpreted_again(monkeypatch):
 
     monkeypatch.setattr(_rewrite, "run", counting_run)
     monkeypatch.setattr(_handle, "run", counting_run)
-    monkeypatch.setattr(_direct, "run", counting_run)
     x = lin(-1.0, 1.0, 3)
     handled = fx.handle(_tagged_program, fx.Tag())
-    # Where a jaxpr is being built (eagerly, through the cached jit, and under
-    # `jax.jit`) the function runs on it in one pass: nothing is interpreted.
-    for evaluate in (handled, jax.jit(handled)):
-        interpreted.clear()
-        assert_trees_close(evaluate(x), _hand_program(x))
-        assert interpreted == []
-    # Under `jax.vmap` it is traced, then rewritten: only the top level, which
-    # holds the tag, is interpreted; the scan and the jit hold no site and are
-    # copied as they are.
+    # Traced, then rewritten: only the top level, which holds the tag, is
+    # interpreted; the scan and the jit hold no site and are left as they are.
+    assert_trees_close(handled(x), _hand_program(x))
+    assert len(interpreted) == 1
+    # The rewrite is cached: another trace of the same handled function (a new
+    # outer jit, vmap, grad) interprets nothing.
     interpreted.clear()
     xs = jnp.stack([x, 2 * x])
+    assert_trees_close(jax.jit(handled)(x), _hand_program(x))
     assert_trees_close(jax.vmap(handled)(xs), jax.vmap(_hand_program)(xs))
-    assert len(interpreted) == 1
+    assert_trees_close(
+        jax.grad(lambda x: handled(x)[0])(x),
+        jax.grad(lambda x: _hand_program(x)[0])(x),
+    )
+    assert interpreted == []
+
+
+def _jaxpr_text(fn, *args) -> str:
+    # The handled program is one jit call named after the function.
+    text = str(jax.make_jaxpr(fn)(*args))
+    return text.replace("handled__tagged_program", "_hand_program")
 
 
 def test_copied_equations_make_the_hand_written_program():
     x = lin(-1.0, 1.0, 3)
     handled = fx.handle(_tagged_program, fx.Tag())
-    assert str(jax.make_jaxpr(handled)(x)) == str(jax.make_jaxpr(_hand_program)(x))
+    hand = jax.jit(_hand_program)
+    assert _jaxpr_text(handled, x) == _jaxpr_text(hand, x)
     grad_handled = jax.grad(lambda x: handled(x)[0])
-    grad_hand = jax.grad(lambda x: _hand_program(x)[0])
+    grad_hand = jax.grad(lambda x: hand(x)[0])
     assert_trees_close(grad_handled(x), grad_hand(x))
-    assert str(jax.make_jaxpr(grad_handled)(x)) == str(jax.make_jaxpr(grad_hand)(x))
+    assert _jaxpr_text(grad_handled, x) == _jaxpr_text(grad_hand, x)
 
 
 def test_a_substituted_value_of_another_weak_type_is_typed_by_jax():
