@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import types
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -222,6 +220,7 @@ def call_jaxpr(closed: ClosedJaxpr, args: Sequence[Any], name: str) -> list[Any]
         params[key] = value
     params.update(jaxpr=closed, name=name)
     return pjit_p.bind(*args, **params)
+
 
 from jax._src import mesh as _mesh_lib  # noqa: E402
 from jax._src import shard_map as _shard_map  # noqa: E402

@@ -289,13 +289,30 @@ def _combine(h_static, h_def, h_leaves):
     return eqx.combine(jax.tree.unflatten(h_def, list(h_leaves)), h_static)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Handlers split into their arrays (inputs of the rewritten program) and
+    the rest, which with the arrays' types is their configuration."""
+
+    handlers: tuple
+    static: Any  # the handlers with None in place of arrays
+    treedef: Any  # of their arrays
+
+    @classmethod
+    def of(cls, handlers) -> tuple[_Config, list[Any]]:
+        arrays, static = eqx.partition(handlers, eqx.is_array)
+        leaves, treedef = jax.tree.flatten(arrays)
+        return cls(handlers, static, treedef), leaves
+
+
 def _is_tracer(x) -> bool:
     return isinstance(x, _compat.Tracer)
 
 
-def _program(fn, handlers, h_static, h_def, h_leaves, static, treedef, dynamic):
+def _program(fn, config: _Config, h_leaves, static, treedef, dynamic) -> _Program:
     """The rewritten program for these arguments and handlers, from the cache
     where it can be."""
+    handlers, h_static, h_def = config.handlers, config.static, config.treedef
     cache = _cache_for(fn)
     sig = _signature(static, treedef, dynamic) if cache is not None else None
     if sig is None:
@@ -329,7 +346,9 @@ def _name(fn) -> str:
 
 def _apply(fn, handlers, h_static, h_def, h_leaves, dynamic, static, treedef):
     """Runs `fn` with its sites handled, on the current trace."""
-    program = _program(fn, handlers, h_static, h_def, h_leaves, static, treedef, dynamic)
+    program = _program(
+        fn, handlers, h_static, h_def, h_leaves, static, treedef, dynamic
+    )
     args = [*program.consts, *h_leaves, *program.traced.consts, *dynamic]
     outs = _compat.call_jaxpr(program.jaxpr, args, program.name)
     traced, n_out = program.traced, program.n_out
@@ -350,8 +369,7 @@ class _Handled:
         self.fn = fn
         self.handlers = handlers
         self._module = isinstance(fn, eqx.Module)
-        h_dyn, self._h_static = eqx.partition(handlers, eqx.is_array)
-        self._h_leaves, self._h_def = jax.tree.flatten(h_dyn)
+        self._config, self._h_leaves = _Config.of(handlers)
         # Per argument signature, outside any transformation: a jitted call.
         self._eager = _LRU(_PER_FN_SIZE)
         # `updated=()`: copying `fn.__dict__` would copy a nested wrapper's state.
@@ -381,44 +399,24 @@ class _Handled:
             if key is not None:
                 eager = self._eager.get(key)
                 if eager is None:
-                    eager = _Eager(fn, self.handlers, self._h_static, self._h_def)
-                    eager.static, eager.treedef = static, treedef
+                    eager = _Eager(fn, self._config, static, treedef)
                     self._eager.put(key, eager)
                 return eager(self._h_leaves, dynamic)
-        return _apply(
-            fn,
-            self.handlers,
-            self._h_static,
-            self._h_def,
-            self._h_leaves,
-            dynamic,
-            static,
-            treedef,
-        )
+        return _apply(fn, self._config, self._h_leaves, dynamic, static, treedef)
 
 
 class _Eager:
     """The jitted call of a handled function for one argument signature, taking
     the handlers' arrays as a flat list."""
 
-    static: tuple
-    treedef: Any
-
-    def __init__(self, fn, handlers, h_static, h_def):
-        self.fn, self.handlers, self.h_static, self.h_def = fn, handlers, h_static, h_def
+    def __init__(self, fn, config: _Config, static, treedef):
+        self.fn, self.config, self.static, self.treedef = fn, config, static, treedef
         self.out = None  # (out_static, out_tree, found order), once traced
         self.compiled = jax.jit(self._call)
 
     def _call(self, h_leaves, dynamic):
         out, found = _apply(
-            self.fn,
-            self.handlers,
-            self.h_static,
-            self.h_def,
-            h_leaves,
-            dynamic,
-            self.static,
-            self.treedef,
+            self.fn, self.config, h_leaves, dynamic, self.static, self.treedef
         )
         out_dyn, out_static, out_tree = _split(out)
         order = tuple((c, tuple(names)) for c, names in found.items())
