@@ -344,11 +344,9 @@ def _name(fn) -> str:
     return f"handled_{name}"
 
 
-def _apply(fn, handlers, h_static, h_def, h_leaves, dynamic, static, treedef):
+def _apply(fn, config: _Config, h_leaves, dynamic, static, treedef):
     """Runs `fn` with its sites handled, on the current trace."""
-    program = _program(
-        fn, handlers, h_static, h_def, h_leaves, static, treedef, dynamic
-    )
+    program = _program(fn, config, h_leaves, static, treedef, dynamic)
     args = [*program.consts, *h_leaves, *program.traced.consts, *dynamic]
     outs = _compat.call_jaxpr(program.jaxpr, args, program.name)
     traced, n_out = program.traced, program.n_out
