@@ -833,7 +833,12 @@ TRANSFORMS += ["grad_outside", "grad_inside"]
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_handler_under_transformations(case, transform):
+def test_handler_under_transformations(case, transform, request):
+    if transform == "grad_inside":
+        # The model's scan, partially evaluated under `grad`, keeps its unused
+        # tags through their effect: JAX's leak checker reports it falsely
+        # (see the fixture).
+        request.getfixturevalue("jax_leak_check_false_report")
     site, params, handler, ref = CASES[case]
     f = make_model(site)
     p = params(())
