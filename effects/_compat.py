@@ -25,6 +25,7 @@ from jax.core import Tracer as Tracer
 from jax.extend import core as jex_core
 
 ClosedJaxpr = jex_core.ClosedJaxpr
+jaxpr_as_fun = jex_core.jaxpr_as_fun
 Jaxpr = jex_core.Jaxpr
 Literal = jex_core.Literal
 Var = jex_core.Var

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _compat
 from ._handlers import Handler
@@ -690,23 +691,81 @@ def _custom_rule(eqn, invals, scope: Scope) -> list[Any]:
                         handler=type(h).__name__,
                     )
                 )
-    # The equation keeps its custom rule: re-bind it with its sites re-bound
-    # (dropping the effect they carried while `handle` traced)...
     if scope.discovering:
         outs = _bind(eqn, invals)
+        run(closed.jaxpr, closed.consts, invals, scope)  # types only: nothing runs
+        return outs
+    # The equation with its sites re-bound (dropping the effect they carried
+    # while `handle` traced): its custom rule differentiates the function.
+    stripped, consts = _compat.trace_closed(
+        lambda *args: run(closed.jaxpr, closed.consts, args, Scope(())),
+        closed.in_avals,
+    )
+    # (the original's debug info names the function in the equation)
+    stripped = stripped.replace(debug_info=closed.jaxpr.debug_info)
+    call_jaxpr = _compat.ClosedJaxpr(stripped, consts)
+    if not _matched(scope.handlers, sites):
+        return _bind(eqn, invals, call_jaxpr=call_jaxpr)
+    # One region computes the outputs and what the handlers collect, so the
+    # function runs once; differentiating it differentiates the equation, by its
+    # own rule, and collects by running the region once more. What is collected
+    # inside carries no gradient: the custom rule defines none for it.
+    in_avals = [v.aval for v in eqn.invars]
+    plan = discover(closed.jaxpr, closed.consts, in_avals, scope)
+    acc_in = plan.acc_in(scope)
+    body, hoisted = trace_region(closed.jaxpr, closed.consts, in_avals, scope, plan)
+    region = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(body, ()))
+    n_out = len(eqn.outvars)
+
+    def original(*args):
+        return _bind(eqn, args, call_jaxpr=call_jaxpr)
+
+    if eqn.primitive is _compat.custom_vjp_call_p:
+        outs = _collecting_custom_vjp(original, region, n_out)(hoisted, invals, acc_in)
     else:
-        stripped, consts = _compat.trace_closed(
-            lambda *args: run(closed.jaxpr, closed.consts, args, Scope(())),
-            closed.in_avals,
-        )
-        # (the original's debug info names the function in the equation)
-        stripped = stripped.replace(debug_info=closed.jaxpr.debug_info)
-        outs = _bind(eqn, invals, call_jaxpr=_compat.ClosedJaxpr(stripped, consts))
-    # ...and the handlers collect from a copy of its primal computation, whose
-    # outputs are unused (XLA removes the duplicate work).
-    if _matched(scope.handlers, sites):
-        run(closed.jaxpr, closed.consts, invals, scope)
-    return outs
+        outs = _collecting_custom_jvp(original, region, n_out)(hoisted, invals, acc_in)
+    n_acc = _n(plan.acc_avals.values())
+    _set_accs(plan, scope, outs[n_out : n_out + n_acc])
+    _emit_entries(plan, scope, outs[n_out + n_acc :])
+    return outs[:n_out]
+
+
+def _collecting_custom_vjp(original, region, n_out):
+    @jax.custom_vjp
+    def collecting(hoisted, args, accs):
+        return region(*hoisted, *args, *accs)
+
+    def fwd(hoisted, args, accs):
+        outs, vjp = jax.vjp(lambda *a: original(*a), *args)
+        extra = region(*hoisted, *args, *accs)[n_out:]
+        return [*outs, *extra], vjp
+
+    def bwd(vjp, cts):
+        return None, list(vjp(list(cts[:n_out]))), None
+
+    collecting.defvjp(fwd, bwd)
+    return collecting
+
+
+def _collecting_custom_jvp(original, region, n_out):
+    @jax.custom_jvp
+    def collecting(hoisted, args, accs):
+        return region(*hoisted, *args, *accs)
+
+    @collecting.defjvp
+    def jvp(primals, tangents):
+        hoisted, args, accs = primals
+        outs, t_outs = jax.jvp(lambda *a: original(*a), list(args), list(tangents[1]))
+        extra = region(*hoisted, *args, *accs)[n_out:]
+        return [*outs, *extra], [*t_outs, *map(_zero_tangent, extra)]
+
+    return collecting
+
+
+def _zero_tangent(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
 
 
 rules[_compat.custom_jvp_call_p] = _custom_rule
