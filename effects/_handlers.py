@@ -64,12 +64,39 @@ class Reduce:
     fn: Callable
     init: Callable
 
+    # The mode protocol the rewriter reads (see `Append`).
+    reduces: ClassVar[bool] = True
+    single: ClassVar[bool] = False
+
+    @property
+    def label(self) -> str:
+        return "the fx.Reduce's `fn(acc, x)`"
+
     def __repr__(self):
         return eqx.tree_pformat(self)
 
 
 # A pytree with no leaves: `fn` and `init` are part of its structure.
 jax.tree_util.register_dataclass(Reduce, data_fields=[], meta_fields=["fn", "init"])
+
+
+@dataclasses.dataclass(frozen=True)
+class _BuiltinReduce(Reduce):
+    name: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"Tag(mode={self.name!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Append:
+    """The mode of a handler that reports one entry per execution: what the
+    rewriter asks of a mode (`reduces`, `single`, `label` for messages)."""
+
+    single: bool = False  # exactly one execution allowed
+    label: str = "Tag(mode='append')"
+    reduces: ClassVar[bool] = False
 
 
 def _last(acc, x):
@@ -81,9 +108,15 @@ def _zeros(z):
     return z
 
 
+def _add(acc, x):
+    return jax.tree.map(jnp.add, acc, x)
+
+
 _MODES = {
-    "last": Reduce(_last, _zeros),
-    "sum": Reduce(lambda acc, x: jax.tree.map(jnp.add, acc, x), _zeros),
+    "append": Append(),
+    "strict": Append(single=True, label="Tag(mode='strict')"),
+    "last": _BuiltinReduce(_last, _zeros, "last"),
+    "sum": _BuiltinReduce(_add, _zeros, "sum"),
 }
 _BAD_MODE = (
     "Tag: unknown mode {mode!r}; use 'append', 'last', 'strict', 'sum' or "
@@ -210,7 +243,9 @@ class Handler:
         """Values consumed one per execution, in the layout `Tag()` reports."""
         return {}
 
-    def output_mode(self) -> str | Reduce | None:
+    def output_mode(self) -> Append | Reduce | None:
+        """How the values this handler emits are reported: one entry per
+        execution (`Append`), folded (`Reduce`), or None if it emits none."""
         return None
 
     def report(self, entries: tuple) -> Any:
@@ -257,9 +292,7 @@ class Tag(Handler):
     ):
         if not isinstance(collection, str):
             raise TypeError(f"Tag: collection must be a string, got {collection!r}.")
-        if not (
-            isinstance(mode, Reduce) or mode in ("append", "strict", "last", "sum")
-        ):
+        if not (isinstance(mode, Reduce) or mode in _MODES):
             raise ValueError(_BAD_MODE.format(mode=mode))
         _set_fields(
             self, collection=collection, names=_check_names(names, "Tag"), mode=mode
@@ -274,18 +307,14 @@ class Tag(Handler):
         )
 
     def output_mode(self):
-        return (
-            _MODES.get(self.mode, self.mode)
-            if isinstance(self.mode, str)
-            else self.mode
-        )
+        return _MODES[self.mode] if isinstance(self.mode, str) else self.mode
 
     def apply(self, call, leaves):
         call.emit(call.site.to_front(leaves))
         return leaves, True
 
     def report(self, entries):
-        return entries[0] if self.mode == "strict" else entries
+        return entries[0] if self.output_mode().single else entries
 
     def calls_user_code(self):
         return isinstance(self.mode, Reduce)
@@ -352,7 +381,7 @@ class Perturb(Handler):
         return {} if self.deltas is None else self.deltas
 
     def output_mode(self):
-        return None if self.deltas is not None else "append"
+        return None if self.deltas is not None else _MODES["append"]
 
     def apply(self, call, leaves):
         if self.deltas is None:

@@ -21,7 +21,7 @@ import numpy as np
 from . import _compat
 from ._handlers import Handler
 from ._primitives import bind_site, handling, site_effect, site_p
-from ._scope import Key, Scope, SiteCall, zeros
+from ._scope import Key, Scope, SiteCall, grow, types_of, zeros
 from ._site import Site, describe
 
 Rule = Callable[[Any, list[Any], Scope], list[Any]]
@@ -170,6 +170,7 @@ class Plan:
 
     accs: dict[Key, Any]  # key -> init thunk
     acc_avals: dict[Key, Any]  # key -> avals tree
+    acc_batch: dict[Key, tuple[int, ...]]  # key -> its vmap batch sizes
     entries: dict[Key, list[tuple[Any, int]]]  # key -> [(avals tree, nbatch)]
     inputs: dict[Key, list[tuple[Any, int]]]
     sites: dict[Key, Site]
@@ -182,15 +183,20 @@ class Plan:
 
     def acc_in(self, scope: Scope) -> list[Any]:
         """The accumulators' values entering the region, flat (the region's
-        sites made known first)."""
+        sites made known first), broadcast to the types the region gives them."""
         self.enter(scope)
         leaves = []
-        for key, init in self.accs.items():
+        for key, avals in self.acc_avals.items():
             if key not in scope.accs:
-                scope.sites.setdefault(key, self.sites[key])
-                scope.acc_inits.setdefault(key, init)
-                scope.accs[key] = init()
-            leaves += jax.tree.leaves(scope.accs[key])
+                scope.acc_inits.setdefault(key, self.accs[key])
+                scope.accs[key] = self.accs[key]()
+                scope.acc_batch[key] = self.acc_batch[key]
+            scope.touched[key] = None
+            acc, have = scope.accs[key], scope.acc_batch[key]
+            if have != self.acc_batch[key]:  # grown inside, under a vmap
+                acc = scope.accs[key] = grow(acc, have, self.acc_batch[key])
+                scope.acc_batch[key] = self.acc_batch[key]
+            leaves += jax.tree.leaves(acc)
         return leaves
 
     def forbid(
@@ -198,12 +204,16 @@ class Plan:
     ) -> None:
         for key in self.entries:
             mode = scope.modes[key[0]]
-            if strict and mode == "strict":
+            where = self.sites[key].where()
+            if strict and mode.single:
+                instead = _INSTEAD_IN_WHILE if appends else _INSTEAD_IN_SCAN
                 raise ValueError(
-                    _STRICT_IN_LOOP.format(where=self.sites[key].where(), what=what)
+                    _STRICT_IN_LOOP.format(
+                        where=where, what=what, mode=mode.label, instead=instead
+                    )
                 )
             if appends:
-                raise ValueError(_APPEND_IN_WHILE.format(where=self.sites[key].where()))
+                raise ValueError(_APPEND_IN_WHILE.format(where=where, mode=mode.label))
         if inputs:
             for key in self.inputs:
                 raise ValueError(
@@ -214,13 +224,17 @@ class Plan:
                 )
 
 
+_INSTEAD_IN_SCAN = "Use mode='append' (stacked over iterations), 'last' or 'sum'."
+_INSTEAD_IN_WHILE = (
+    "Use mode='last' or a reduction ('sum' or fx.Reduce); to keep every "
+    "iteration, write the loop as a lax.scan."
+)
 _STRICT_IN_LOOP = (
-    "{where} is inside a {what}, but Tag(mode='strict') collects a single value. "
-    "Use mode='append' (stacked over iterations), 'last' or a reduction."
+    "{where} is inside a {what}, but {mode} collects a single value. {instead}"
 )
 _APPEND_IN_WHILE = (
     "{where} is inside a lax.while_loop, whose number of iterations is unknown, so "
-    "its executions cannot be appended. Use Tag(mode='last'), a reduction "
+    "{mode} cannot append its executions. Use Tag(mode='last'), a reduction "
     "('sum' or fx.Reduce), or a lax.scan."
 )
 _INPUT_IN_WHILE = (
@@ -240,14 +254,24 @@ def discover(jaxpr, consts, in_avals, scope: Scope) -> Plan:
     """Traces `jaxpr` once, abstractly, to learn what the handlers emit in it."""
     plans = []
 
+    # The region starts from the accumulators entering it (a reduction may
+    # grow one there, by vmap batch axes).
+    entering = {k: types_of(v) for k, v in scope.accs.items()}
+
     def fn(*args):
-        sub = Scope(scope.handlers, discovering=True)
+        sub = Scope(
+            scope.handlers,
+            discovering=True,
+            accs=_zeros_of(entering),
+            acc_batch=scope.acc_batch,
+        )
         outs = run(jaxpr, consts, args, sub)
         # Only types leave the trace: nothing may keep its tracers alive.
         plans.append(
             Plan(
                 accs=dict(sub.acc_inits),
-                acc_avals={k: _acc_avals_of(sub, k) for k in sub.acc_inits},
+                acc_avals={k: _acc_avals_of(sub, k) for k in sub.touched},
+                acc_batch={k: sub.acc_batch[k] for k in sub.touched},
                 entries={
                     k: [(jax.tree.map(_sds, v), nb) for v, nb in vs]
                     for k, vs in sub.entries.items()
@@ -260,6 +284,11 @@ def discover(jaxpr, consts, in_avals, scope: Scope) -> Plan:
 
     _compat.trace(fn, in_avals)
     return plans[0]
+
+
+def _zeros_of(types: dict) -> dict:
+    vary = _compat.vary_over_manual_axes
+    return {k: jax.tree.map(vary, zeros(t)) for k, t in types.items()}
 
 
 def _sds(x):
@@ -313,7 +342,12 @@ def trace_region(
         inputs, i = {}, 0
         for key, specs in plan.inputs.items():
             inputs[key], i = entries_in[i : i + len(specs)], i + len(specs)
-        sub = Scope(scope.handlers, accs=dict(zip(plan.acc_avals, accs)), inputs=inputs)
+        sub = Scope(
+            scope.handlers,
+            accs=dict(zip(plan.acc_avals, accs)),
+            acc_batch=plan.acc_batch,
+            inputs=inputs,
+        )
         outs = run(jaxpr, consts, args, sub)
         out_entries = []
         for key, specs in plan.entries.items():
@@ -587,12 +621,16 @@ rules[_compat.while_p] = _while_rule
 
 
 def _merge_plans(plans: list[Plan], scope: Scope) -> Plan:
-    merged = Plan({}, {}, {}, {}, {})
+    merged = Plan({}, {}, {}, {}, {}, {})
     for plan in plans:
         merged.sites.update(plan.sites)
-        for key, init in plan.accs.items():
-            merged.accs.setdefault(key, init)
-            merged.acc_avals.setdefault(key, plan.acc_avals[key])
+        merged.accs.update(plan.accs)
+        for key, avals in plan.acc_avals.items():
+            # Where branches differ, the accumulator of the branch under more
+            # vmaps (the other's grows to it).
+            batch = plan.acc_batch[key]
+            if len(batch) >= len(merged.acc_batch.get(key, ())):
+                merged.acc_avals[key], merged.acc_batch[key] = avals, batch
         for field in ("entries", "inputs"):
             ours = getattr(merged, field)
             for key, specs in getattr(plan, field).items():

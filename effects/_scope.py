@@ -10,19 +10,29 @@ import jax
 import jax.numpy as jnp
 
 from . import _compat
-from ._handlers import Handler, Reduce
+from ._handlers import Handler
 from ._site import Site, describe, shape_dtype, strong
 
 Key = tuple[int, str]  # (handler index, site name)
 
 _STRICT_TWICE = (
-    "{where} was executed more than once, but Tag(mode='strict') collects a single "
-    "value. Use mode='append' to collect every execution, or 'last'."
+    "{where} was executed more than once, but {mode} collects a single value. "
+    "Use mode='append' to collect every execution, or 'last'."
 )
 _ACC_CHANGED = (
-    "The Reduce for {where} changed its accumulator from {before} to {after}; "
-    "`fn(acc, x)` must return an accumulator of the same shapes and dtypes as "
-    "`init`."
+    "{where}: {mode} turned the accumulator {before} into {after}; the "
+    "accumulator must keep its shapes and dtypes. Give differently shaped "
+    "values different names, or use mode='append'."
+)
+_BATCH_MISMATCH = (
+    "{where} is reduced over executions under different vmaps (batch axes of "
+    "sizes {a} and {b}), which cannot be combined per example. Give them "
+    "different names, or use mode='append'."
+)
+_REDUCE_FAILED = (
+    "{where}: {mode} failed on the accumulator {acc} and the value {value}: {error}. "
+    "Values of one name must have one shape, up to vmap batch axes; give "
+    "differently shaped values different names, or use mode='append'."
 )
 _MISSING_INPUT = (
     "{owner} got fewer entries for {where} than it has executions. Give one entry "
@@ -40,6 +50,7 @@ class Scope:
         handlers: tuple[Handler, ...],
         *,
         accs=None,
+        acc_batch=None,
         inputs=None,
         discovering: bool = False,
     ):
@@ -57,6 +68,10 @@ class Scope:
         }
         # Filled while discovering, for the rule that threads this region.
         self.acc_inits: dict[Key, Any] = {}
+        self.touched: dict[Key, None] = {}  # accumulators updated here, in order
+        # Per accumulator: the sizes of the vmap batch axes it has, outermost
+        # first (leading, in the layout handlers see).
+        self.acc_batch: dict[Key, tuple[int, ...]] = dict(acc_batch or {})
         self.input_avals: dict[Key, list[tuple[Any, int]]] = {}
         self.sites: dict[Key, Site] = {}
 
@@ -72,30 +87,61 @@ class Scope:
         self.sites.setdefault(key, site)
         entries = self.entries.setdefault(key, [])
         entries.append((_strong_tree(value), nbatch))
-        if len(entries) > 1 and self.mode(key) == "strict":
-            raise ValueError(_STRICT_TWICE.format(where=self.where(key)))
+        mode = self.mode(key)
+        if len(entries) > 1 and mode.single:
+            raise ValueError(
+                _STRICT_TWICE.format(where=self.where(key), mode=mode.label)
+            )
 
     # Accumulators -----------------------------------------------------------
 
-    def reduce(self, key: Key, value, reduce: Reduce, site: Site) -> None:
+    def reduce(self, key: Key, value, reduce, site: Site) -> None:
         self.sites.setdefault(key, site)
+        batch = site.batch_sizes()
         if key not in self.accs:
             init = _acc_init(reduce, site)
             self.acc_inits[key] = init
             self.accs[key] = init()
-        acc = self.accs[key]
-        new = jax.tree.map(strong, reduce.fn(acc, value))
-        before = jax.tree.map(shape_dtype, acc)
-        after = jax.tree.map(shape_dtype, new)
-        if before != after:
+            self.acc_batch[key] = batch
+        self.touched[key] = None
+        acc, have = self.accs[key], self.acc_batch[key]
+        if batch != have:
+            # The name executes both outside and inside a vmap: the accumulator
+            # is per example, as if each example ran alone.
+            if batch[: len(have)] == have:  # deeper: the accumulator grows
+                acc = grow(acc, have, batch)
+                self.acc_batch[key] = batch
+            elif have[: len(batch)] == batch:  # shallower: the same per example
+                value = grow(value, batch, have)
+            else:
+                raise ValueError(
+                    _BATCH_MISMATCH.format(where=self.where(key), a=have, b=batch)
+                )
+        new = self._fold(key, reduce, acc, value)
+        if types_of(new) != types_of(acc):
             raise ValueError(
                 _ACC_CHANGED.format(
                     where=self.where(key),
-                    before=describe(before),
-                    after=describe(after),
+                    mode=reduce.label,
+                    before=describe(types_of(acc)),
+                    after=describe(types_of(new)),
                 )
             )
         self.accs[key] = new
+
+    def _fold(self, key: Key, reduce, acc, value):
+        try:
+            return jax.tree.map(strong, reduce.fn(acc, value))
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                _REDUCE_FAILED.format(
+                    where=self.where(key),
+                    mode=reduce.label,
+                    acc=describe(jax.tree.map(shape_dtype, acc)),
+                    value=describe(jax.tree.map(shape_dtype, value)),
+                    error=str(e).splitlines()[0],
+                )
+            ) from e
 
     # Per-execution inputs ---------------------------------------------------
 
@@ -159,7 +205,23 @@ def _modes(handlers) -> tuple:
     return tuple(type(h).output_mode(h) for h in handlers)
 
 
-def _acc_init(reduce: Reduce, site: Site):
+def types_of(tree):
+    return jax.tree.map(shape_dtype, tree)
+
+
+def grow(tree, have: tuple[int, ...], want: tuple[int, ...]):
+    """`tree`, whose leaves lead with vmap batch axes of sizes `have`, broadcast
+    to lead with `want` (`have` outermost-first is a prefix of `want`)."""
+    new = tuple(range(len(have), len(want)))
+
+    def one(x):
+        x = jnp.expand_dims(x, new)
+        return jnp.broadcast_to(x, want + x.shape[len(want) :])
+
+    return jax.tree.map(one, tree)
+
+
+def _acc_init(reduce, site: Site):
     front = site.front_avals()
 
     def init():
@@ -180,7 +242,7 @@ class SiteCall:
     def emit(self, value) -> None:
         """Reports `value` (in handler layout) under the handler's output mode."""
         mode = self.scope.mode(self.key)
-        if isinstance(mode, Reduce):
+        if mode.reduces:
             self.scope.reduce(self.key, value, mode, self.site)
         else:
             self.scope.add_entry(self.key, value, self.site.nbatch, self.site)

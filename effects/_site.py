@@ -64,6 +64,10 @@ class Site:
         is at hand (e.g. from `sites_in`)."""
         return cls(name, collection, kind, None, (), ())
 
+    def batch_sizes(self) -> tuple[int, ...]:
+        """The sizes of the vmap batch axes the value has, outermost first."""
+        return tuple(size for _, size in self.batch[0]) if self.batch else ()
+
     @property
     def nbatch(self) -> int:
         return len(self.batch[0]) if self.batch else 0
