@@ -348,7 +348,14 @@ def _apply(fn, config: _Config, h_leaves, dynamic, static, treedef):
     """Runs `fn` with its sites handled, on the current trace."""
     program = _program(fn, config, h_leaves, static, treedef, dynamic)
     args = [*program.consts, *h_leaves, *program.traced.consts, *dynamic]
-    outs = _compat.call_jaxpr(program.jaxpr, args, program.name)
+    if _compat.is_top_level():
+        # Outside any transformation and outside our cached jit: `jax.jit`'s
+        # de-optimized re-run looking for a NaN (`jax_debug_nans`), `disable_jit`,
+        # or unhashable static arguments. Op by op, as JAX runs a function
+        # there.
+        outs = jax.core.eval_jaxpr(program.jaxpr.jaxpr, program.jaxpr.consts, *args)
+    else:
+        outs = _compat.call_jaxpr(program.jaxpr, args, program.name)
     traced, n_out = program.traced, program.n_out
     out = _merge(outs[:n_out], traced.out_static, traced.out_tree)
     found = jax.tree.unflatten(program.found_tree, outs[n_out:])
@@ -371,10 +378,10 @@ class _Handled:
         # Per argument signature, outside any transformation: a jitted call.
         self._eager = _LRU(_PER_FN_SIZE)
         # `updated=()`: copying `fn.__dict__` would copy a nested wrapper's state.
+        # A module's `__call__` bound to it: the handled module's signature is
+        # the call's, without `self` (`eqx.filter_jit` binds arguments to it).
         functools.update_wrapper(
-            self,
-            fn if not isinstance(fn, eqx.Module) else type(fn).__call__,
-            updated=(),
+            self, fn.__call__ if isinstance(fn, eqx.Module) else fn, updated=()
         )
 
     def with_arrays(self, handlers, leaves) -> _Handled:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import operator
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, dataclass_transform
 
@@ -32,6 +33,9 @@ def _check_names(names, owner: str):
         f"{owner}: `names` must be None, a glob string, a list of globs or a "
         f"predicate on the name, got {names!r}."
     )
+
+
+_GLOB = re.compile(r"[*?\[]")
 
 
 def _name_matches(names, name: str) -> bool:
@@ -308,6 +312,14 @@ class Tag(Handler):
 
     def output_mode(self):
         return _MODES[self.mode] if isinstance(self.mode, str) else self.mode
+
+    def required_names(self):
+        # A name without glob characters is meant to exist: a typo is an error.
+        # (A glob or a predicate may match nothing.)
+        names = (self.names,) if isinstance(self.names, str) else self.names
+        if not isinstance(names, tuple):
+            return ()
+        return tuple(n for n in names if not _GLOB.search(n))
 
     def apply(self, call, leaves):
         call.emit(call.site.to_front(leaves))

@@ -114,7 +114,7 @@ _compat.register_batch_rule(site_p, _site_batch)
 _BAD_NAME = "{fn}: the name must be a string, got {name!r} of type {type}."
 _BAD_LEAF = (
     "{fn}: every leaf of the value tagged {name!r} (collection {collection!r}) "
-    "must be an array or a number, got {leaf!r} of type {type} at {path}. Tag "
+    "must be an array or a number, got {leaf!r} of type {type}{path}. Tag "
     "only the array parts, e.g. with `eqx.filter(value, eqx.is_array)`."
 )
 
@@ -129,7 +129,7 @@ def _to_array(fn: str, name: str, collection: str, path, leaf) -> Any:
             collection=collection,
             leaf=leaf,
             type=type(leaf).__name__,
-            path=jax.tree_util.keystr(path),
+            path=f" at {jax.tree_util.keystr(path)}" if path else "",
         )
     )
 
