@@ -22,7 +22,7 @@ from . import _compat
 from ._handlers import Handler
 from ._primitives import bind_site, handling, site_effect, site_p
 from ._scope import Key, Scope, SiteCall, grow, types_of, zeros
-from ._site import Site, describe
+from ._site import Lead, Site, after, describe, from_region, stacked_avals, to_region
 
 Rule = Callable[[Any, list[Any], Scope], list[Any]]
 rules: dict[Any, Rule] = {}
@@ -171,7 +171,7 @@ class Plan:
     accs: dict[Key, Any]  # key -> init thunk
     acc_avals: dict[Key, Any]  # key -> avals tree
     acc_batch: dict[Key, tuple[int, ...]]  # key -> its vmap batch sizes
-    entries: dict[Key, list[tuple[Any, int]]]  # key -> [(avals tree, nbatch)]
+    entries: dict[Key, list[tuple[Any, Lead]]]  # key -> [(avals tree, lead)]
     inputs: dict[Key, list[tuple[Any, int]]]
     sites: dict[Key, Site]
 
@@ -322,6 +322,8 @@ def trace_region(
     input_avals: list[Any] | None = None,
     input_in=None,
     entry_out=None,
+    acc_in=None,
+    acc_out=None,
 ):
     """Traces the region with the plan's state threaded through it:
     `(*args, *accs, *inputs) -> (*outs, *accs, *entries)`. Entries a run does not
@@ -336,6 +338,8 @@ def trace_region(
     def fn(*flat):
         args = flat[:n_args]
         accs = _unflat(acc_trees, list(flat[n_args : n_args + n_acc]))
+        if acc_in is not None:
+            accs = [jax.tree.map(acc_in, a) for a in accs]
         entries_in = _unflat(input_trees, list(flat[n_args + n_acc :]))
         if input_in is not None:
             entries_in = [jax.tree.map(input_in, e) for e in entries_in]
@@ -356,7 +360,10 @@ def trace_region(
                 out_entries.append(got[j][0] if j < len(got) else zeros(avals))
         if entry_out is not None:
             out_entries = [jax.tree.map(entry_out, e) for e in out_entries]
-        return [*outs, *_flat(sub.accs[k] for k in plan.acc_avals), *_flat(out_entries)]
+        accs_out = [sub.accs[k] for k in plan.acc_avals]
+        if acc_out is not None:
+            accs_out = [jax.tree.map(acc_out, a) for a in accs_out]
+        return [*outs, *_flat(accs_out), *_flat(out_entries)]
 
     if input_avals is None:
         input_avals = _avals_of_trees(input_trees)
@@ -368,31 +375,36 @@ def _avals_of_trees(trees) -> list[Any]:
     return [_compat.ShapedArray(a.shape, a.dtype) for a in _flat(trees)]
 
 
-def _take_inputs(plan: Plan, scope: Scope, stack=None) -> list[Any]:
-    """Takes the region's input entries from the enclosing scope, flat. `stack`
-    maps an entry's avals to the avals it has outside the region (stacked over a
-    scan) and back: (outside_avals_fn, to_region_fn)."""
+def _take_inputs(plan: Plan, scope: Scope, kind=None, size=0) -> list[Any]:
+    """Takes the region's input entries from the enclosing scope, flat; for a
+    region of `kind` ("scan" or "shard"), stacked over its `size` iterations or
+    shards outside it, stacked axis first inside."""
     flat = []
     for key, specs in plan.inputs.items():
-        outside = [(stack[0](a, nb) if stack else a, nb) for a, nb in specs]
+        outside = [
+            (stacked_avals(a, lead, kind, size) if kind else a, lead)
+            for a, lead in specs
+        ]
         values = scope.take_inputs(key, outside, plan.sites[key])
-        for value, (_, nb) in zip(values, specs):
-            if stack:
-                value = stack[1](value, nb)
+        for value, (_, lead) in zip(values, specs):
+            if kind:
+                value = to_region(value, lead, kind)
             flat += jax.tree.leaves(value)
     return flat
 
 
-def _emit_entries(plan: Plan, scope: Scope, leaves, unstack=None) -> None:
+def _emit_entries(plan: Plan, scope: Scope, leaves, kind=None) -> None:
+    """Emits the entries a region returned (stacked along their first axis by
+    a region of `kind`) into the enclosing scope."""
     i = 0
     for key, specs in plan.entries.items():
-        for avals, nbatch in specs:
+        for avals, lead in specs:
             tree = jax.tree.structure(avals)
             value = jax.tree.unflatten(tree, leaves[i : i + tree.num_leaves])
             i += tree.num_leaves
-            if unstack:
-                value = unstack(value, nbatch)
-            scope.add_entry(key, value, nbatch, plan.sites[key])
+            if kind:
+                value, lead = from_region(value, lead, kind), after(lead, kind)
+            scope.add_entry(key, value, lead, plan.sites[key])
 
 
 def _set_accs(plan: Plan, scope: Scope, leaves) -> None:
@@ -402,15 +414,16 @@ def _set_accs(plan: Plan, scope: Scope, leaves) -> None:
         scope.accs[key] = value
 
 
-def _discovered(eqn, invals, scope: Scope, plan: Plan, stacked=None) -> list[Any]:
+def _discovered(eqn, invals, scope: Scope, plan: Plan, kind=None, size=0) -> list[Any]:
     """A region met while discovering an enclosing one: what it emits is known
     from its plan, so it is not traced again (that would make discovery cost grow
     exponentially with nesting depth). The original equation gives the outputs'
     types; entries are zeros of their types outside the region."""
     for key, specs in plan.entries.items():
-        for avals, nbatch in specs:
-            outside = stacked(avals, nbatch) if stacked else avals
-            scope.add_entry(key, zeros(outside), nbatch, plan.sites[key])
+        for avals, lead in specs:
+            if kind:
+                avals, lead = stacked_avals(avals, lead, kind, size), after(lead, kind)
+            scope.add_entry(key, zeros(avals), lead, plan.sites[key])
     return _bind(eqn, invals)
 
 
@@ -504,24 +517,10 @@ def _scan_rule(eqn, invals, scope: Scope) -> list[Any]:
     plan = discover(closed.jaxpr, closed.consts, in_avals, scope)
     plan.forbid("lax.scan", appends=False, inputs=False, strict=True, scope=scope)
 
-    def stacked(avals, nbatch):
-        return jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(
-                a.shape[:nbatch] + (length,) + a.shape[nbatch:], a.dtype
-            ),
-            avals,
-        )
-
-    def to_xs(value, nbatch):
-        return jax.tree.map(lambda x: jnp.moveaxis(x, nbatch, 0), value)
-
-    def from_ys(value, nbatch):
-        return jax.tree.map(lambda x: jnp.moveaxis(x, 0, nbatch), value)
-
     acc_in = plan.acc_in(scope)
-    inputs = _take_inputs(plan, scope, stack=(stacked, to_xs))
+    inputs = _take_inputs(plan, scope, "scan", length)
     if scope.discovering:
-        return _discovered(eqn, invals, scope, plan, stacked)
+        return _discovered(eqn, invals, scope, plan, "scan", length)
     body, hoisted = trace_region(
         closed.jaxpr,
         closed.consts,
@@ -563,7 +562,7 @@ def _scan_rule(eqn, invals, scope: Scope) -> list[Any]:
     )
     outs = _bind(eqn, [*hoisted, *consts, *carry, *acc_in, *xs, *inputs], **params)
     _set_accs(plan, scope, outs[n_carry : n_carry + n_acc])
-    _emit_entries(plan, scope, outs[n_carry + n_acc + n_ys :], unstack=from_ys)
+    _emit_entries(plan, scope, outs[n_carry + n_acc + n_ys :], "scan")
     return outs[:n_carry] + outs[n_carry + n_acc : n_carry + n_acc + n_ys]
 
 
@@ -813,14 +812,18 @@ rules[_compat.custom_vjp_call_p] = _custom_rule
 # shard_map (and pmap, which lowers to it)
 #
 
-_ACC_IN_SHARD_MAP = (
-    "{where} is inside a shard_map (or pmap), where each shard would keep its own "
-    "accumulator. Use Tag(mode='append'): it reports one value per shard, stacked "
-    "along a leading axis."
+_ACC_TWICE_IN_SHARD_MAP = (
+    "{where} is reduced in more than one shard_map (or pmap): its accumulator "
+    "already has a shard axis. Give the tags different names, or use "
+    "Tag(mode='append')."
 )
 
 
 def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
+    # Shards run in parallel, like the examples of a vmap: entries come out
+    # stacked over the shards and an accumulator is one per shard, each axis
+    # after the vmap batch axes (`_site.Lead`). Inside, each shard holds a
+    # slice of size 1 of what is stacked.
     p = eqn.params
     body = p["jaxpr"]
     mesh = p["mesh"]
@@ -832,40 +835,33 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
     in_avals = [v.aval for v in body.invars]
     with _compat.shard_map_body(p):
         plan = discover(body, (), in_avals, scope)
-    for key in plan.accs:
-        raise ValueError(_ACC_IN_SHARD_MAP.format(where=plan.sites[key].where()))
-    plan.enter(scope)
+    for key in plan.acc_avals:
+        if any(not isinstance(s, int) for s in scope.acc_batch.get(key, ())):
+            raise ValueError(
+                _ACC_TWICE_IN_SHARD_MAP.format(where=plan.sites[key].where())
+            )
+    acc_in = plan.acc_in(scope)  # the same in every shard
+    inputs = _take_inputs(plan, scope, "shard", n_shards)
 
-    # Entries leave each shard with a leading axis of size 1 and come out stacked
-    # over the shards; per-execution inputs go in the same way.
-    def entry_out(x):
-        return _compat.vary_over_manual_axes(x)[None]
+    def per_shard(key):
+        return plan.acc_batch[key] + (("shard", n_shards),)
 
-    def stacked(avals, nbatch):
-        return jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct((n_shards,) + a.shape, a.dtype), avals
-        )
-
-    inputs = _take_inputs(plan, scope, stack=(stacked, lambda v, nb: v))
     if scope.discovering:
-        return _discovered(
-            eqn,
-            invals,
-            scope,
-            plan,
-            lambda avals, nb: jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(
-                    a.shape[:nb] + (n_shards,) + a.shape[nb:], a.dtype
-                ),
-                avals,
-            ),
-        )
+        for key, avals in plan.acc_avals.items():
+            lead = Lead(len(plan.acc_batch[key]))
+            scope.accs[key] = zeros(stacked_avals(avals, lead, "shard", n_shards))
+            scope.acc_batch[key] = per_shard(key)
+        return _discovered(eqn, invals, scope, plan, "shard", n_shards)
     in_input_avals = [
         _compat.shard_aval(p, spec, _compat.ShapedArray((n_shards,) + a.shape, a.dtype))
         for _, specs in plan.inputs.items()
         for avals, _ in specs
         for a in jax.tree.leaves(avals)
     ]
+
+    def stacked_out(x):
+        return _compat.vary_over_manual_axes(x)[None]
+
     with _compat.shard_map_body(p):
         new_body, hoisted = trace_region(
             body,
@@ -875,24 +871,28 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
             plan,
             input_avals=in_input_avals,
             input_in=lambda x: x[0],
-            entry_out=entry_out,
+            entry_out=stacked_out,
+            acc_in=_compat.vary_over_manual_axes,
+            acc_out=stacked_out,
         )
-    n_out = len(eqn.outvars)
-    n_entry = len(new_body.outvars) - n_out
+    n_out, n_acc = len(eqn.outvars), len(acc_in)
+    n_entry = len(new_body.outvars) - n_out - n_acc
     replicated = jax.sharding.PartitionSpec()
     params = dict(
         jaxpr=new_body,
         in_specs=(replicated,) * len(hoisted)
         + tuple(p["in_specs"])
+        + (replicated,) * n_acc
         + (spec,) * len(inputs),
-        out_specs=tuple(p["out_specs"]) + (spec,) * n_entry,
+        out_specs=tuple(p["out_specs"]) + (spec,) * (n_acc + n_entry),
     )
-    outs = _bind(eqn, [*hoisted, *invals, *inputs], **params)
-
-    def unstack(value, nbatch):  # shard axis after any batch axes, like a scan's
-        return jax.tree.map(lambda x: jnp.moveaxis(x, 0, nbatch), value)
-
-    _emit_entries(plan, scope, outs[n_out:], unstack=unstack)
+    outs = _bind(eqn, [*hoisted, *invals, *acc_in, *inputs], **params)
+    accs = _unflat(list(plan.acc_avals.values()), outs[n_out : n_out + n_acc])
+    for key, value in zip(plan.acc_avals, accs):
+        lead = Lead(len(plan.acc_batch[key]))
+        scope.accs[key] = from_region(value, lead, "shard")
+        scope.acc_batch[key] = per_shard(key)
+    _emit_entries(plan, scope, outs[n_out + n_acc :], "shard")
     return outs[:n_out]
 
 

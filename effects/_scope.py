@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from . import _compat
 from ._handlers import Handler
-from ._site import Site, describe, shape_dtype, strong
+from ._site import Lead, Site, describe, shape_dtype, strong
 
 Key = tuple[int, str]  # (handler index, site name)
 
@@ -83,10 +83,10 @@ class Scope:
 
     # Appended entries -------------------------------------------------------
 
-    def add_entry(self, key: Key, value, nbatch: int, site: Site) -> None:
+    def add_entry(self, key: Key, value, lead: Lead, site: Site) -> None:
         self.sites.setdefault(key, site)
         entries = self.entries.setdefault(key, [])
-        entries.append((_strong_tree(value), nbatch))
+        entries.append((_strong_tree(value), lead))
         mode = self.mode(key)
         if len(entries) > 1 and mode.single:
             raise ValueError(
@@ -148,7 +148,7 @@ class Scope:
     def take_inputs(
         self, key: Key, expected: list[tuple[Any, int]], site: Site, placeholders=None
     ):
-        """Takes one input entry per `(avals, nbatch)` in `expected`: for one
+        """Takes one input entry per `(avals, lead)` in `expected`: for one
         execution of a site, or for all executions in a region inside this one."""
         self.sites.setdefault(key, site)
         if self.discovering:
@@ -164,7 +164,7 @@ class Scope:
             handler = type(self.handlers[key[0]]).__name__
             raise ValueError(_MISSING_INPUT.format(owner=handler, where=site.where()))
         taken, self.inputs[key] = remaining[: len(expected)], remaining[len(expected) :]
-        for value, (avals, nbatch) in zip(taken, expected):
+        for value, (avals, _) in zip(taken, expected):
             _check_input(value, avals, site, key, self.handlers)
         return taken
 
@@ -214,9 +214,11 @@ def grow(tree, have: tuple[int, ...], want: tuple[int, ...]):
     to lead with `want` (`have` outermost-first is a prefix of `want`)."""
     new = tuple(range(len(have), len(want)))
 
+    sizes = tuple(s if isinstance(s, int) else s[1] for s in want)
+
     def one(x):
         x = jnp.expand_dims(x, new)
-        return jnp.broadcast_to(x, want + x.shape[len(want) :])
+        return jnp.broadcast_to(x, sizes + x.shape[len(want) :])
 
     return jax.tree.map(one, tree)
 
@@ -245,11 +247,11 @@ class SiteCall:
         if mode.reduces:
             self.scope.reduce(self.key, value, mode, self.site)
         else:
-            self.scope.add_entry(self.key, value, self.site.nbatch, self.site)
+            self.scope.add_entry(self.key, value, Lead(self.site.nbatch), self.site)
 
     def next_input(self):
         """The next per-execution input value for this site (handler layout)."""
-        expected = [(self.site.front_avals(), self.site.nbatch)]
+        expected = [(self.site.front_avals(), Lead(self.site.nbatch))]
         # While discovering, the site's own value stands in for the input: it has
         # the right type, including the mesh axes it varies over in a shard_map.
         here = [self.site.to_front(self.leaves)]

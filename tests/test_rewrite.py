@@ -1123,3 +1123,90 @@ def test_a_substituted_value_of_another_weak_type_is_typed_by_jax():
         got = [jax.typeof(o) for o in jax.eval_shape(handled, x)]
     want = [jax.typeof(o) for o in jax.eval_shape(hand, x)]
     assert [a.weak_type for a in got] == [a.weak_type for a in want] == [True, False]
+
+
+#
+# Shards are parallel, like a vmap's examples: every mode per shard, the shard
+# axis after the vmap batch axes and before the scan axes
+#
+
+
+def _sharded_vmapped_scan(n_examples):
+    # Per shard (1, n_examples, 4): two vmaps over (1, n_examples), a scan over 4.
+    mesh = Mesh(np.array(devices(2)), ("s",))
+
+    def one(x):
+        h = fx.tag(jnp.sin(x), "h")
+
+        def step(c, r):
+            fx.tag(c * r, "c")
+            return c + r, None
+
+        c, _ = lax.scan(step, jnp.zeros_like(x[0]), x)
+        return h.sum() + c
+
+    body = jax.vmap(jax.vmap(one))
+    return jax.shard_map(body, mesh=mesh, in_specs=P("s"), out_specs=P("s"))
+
+
+def _sharded_reference(x):
+    # Hand-written, shard by shard: (vmap axes 1, n), shard axis, scan axis.
+    x = np.asarray(x)
+    h = np.stack([np.sin(x[s : s + 1]) for s in range(2)], axis=2)
+    before = np.cumsum(x, axis=-1) - x  # the carry before each step
+    c = np.stack([(before * x)[s : s + 1] for s in range(2)], axis=2)
+    return h, c
+
+
+@pytest.mark.parametrize("n_examples", [2, 3])
+def test_shard_axis_after_vmap_axes_and_substitute_takes_it(n_examples):
+    f = _sharded_vmapped_scan(n_examples)
+    x = lin(-1.0, 1.0, 2 * n_examples * 4).reshape(2, n_examples, 4)
+    out, found = fx.handle(f, fx.Tag())(x)
+    h, c = _sharded_reference(x)
+    assert_trees_close(found, found_of(h=(h,), c=(c,)))
+    # What Tag() reports is what Substitute(per_call=True) takes: substituting
+    # it leaves the output unchanged, and substituting other values changes
+    # exactly what a hand-written substitution does.
+    same, _ = fx.handle(f, fx.Substitute(found["intermediates"], per_call=True))(x)
+    assert_trees_close(same, out)
+    zero_h = {"h": (jnp.zeros_like(found["intermediates"]["h"][0]),)}
+    patched, _ = fx.handle(f, fx.Substitute(zero_h, per_call=True))(x)
+    assert_trees_close(patched, out - np.asarray(h).sum(-1).transpose(2, 0, 1)[:, 0])
+
+
+@pytest.mark.parametrize("mode", ["last", "sum", "max", "strict"])
+def test_every_mode_per_shard(mode):
+    f = _sharded_vmapped_scan(3)
+    x = lin(-1.0, 1.0, 24).reshape(2, 3, 4)
+    h, c = _sharded_reference(x)
+    reduce = {
+        "max": fx.Reduce(jnp.maximum, lambda z: jnp.full_like(z, -jnp.inf)),
+    }.get(mode, mode)
+    if mode == "strict":  # one execution of h per shard; c runs in a scan
+        _, found = jax.jit(fx.handle(f, fx.Tag(mode=mode, names="h")))(x)
+        assert_trees_close(found, found_of(h=h))
+        with pytest.raises(ValueError, match="'c'.*lax.scan"):
+            fx.handle(f, fx.Tag(mode=mode, names="c"))(x)
+        return
+    _, found = jax.jit(fx.handle(f, fx.Tag(mode=reduce, names="c")))(x)
+    expected = {"last": c[..., -1], "sum": c.sum(-1), "max": c.max(-1)}[mode]
+    assert_trees_close(found, found_of(c=expected))
+
+
+def test_reduction_outside_and_inside_shards_is_per_shard():
+    # A name reduced before the shard_map and inside it: each shard goes on from
+    # the value outside, as each example of a vmap would.
+    mesh = Mesh(np.array(devices(2)), ("s",))
+    body = lambda s: fx.tag(s * 2.0, "n") + 1.0  # noqa: E731
+    inner = jax.shard_map(body, mesh=mesh, in_specs=P("s"), out_specs=P("s"))
+
+    def f(x):
+        fx.tag(x[:1] * 0.0 + 10.0, "n")
+        return inner(x)
+
+    x = lin(-1.0, 1.0, 2)
+    _, found = fx.handle(f, fx.Tag(mode="sum"))(x)
+    # Per shard: 10 (outside, the same for both) + that shard's 2 * x.
+    expected = (10.0 + 2.0 * np.asarray(x)).reshape(2, 1)[:, :]
+    assert_trees_close(found, found_of(n=expected.reshape(2, 1)))
