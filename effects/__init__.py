@@ -5,6 +5,9 @@ import importlib.metadata
 from ._handle import handle as handle
 from ._handle import intermediate_grads as intermediate_grads
 from ._handlers import (
+    Append as Append,
+)
+from ._handlers import (
     Handler as Handler,
 )
 from ._handlers import (

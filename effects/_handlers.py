@@ -95,8 +95,15 @@ class _BuiltinReduce(Reduce):
 
 @dataclasses.dataclass(frozen=True)
 class Append:
-    """The mode of a handler that reports one entry per execution: what the
-    rewriter asks of a mode (`reduces`, `single`, `label` for messages)."""
+    """The output mode of a handler that reports one entry per execution (a
+    tuple, stacked over scan iterations), as `Tag(mode="append")` does; with
+    `single=True`, exactly one execution, as `Tag(mode="strict")`.
+
+    **Arguments:**
+
+    - `single`: whether more than one execution is an error.
+    - `label`: how error messages name the mode.
+    """
 
     single: bool = False  # exactly one execution allowed
     label: str = "Tag(mode='append')"
@@ -198,13 +205,44 @@ def _field_values(handler) -> tuple:
 # several microseconds to construct, a frozen dataclass a fraction of one.
 @dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field, _static))
 class Handler:
-    """Base class of handlers. `apply` returns the site's new leaves and whether
-    the handler consumed the site (a consumed site is no longer visible to
-    handlers further out).
+    """Base class of handlers: say what happens at one execution of a site, and
+    the rewriter threads it through every control-flow construct.
 
     A subclass is made a frozen dataclass and a pytree: its fields are leaves,
     except those declared `dataclasses.field(metadata={"static": True})`, which
-    are part of the tree's structure."""
+    are part of its configuration (and of the key the rewritten program is
+    cached under).
+
+    **The protocol** (see [Writing a handler](guides/writing-a-handler.md)):
+
+    - `matches(site) -> bool`: whether to act at a site (`site.kind`,
+      `site.collection`, `site.name`). Default: sites of the class attribute
+      `kind` (`"tag"` or `"perturb"`) in `self.collection`.
+    - `apply(call, leaves) -> (new_leaves, consumed)`: one execution. `leaves`
+      are the value's arrays in program layout; `call.site.to_front(leaves)` and
+      `call.site.from_front(value, what)` convert to and from the layout
+      `found` uses; `call.emit(value)` reports a value; `call.next_input()`
+      takes the next per-execution input. A consumed site is no longer visible
+      to handlers further out.
+    - `output_mode()`: `fx.Append()`, `fx.Append(single=True)`,
+      `fx.Reduce(fn, init)`, or None if it emits nothing. Reported under
+      `found[self.collection]` when the class attribute `reports` is true.
+    - `per_call_inputs()`: `{name: (entry, ...)}`, one entry per execution, in
+      the layout `Tag()` reports.
+    - `required_names()`: names that must exist (a typo is an error).
+    - `calls_user_code()`: whether `apply` may call user code (default True).
+
+    ```python
+    class Scale(fx.Handler):
+        factor: float = dataclasses.field(metadata={"static": True})
+        collection: str = dataclasses.field(
+            default="intermediates", metadata={"static": True}
+        )
+
+        def apply(self, call, leaves):
+            return [x * self.factor for x in leaves], False
+    ```
+    """
 
     kind: ClassVar[str] = "tag"
     reports: ClassVar[bool] = False
