@@ -18,8 +18,8 @@ import jax
 
 from . import _compat
 from ._handlers import Handler, Perturb
-from ._primitives import handling
-from ._rewrite import run, sites_in
+from ._primitives import handling, probing
+from ._rewrite import batched_sites_in, run, sites_in
 from ._scope import Scope
 from ._site import aval
 
@@ -169,6 +169,11 @@ class _Traced:
     out_tree: Any
     out_static: tuple  # the non-array outputs, by position
     sites: frozenset
+    batched: tuple  # the sites a vmap inside the function batched
+    # Traces the function again to find whether a vmap inside it batched the
+    # predicate of a `cond` with sites in it (once, when a handler matches one
+    # of `batched`).
+    has_batched_cond: Callable[[], bool] | None
 
 
 def _trace(fn, static, treedef, dynamic) -> _Traced:
@@ -179,9 +184,46 @@ def _trace(fn, static, treedef, dynamic) -> _Traced:
         out_dyn, out_info["static"], out_info["tree"] = _split(fn(*args, **kwargs))
         return out_dyn
 
+    avals = [aval(x) for x in dynamic]
     with handling(True):
-        jaxpr, consts = _compat.trace(flat_fn, [aval(x) for x in dynamic])
-    return _Traced(jaxpr, consts, out_info["tree"], out_info["static"], sites_in(jaxpr))
+        jaxpr, consts = _compat.trace(flat_fn, avals)
+    batched = tuple(batched_sites_in(jaxpr))
+    probe = functools.partial(_has_batched_cond, flat_fn, avals) if batched else None
+    return _Traced(
+        jaxpr,
+        consts,
+        out_info["tree"],
+        out_info["static"],
+        sites_in(jaxpr),
+        batched,
+        functools.cache(probe) if probe else None,
+    )
+
+
+_BATCHED_COND = (
+    "handle: a tag is inside a lax.cond (or lax.switch) whose predicate a vmap "
+    "inside the handled function batches (one of: {names}). JAX's vmap "
+    "evaluates every branch of such a cond for every example and selects the "
+    "results, so no handler can tell which branch each example ran. Move the "
+    "handler inside the vmap: `jax.vmap(fx.handle(f, ...))` instead of "
+    "`fx.handle(jax.vmap(f), ...)`."
+)
+
+
+def _has_batched_cond(flat_fn, avals) -> bool:
+    """Traces the function once more with sites carrying JAX's IO effect, which
+    JAX's batching of a `cond` with a batched predicate refuses. (Other
+    refusals of the IO effect, such as a `while_loop` with a batched predicate,
+    which is handled correctly, are no concern here: the probe's program is
+    thrown away.)"""
+    try:
+        with handling(True), probing(True):
+            _compat.trace(flat_fn, avals)
+    except NotImplementedError as e:
+        return "vmap-of-cond" in str(e)
+    except Exception:  # noqa: BLE001  (the probe found no batched cond)
+        pass
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,6 +365,13 @@ def _program(fn, config: _Config, h_leaves, static, treedef, dynamic) -> _Progra
         if cache is not None and not any(map(_is_tracer, traced.consts)):
             cache.put(sig, traced)
     _check_names(traced.sites, handlers)
+    if (
+        traced.has_batched_cond is not None
+        and any(h.matches(s) for s in traced.batched for h in handlers)
+        and traced.has_batched_cond()
+    ):
+        names = dict.fromkeys(s.where() for s in traced.batched)
+        raise ValueError(_BATCHED_COND.format(names=", ".join(names)))
     key = None
     if cache is not None:
         key = (sig, h_static, h_def, tuple(map(aval, h_leaves)), bool(handling.value))

@@ -56,6 +56,21 @@ def _analyse(jaxpr) -> tuple[frozenset, tuple[frozenset, ...]]:
     return found
 
 
+def batched_sites_in(jaxpr) -> list[Site]:
+    """The sites a `vmap` applied inside the traced function batched."""
+    found = []
+    for eqn, sites in zip(jaxpr.eqns, _analyse(jaxpr)[1]):
+        if not sites:
+            continue
+        if eqn.primitive is site_p:
+            if any(eqn.params["batch"]):
+                found.append(Site.probe(*next(iter(sites))))
+        else:
+            for sub in _compat.open_jaxprs_in_params(eqn.params):
+                found += batched_sites_in(sub)
+    return found
+
+
 def sites_in(jaxpr) -> frozenset[tuple[str, str, str]]:
     """(kind, collection, name) of every site in `jaxpr` and its sub-jaxprs."""
     return _analyse(jaxpr)[0]

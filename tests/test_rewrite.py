@@ -722,9 +722,10 @@ def test_shapes_differing_across_branches_raise(construct):
     assert_trees_close(found, found_of(h=(arr([1.0]),)))
 
 
-def test_batched_predicate_runs_every_branch():
-    # Documented: under vmap inside the handled function with a batched predicate,
-    # JAX runs every branch, so every branch's tag executes, in branch order.
+def test_batched_predicate_refused_outside_the_vmap():
+    # Under vmap inside the handled function with a batched predicate, JAX runs
+    # every branch for every example and selects: no handler can tell which ran,
+    # so handling a tag there is an error saying to move the handler inside.
     def f(x):
         return lax.switch(
             jnp.int32(jnp.sum(x) > 0),
@@ -733,15 +734,18 @@ def test_batched_predicate_runs_every_branch():
         )
 
     xs = arr([[0.5, 0.25], [-0.5, 0.25]])
-    out, found = fx.handle(jax.vmap(f), fx.Tag())(xs)
     taken = np.stack([np.cos(xs[0]), np.sin(xs[1])])
-    assert_trees_close(out, taken)
-    assert_trees_close(found, found_of(h=(np.sin(xs), np.cos(xs))))
-    _, found = fx.handle(jax.vmap(f), fx.Tag(mode="last"))(xs)
-    assert_trees_close(found, found_of(h=np.cos(xs)))
+    for mode in ["append", "last", "sum"]:
+        with pytest.raises(ValueError, match="'h'.*inside the vmap"):
+            fx.handle(jax.vmap(f), fx.Tag(mode=mode))(xs)
+    # A handler that matches none of those tags is not concerned.
+    out, found = fx.handle(jax.vmap(f), fx.Tag("other"))(xs)
+    assert_trees_close((out, found), (taken, {"other": {}}))
     # Outside the vmap each example sees the branch it took.
     _, found = jax.jit(jax.vmap(fx.handle(f, fx.Tag())))(xs)
     assert_trees_close(found, found_of(h=(taken,)))
+    _, found = jax.jit(jax.vmap(fx.handle(f, fx.Tag(mode="sum"))))(xs)
+    assert_trees_close(found, found_of(h=taken))
 
 
 #
