@@ -342,20 +342,28 @@ def test_grad_of_handle_with_callback_in_custom_vjp_loop(kind, with_callback):
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
+# One listener for the whole session (jax 0.7 has no public way to remove one):
+# it records into the list `_compiled_functions` sets while it runs.
+_recording: list[list[str]] = []
+
+
+def _listener(event, duration, **kwargs):
+    del duration
+    if event == _BACKEND_COMPILE and _recording:
+        _recording[-1].append(kwargs.get("fun_name", "?"))
+
+
+jax.monitoring.register_event_duration_secs_listener(_listener)
+
+
 def _compiled_functions(fn, *args) -> list[str]:
     """Names of the functions XLA compiles while `fn(*args)` runs."""
     names: list[str] = []
-
-    def listener(event, duration, **kwargs):
-        del duration
-        if event == _BACKEND_COMPILE:
-            names.append(kwargs.get("fun_name", "?"))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
+    _recording.append(names)
     try:
         jax.block_until_ready(fn(*args))
     finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+        _recording.pop()
     return names
 
 
