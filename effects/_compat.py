@@ -295,8 +295,6 @@ def varying_axes(aval) -> frozenset:
 
 from jax._src.named_sharding import UNSPECIFIED as UNSPECIFIED  # noqa: E402  jax 0.10
 
-_Unspecified = type(UNSPECIFIED)
-
 
 def scan_counts(params) -> tuple[int, int]:
     """`(num_consts, num_carry)` of a scan equation."""
