@@ -397,8 +397,9 @@ def _take_inputs(plan: Plan, scope: Scope, kind=None, size=0) -> list[Any]:
     flat = []
     for key, specs in plan.inputs.items():
         outside = [
-            (stacked_avals(a, lead, kind, size) if kind else a, lead)
-            for a, lead in specs
+            (stacked_avals(a, lead, kind, size), after(lead, kind)) if kind else spec
+            for spec in specs
+            for a, lead in [spec]
         ]
         values = scope.take_inputs(key, outside, plan.sites[key])
         for value, (_, lead) in zip(values, specs):

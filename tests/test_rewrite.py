@@ -1214,3 +1214,28 @@ def test_reduction_outside_and_inside_shards_is_per_shard():
     # Per shard: 10 (outside, the same for both) + that shard's 2 * x.
     expected = (10.0 + 2.0 * np.asarray(x)).reshape(2, 1)[:, :]
     assert_trees_close(found, found_of(n=expected.reshape(2, 1)))
+
+
+def test_substitute_takes_what_tag_reports_for_shards_in_a_scan():
+    # Found by the property tests: a tag in a shard_map inside a scan reports
+    # (shards, iterations, ...), and Substitute(per_call=True) takes the same.
+    mesh = Mesh(np.array(devices(2)), ("s",))
+    body = lambda s: fx.tag(s * 2.0, "t") + 1.0  # noqa: E731
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=P("s"), out_specs=P("s"))
+
+    def f(x):
+        def step(c, _):
+            return sharded(c), None
+
+        return lax.scan(step, x, None, length=3)[0]
+
+    x = lin(-1.0, 1.0, 4)
+    out, found = fx.handle(f, fx.Tag())(x)
+    per_step = [np.asarray(x)]
+    for _ in range(2):
+        per_step.append(per_step[-1] * 2.0 + 1.0)
+    # (shards, iterations, per-shard values)
+    expected = np.stack(per_step).reshape(3, 2, 2).transpose(1, 0, 2) * 2.0
+    assert_trees_close(found, found_of(t=(expected,)))
+    same, _ = fx.handle(f, fx.Substitute(found["intermediates"], per_call=True))(x)
+    assert_trees_close(same, out)
