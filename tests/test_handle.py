@@ -16,7 +16,6 @@ from helpers import assert_trees_close, mlp_params, optimized_hlo
 
 import effects as fx
 
-
 X = jnp.array([0.3, -1.2, 2.0])
 XB = jnp.stack([X, 0.5 * X + 1.0])  # a batch of two, for an outer vmap
 T = jnp.array([1.0, 2.0, -0.5])  # a tangent
