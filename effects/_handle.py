@@ -170,33 +170,33 @@ class _Traced:
     out_static: tuple  # the non-array outputs, by position
     sites: frozenset
     batched: tuple  # the sites a vmap inside the function batched
-    # Traces the function again to find whether a vmap inside it batched the
-    # predicate of a `cond` with sites in it (once, when a handler matches one
-    # of `batched`).
-    has_batched_cond: Callable[[], bool] | None
+    # Whether a vmap inside the function batched the predicate of a `cond`
+    # holding sites: found once, when a handler matches one of `batched`.
+    batched_cond: dict = dataclasses.field(default_factory=dict)
 
 
-def _trace(fn, static, treedef, dynamic) -> _Traced:
-    out_info = {}
-
+def _flat(fn, static, treedef, out_info: dict):
     def flat_fn(*dyn):
         args, kwargs = _merge(dyn, static, treedef)
         out_dyn, out_info["static"], out_info["tree"] = _split(fn(*args, **kwargs))
         return out_dyn
 
-    avals = [aval(x) for x in dynamic]
+    return flat_fn
+
+
+def _trace(fn, static, treedef, dynamic) -> _Traced:
+    out_info = {}
     with handling(True):
-        jaxpr, consts = _compat.trace(flat_fn, avals)
-    batched = tuple(batched_sites_in(jaxpr))
-    probe = functools.partial(_has_batched_cond, flat_fn, avals) if batched else None
+        jaxpr, consts = _compat.trace(
+            _flat(fn, static, treedef, out_info), [aval(x) for x in dynamic]
+        )
     return _Traced(
         jaxpr,
         consts,
         out_info["tree"],
         out_info["static"],
         sites_in(jaxpr),
-        batched,
-        functools.cache(probe) if probe else None,
+        tuple(batched_sites_in(jaxpr)),
     )
 
 
@@ -210,15 +210,16 @@ _BATCHED_COND = (
 )
 
 
-def _has_batched_cond(flat_fn, avals) -> bool:
+def _has_batched_cond(fn, static, treedef, dynamic) -> bool:
     """Traces the function once more with sites carrying JAX's IO effect, which
     JAX's batching of a `cond` with a batched predicate refuses. (Other
     refusals of the IO effect, such as a `while_loop` with a batched predicate,
     which is handled correctly, are no concern here: the probe's program is
     thrown away.)"""
+    flat_fn = _flat(fn, static, treedef, {})
     try:
         with handling(True), probing(True):
-            _compat.trace(flat_fn, avals)
+            _compat.trace(flat_fn, [aval(x) for x in dynamic])
     except NotImplementedError as e:
         return "vmap-of-cond" in str(e)
     except Exception:  # noqa: BLE001  (the probe found no batched cond)
@@ -365,13 +366,13 @@ def _program(fn, config: _Config, h_leaves, static, treedef, dynamic) -> _Progra
         if cache is not None and not any(map(_is_tracer, traced.consts)):
             cache.put(sig, traced)
     _check_names(traced.sites, handlers)
-    if (
-        traced.has_batched_cond is not None
-        and any(h.matches(s) for s in traced.batched for h in handlers)
-        and traced.has_batched_cond()
-    ):
-        names = dict.fromkeys(s.where() for s in traced.batched)
-        raise ValueError(_BATCHED_COND.format(names=", ".join(names)))
+    if traced.batched and any(h.matches(s) for s in traced.batched for h in handlers):
+        if "found" not in traced.batched_cond:
+            found = _has_batched_cond(fn, static, treedef, dynamic)
+            traced.batched_cond["found"] = found
+        if traced.batched_cond["found"]:
+            names = dict.fromkeys(s.where() for s in traced.batched)
+            raise ValueError(_BATCHED_COND.format(names=", ".join(names)))
     key = None
     if cache is not None:
         key = (sig, h_static, h_def, tuple(map(aval, h_leaves)), bool(handling.value))
