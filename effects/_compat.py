@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.core as jax_core
 
 # jax 0.10: private modules with no public equivalent.
 from jax._src import config as _config
@@ -26,6 +27,7 @@ from jax.extend import core as jex_core
 
 ClosedJaxpr = jex_core.ClosedJaxpr
 jaxpr_as_fun = jex_core.jaxpr_as_fun
+eval_jaxpr = jax_core.eval_jaxpr
 Jaxpr = jex_core.Jaxpr
 Literal = jex_core.Literal
 Var = jex_core.Var

@@ -403,7 +403,7 @@ def _apply(fn, config: _Config, h_leaves, dynamic, static, treedef):
         # de-optimized re-run looking for a NaN (`jax_debug_nans`), `disable_jit`,
         # or unhashable static arguments. Op by op, as JAX runs a function
         # there.
-        outs = jax.core.eval_jaxpr(program.jaxpr.jaxpr, program.jaxpr.consts, *args)
+        outs = _compat.eval_jaxpr(program.jaxpr.jaxpr, program.jaxpr.consts, *args)
     else:
         outs = _compat.call_jaxpr(program.jaxpr, args, program.name)
     traced, n_out = program.traced, program.n_out
@@ -431,7 +431,9 @@ class _Handled:
         # A module's `__call__` bound to it: the handled module's signature is
         # the call's, without `self` (`eqx.filter_jit` binds arguments to it).
         functools.update_wrapper(
-            self, fn.__call__ if isinstance(fn, eqx.Module) else fn, updated=()
+            self,
+            fn.__call__ if isinstance(fn, eqx.Module) else fn,  # pyright: ignore
+            updated=(),
         )
 
     def with_arrays(self, handlers, leaves) -> _Handled:

@@ -22,7 +22,16 @@ from . import _compat
 from ._handlers import Handler
 from ._primitives import bind_site, handling, site_effect, site_p
 from ._scope import Key, Scope, SiteCall, grow, types_of, zeros
-from ._site import Lead, Site, after, describe, from_region, stacked_avals, to_region
+from ._site import (
+    Axis,
+    Lead,
+    Site,
+    after,
+    describe,
+    from_region,
+    stacked_avals,
+    to_region,
+)
 
 Rule = Callable[[Any, list[Any], Scope], list[Any]]
 rules: dict[Any, Rule] = {}
@@ -185,9 +194,9 @@ class Plan:
 
     accs: dict[Key, Any]  # key -> init thunk
     acc_avals: dict[Key, Any]  # key -> avals tree
-    acc_batch: dict[Key, tuple[int, ...]]  # key -> its vmap batch sizes
+    acc_batch: dict[Key, tuple[Axis, ...]]  # key -> its per-example axes
     entries: dict[Key, list[tuple[Any, Lead]]]  # key -> [(avals tree, lead)]
-    inputs: dict[Key, list[tuple[Any, int]]]
+    inputs: dict[Key, list[tuple[Any, Lead]]]
     sites: dict[Key, Site]
 
     def enter(self, scope: Scope) -> None:

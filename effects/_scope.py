@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from . import _compat
 from ._handlers import Handler
-from ._site import Lead, Site, describe, shape_dtype, strong
+from ._site import Axis, Lead, Site, describe, shape_dtype, strong
 
 Key = tuple[int, str]  # (handler index, site name)
 
@@ -61,7 +61,7 @@ class Scope:
         self.modes = _modes(handlers)
         self.calls_user_code = any(h.calls_user_code() for h in handlers)
         self.discovering = discovering
-        self.entries: dict[Key, list[tuple[Any, int]]] = {}
+        self.entries: dict[Key, list[tuple[Any, Lead]]] = {}
         self.accs: dict[Key, Any] = dict(accs or {})
         self.inputs: dict[Key, list[Any]] = {
             k: list(v) for k, v in (inputs or {}).items()
@@ -71,8 +71,8 @@ class Scope:
         self.touched: dict[Key, None] = {}  # accumulators updated here, in order
         # Per accumulator: the sizes of the vmap batch axes it has, outermost
         # first (leading, in the layout handlers see).
-        self.acc_batch: dict[Key, tuple[int, ...]] = dict(acc_batch or {})
-        self.input_avals: dict[Key, list[tuple[Any, int]]] = {}
+        self.acc_batch: dict[Key, tuple[Axis, ...]] = dict(acc_batch or {})
+        self.input_avals: dict[Key, list[tuple[Any, Lead]]] = {}
         self.sites: dict[Key, Site] = {}
 
     def where(self, key: Key) -> str:
@@ -146,7 +146,7 @@ class Scope:
     # Per-execution inputs ---------------------------------------------------
 
     def take_inputs(
-        self, key: Key, expected: list[tuple[Any, int]], site: Site, placeholders=None
+        self, key: Key, expected: list[tuple[Any, Lead]], site: Site, placeholders=None
     ):
         """Takes one input entry per `(avals, lead)` in `expected`: for one
         execution of a site, or for all executions in a region inside this one."""
@@ -209,7 +209,7 @@ def types_of(tree):
     return jax.tree.map(shape_dtype, tree)
 
 
-def grow(tree, have: tuple[int, ...], want: tuple[int, ...]):
+def grow(tree, have: tuple[Axis, ...], want: tuple[Axis, ...]):
     """`tree`, whose leaves lead with vmap batch axes of sizes `have`, broadcast
     to lead with `want` (`have` outermost-first is a prefix of `want`)."""
     new = tuple(range(len(have), len(want)))

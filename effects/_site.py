@@ -148,6 +148,11 @@ class Site:
 #
 
 
+# An axis an accumulator has per example or per shard, outermost first: a vmap
+# batch axis by its size, a shard_map's as `("shard", size)`.
+Axis = int | tuple[str, int]
+
+
 class Lead(NamedTuple):
     """The leading axes of an entry in the layout handlers see: its vmap batch
     axes, then one axis per `shard_map` it came out of (outermost first); the
