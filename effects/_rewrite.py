@@ -10,6 +10,7 @@ a discovery pass traces the body to learn what the handlers emit inside it (a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -798,15 +799,48 @@ def _collecting_custom_vjp(original, region, n_out):
         return region(*hoisted, *args, *accs)
 
     def fwd(hoisted, args, accs):
-        outs, vjp = jax.vjp(lambda *a: original(*a), *args)
-        extra = region(*hoisted, *args, *accs)[n_out:]
-        return [*outs, *extra], vjp
+        # Only the inputs JAX perturbs are differentiated, as the equation's
+        # own forward rule expects (Equinox's asserts it).
+        hoisted, accs = _values(hoisted), _values(accs)
+        values = _values(args)
+        perturbed = tuple(i for i, a in enumerate(args) if a.perturbed)
 
-    def bwd(vjp, cts):
-        return None, list(vjp(list(cts[:n_out]))), None
+        def of_perturbed(*xs):
+            full = list(values)
+            for i, x in zip(perturbed, xs):
+                full[i] = x
+            return original(*full)
 
-    collecting.defvjp(fwd, bwd)
+        outs, vjp = jax.vjp(of_perturbed, *(values[i] for i in perturbed))
+        extra = region(*hoisted, *values, *accs)[n_out:]
+        # (the perturbed positions travel as a residual with no leaves)
+        where = jax.tree_util.Partial(
+            functools.partial(_positions, perturbed, len(args))
+        )
+        return [*outs, *extra], (vjp, where)
+
+    def bwd(residual, cts):
+        vjp, where = residual
+        grads = iter(vjp([_materialized(c) for c in cts[:n_out]]))
+        return None, [next(grads) if p else None for p in where()], None
+
+    collecting.defvjp(fwd, bwd, symbolic_zeros=True)
     return collecting
+
+
+def _values(primals) -> list[Any]:
+    return [p.value for p in primals]
+
+
+def _positions(perturbed: tuple[int, ...], n: int) -> list[bool]:
+    return [i in perturbed for i in range(n)]
+
+
+def _materialized(ct):
+    return _zero_tangent(ct) if isinstance(ct, _SymbolicZero) else ct
+
+
+_SymbolicZero = jax.custom_derivatives.SymbolicZero
 
 
 def _collecting_custom_jvp(original, region, n_out):

@@ -4,6 +4,7 @@ against plain JAX code that computes the same intermediates without `effects`.""
 
 import functools
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -1239,3 +1240,37 @@ def test_substitute_takes_what_tag_reports_for_shards_in_a_scan():
     assert_trees_close(found, found_of(t=(expected,)))
     same, _ = fx.handle(f, fx.Substitute(found["intermediates"], per_call=True))(x)
     assert_trees_close(same, out)
+
+
+def test_grad_through_equinox_custom_vjp_with_a_nondifferentiable_input():
+    # diffrax's loops are Equinox `filter_custom_vjp`s, whose forward rule
+    # asserts that its non-differentiated inputs are not perturbed: only the
+    # inputs JAX perturbs may be differentiated when collecting inside.
+    y = jnp.array([0.5, -1.5, 2.0])
+
+    @eqx.filter_custom_vjp
+    def fn(x, y):
+        return fx.tag(jnp.sin(x) * y, "xy")
+
+    @fn.def_fwd
+    def fn_fwd(perturbed, x, y):
+        del perturbed
+        return jnp.sin(x) * y, x
+
+    @fn.def_bwd
+    def fn_bwd(x, g, perturbed, _, y):
+        del perturbed
+        return 3.0 * g * y  # deliberately not cos(x) * y
+
+    def loss(x):
+        return jnp.sum(fn(x, y) ** 2)
+
+    x = lin(-1.0, 1.0, 3)
+    for mode in ["append", "last", "sum"]:
+        (value, found), grad = jax.value_and_grad(
+            lambda x: fx.handle(loss, fx.Tag(mode=mode))(x), has_aux=True
+        )(x)
+        assert_trees_close(value, loss(x))
+        assert_trees_close(grad, jax.grad(loss)(x))
+        xy = jnp.sin(x) * y
+        assert_trees_close(found, found_of(xy=(xy,) if mode == "append" else xy))
