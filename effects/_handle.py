@@ -125,23 +125,29 @@ _per_method = _LRU(64)  # bound methods: a new object per attribute access
 _per_fn_lock = threading.Lock()
 
 
+def _per_method_entry(table: _LRU, method, make):
+    """`table`'s entry for a bound method, made by `make()` if missing; None
+    if the method's object is hashed by identity or unhashable. An object
+    hashed by value (a Flax linen module, a frozen dataclass) is the same object
+    to us when equal, as to `jax.jit`'s static arguments; one hashed by
+    identity may change between calls."""
+    owner = method.__self__
+    if type(owner).__hash__ is object.__hash__:
+        return None
+    key = (method.__func__, owner)
+    try:
+        entry = table.get(key)
+    except TypeError:  # unhashable after all (a field holding an array)
+        return None
+    if entry is None:
+        entry = make()
+        table.put(key, entry)
+    return entry
+
+
 def _cache_for(fn) -> _LRU | None:
     if isinstance(fn, types.MethodType):
-        owner = fn.__self__
-        # An owner hashed by value (a Flax linen module, a frozen dataclass) is
-        # the same object to us when equal, as to `jax.jit`'s static arguments;
-        # one hashed by identity may change between calls.
-        if type(owner).__hash__ is object.__hash__:
-            return None
-        key = (fn.__func__, owner)
-        try:
-            cache = _per_method.get(key)
-        except TypeError:  # unhashable after all (a field holding an array)
-            return None
-        if cache is None:
-            cache = _LRU(_PER_FN_SIZE)
-            _per_method.put(key, cache)
-        return cache
+        return _per_method_entry(_per_method, fn, lambda: _LRU(_PER_FN_SIZE))
     if not isinstance(fn, _CACHEABLE):
         return None
     with _per_fn_lock:
@@ -551,18 +557,7 @@ _method_memos = _LRU(64)
 
 def _memo_for(fn) -> _Memo | None:
     if isinstance(fn, types.MethodType):
-        owner = fn.__self__
-        if type(owner).__hash__ is object.__hash__:
-            return None
-        key = (fn.__func__, owner)
-        try:
-            memo = _method_memos.get(key)
-        except TypeError:
-            return None
-        if memo is None:
-            memo = _Memo(fn)
-            _method_memos.put(key, memo)
-        return memo
+        return _per_method_entry(_method_memos, fn, lambda: _Memo(fn))
     if isinstance(fn, _CACHEABLE):
         namespace = vars(fn)
         memo = namespace.get(_MEMO)

@@ -16,6 +16,7 @@ if os.environ["JAX_PLATFORMS"].split(",")[0] == "cuda":
 
 
 import pytest  # noqa: E402
+from helpers import no_leak_checks  # noqa: E402
 
 
 @pytest.fixture
@@ -36,9 +37,5 @@ def jax_leak_check_false_report():
 
     `tests/test_rewrite.py::test_jax_leak_checker_false_report` checks that JAX
     still does this, so the marks can go when it no longer does."""
-    before = jax.config.jax_check_tracer_leaks
-    jax.config.update("jax_check_tracer_leaks", False)
-    try:
+    with no_leak_checks():
         yield
-    finally:
-        jax.config.update("jax_check_tracer_leaks", before)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import jax
@@ -68,3 +69,15 @@ def mlp_params(key, widths):
         jax.random.normal(k, (m, n)) / jnp.sqrt(m)
         for k, m, n in zip(keys, widths[:-1], widths[1:])
     ]
+
+
+@contextlib.contextmanager
+def no_leak_checks():
+    """Tracer-leak checking off, for a test that meets a false report (each use
+    names the JAX-only reproduction)."""
+    before = jax.config.jax_check_tracer_leaks
+    jax.config.update("jax_check_tracer_leaks", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_check_tracer_leaks", before)

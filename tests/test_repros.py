@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_trees_close
+from helpers import assert_trees_close, no_leak_checks
 
 import effects as fx
 
@@ -181,12 +181,8 @@ def equinox_checkpointed_leak_report():
         jax.jit(lambda ns: jax.lax.map(g, ns))(jnp.array([1, 3, 5]))
         # Exception: Leaked trace DynamicJaxprTrace
     """
-    before = jax.config.jax_check_tracer_leaks
-    jax.config.update("jax_check_tracer_leaks", False)
-    try:
+    with no_leak_checks():
         yield
-    finally:
-        jax.config.update("jax_check_tracer_leaks", before)
 
 
 @pytest.mark.parametrize("kind", ["checkpointed", "bounded"])
