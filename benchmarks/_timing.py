@@ -46,8 +46,18 @@ class Pair:
         return statistics.median(self.times_b)
 
     @property
+    def ratios(self) -> list[float]:
+        return [a / b for a, b in zip(self.times_a, self.times_b)]
+
+    @property
     def ratio(self) -> float:
-        return statistics.median(a / b for a, b in zip(self.times_a, self.times_b))
+        return statistics.median(self.ratios)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        """The interquartile range of the per-round ratios."""
+        q = statistics.quantiles(self.ratios, n=4) if len(self.ratios) > 1 else []
+        return (q[0], q[2]) if q else (self.ratio, self.ratio)
 
 
 def _timed(fn: Callable[[], object], number: int) -> float:
@@ -174,7 +184,7 @@ class Row:
     b: str
     ratio: str
     target: str
-    met: bool | None
+    met: bool | str | None  # a string: "within noise"
 
 
 def seconds(t: float) -> str:
@@ -193,14 +203,20 @@ def nbytes(n: int) -> str:
 
 
 def ratio_row(what: str, pair: Pair, limit: float | None, target: str = "") -> Row:
-    """A timing row whose target, if any, is `ratio <= limit`."""
+    """A timing row whose target, if any, is `ratio <= limit`: met when the
+    whole interquartile range of the per-round ratios is, missed when none of
+    it is, and within noise when the range straddles the limit."""
+    low, high = pair.spread
+    met: bool | str | None = None
+    if limit is not None:
+        met = True if high <= limit else (False if low > limit else "within noise")
     return Row(
         what,
         seconds(pair.a),
         seconds(pair.b),
-        f"{pair.ratio:.3f}",
+        f"{pair.ratio:.3f} ({low:.2f}–{high:.2f})",
         target or ("—" if limit is None else f"≤ {limit:g}"),
-        None if limit is None else pair.ratio <= limit,
+        met,
     )
 
 
@@ -218,7 +234,7 @@ def identical_row(what: str, a: str, b: str) -> Row:
 
 def table(title: str, columns: tuple[str, str], rows: Sequence[Row]) -> str:
     """A Markdown section: `columns` names the A and B columns."""
-    head = ["benchmark", *columns, "ratio A/B", "target", "met"]
+    head = ["benchmark", *columns, "ratio A/B (IQR)", "target", "met"]
     lines = [
         f"### {title}",
         "",
@@ -226,7 +242,10 @@ def table(title: str, columns: tuple[str, str], rows: Sequence[Row]) -> str:
         "|" + "|".join("---" for _ in head) + "|",
     ]
     for r in rows:
-        met = "—" if r.met is None else ("yes" if r.met else "**no**")
+        if isinstance(r.met, str):
+            met = r.met
+        else:
+            met = "—" if r.met is None else ("yes" if r.met else "**no**")
         lines.append(f"| {r.what} | {r.a} | {r.b} | {r.ratio} | {r.target} | {met} |")
     return "\n".join(lines) + "\n"
 

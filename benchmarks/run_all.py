@@ -24,6 +24,7 @@ SCRIPTS = [
     "bench_repeated.py",
     "bench_flax.py",
     "bench_perturb.py",
+    "bench_custom_vjp.py",
 ]
 
 TITLE = (
@@ -34,11 +35,11 @@ MARKERS = re.compile(r"(<!-- results -->).*?(<!-- /results -->)", re.S)
 HOW_TO_READ = """\
 Each row measures A and B side by side in one process: A and B alternate
 within every round, times are medians over the rounds, and the ratio is the
-median over the rounds of A / B. Cold trace+lower builds new function objects
-every round, so no cache keyed on the function helps. Targets come from the
-performance issue; those marked † are not stated there and are carried over
-from the closest stated one (the bound on "independent of the layer count" is
-ours).
+median over the rounds of A / B, with the interquartile range of the
+per-round ratios in parentheses. A target is met when that whole range is
+within it, missed when none of it is, and "within noise" otherwise. Cold
+trace+lower builds new function objects every round, so no cache keyed on the
+function helps. Targets marked † are carried over from the closest stated one.
 """
 
 
