@@ -135,6 +135,51 @@ def trace_closed(fn: Callable, in_avals: Sequence[Any]) -> tuple[Jaxpr, list[Any
     return jaxpr, list(consts)
 
 
+_DropVar = _core.DropVar  # jax 0.7-0.12
+
+
+def equations_jaxpr(jaxpr: Jaxpr, start: int, stop: int) -> tuple[Jaxpr, list[Any]]:
+    """`jaxpr.eqns[start:stop]` as a jaxpr of their own: its inputs are the
+    variables they read that they do not define (returned too), its outputs
+    every variable they define."""
+    eqns = jaxpr.eqns[start:stop]
+    defined: set = set()
+    invars: list[Any] = []
+    seen: set = set()
+    for eqn in eqns:
+        for v in eqn.invars:
+            if type(v) is not Literal and v not in defined and v not in seen:
+                seen.add(v)
+                invars.append(v)
+        defined.update(eqn.outvars)
+    outvars = [v for eqn in eqns for v in eqn.outvars if type(v) is not _DropVar]
+    effects = frozenset().union(*(eqn.effects for eqn in eqns))
+    dbg = jaxpr.debug_info
+    if dbg is not None:
+        dbg = dbg._replace(arg_names=None, result_paths=None)
+    return Jaxpr([], invars, outvars, eqns, effects, dbg), invars
+
+
+def copy_into_trace(jaxpr: Jaxpr, args: Sequence[Any]) -> list[Any] | None:
+    """Copies `jaxpr`'s equations into the jaxpr the current trace builds
+    without binding them again (no abstract evaluation, no staging rules: they
+    ran when the equations were first staged), as `jax.jit`'s staging rule
+    inlines a jaxpr (jax 0.7-0.12: `pe.inline_jaxpr_into_trace`). Returns the
+    outputs, or None where the current trace builds no jaxpr, or where an
+    input's type differs from the one the equations were traced with (a
+    handler put a value of another weak type there): binding them again then
+    types them anew."""
+    trace = _core.trace_ctx.trace
+    if type(trace) is not _pe.DynamicJaxprTrace:
+        return None
+    src = _source_info_util.current()
+    tracers = [trace.to_jaxpr_tracer(x, src) for x in args]
+    for x, v in zip(tracers, jaxpr.invars):
+        if x.aval is not v.aval and x.aval != v.aval:
+            return None
+    return _pe.inline_jaxpr_into_trace(trace, src, jaxpr, (), *tracers)
+
+
 def insert_invars(jaxpr: Jaxpr, index: int, avals: Sequence[Any]) -> Jaxpr:
     """Adds unused inputs of the given avals before input `index`."""
     if not avals:
@@ -213,9 +258,11 @@ def _jit_template(mesh) -> dict[str, Any]:
 
 
 def call_jaxpr(closed: ClosedJaxpr, args: Sequence[Any], name: str) -> list[Any]:
-    """Binds `closed` on the current trace as one `jit` call, as `jax.jit` binds
-    a function it traced: under `jax.jit` it is staged as one equation; under
-    `grad` and `vmap`, JAX's cached JVP and batching of the whole jaxpr apply."""
+    """Binds `closed` on the current trace as one `jit(inline=True)` call, as
+    `jax.jit` binds a function it traced: where a jaxpr is being built (under
+    `jax.jit`), JAX's staging rule copies its equations into it, so it lowers as
+    the same equations written there would; under `grad` and `vmap`, JAX's cached
+    JVP and batching of the whole jaxpr apply."""
     template = _jit_template(jax.sharding.get_abstract_mesh())
     n_in, n_out = len(closed.in_avals), len(closed.out_avals)
     params = {}
@@ -225,8 +272,15 @@ def call_jaxpr(closed: ClosedJaxpr, args: Sequence[Any], name: str) -> list[Any]
         elif type(value) is tuple and len(value) == 2:
             value = (value[0],) * n_out
         params[key] = value
-    params.update(jaxpr=closed, name=name)
+    params.update(jaxpr=closed, name=name, inline=_INLINE_WHEN_TRACED)
     return pjit_p.bind(*args, **params)
+
+
+# What `jax.jit(..., inline=True)` asks for, the call inlined where a jaxpr is
+# being built: `True` in jax 0.7-0.11; in jax 0.12+ the param is a `jax.Inline`
+# and `True` means `JAX_LATE` (inlined when lowering), `JAX_EARLY` this.
+_Inline = getattr(jax, "Inline", None)
+_INLINE_WHEN_TRACED = True if _Inline is None else _Inline.JAX_EARLY
 
 
 from jax._src import mesh as _mesh_lib  # noqa: E402

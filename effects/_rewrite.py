@@ -81,6 +81,29 @@ def batched_sites_in(jaxpr) -> list[Site]:
     return found
 
 
+_runs_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _plain_runs(jaxpr) -> dict[int, tuple[int, Any, list[Any]]]:
+    """Each maximal run of equations holding no site, by its first equation:
+    `(index after it, the run as a jaxpr, the variables it reads)`."""
+    runs = _runs_cache.get(jaxpr)
+    if runs is None:
+        runs, per_eqn, i = {}, _analyse(jaxpr)[1], 0
+        while i < len(per_eqn):
+            if per_eqn[i]:
+                i += 1
+                continue
+            stop = i
+            while stop < len(per_eqn) and not per_eqn[stop]:
+                stop += 1
+            part, part_in = _compat.equations_jaxpr(jaxpr, i, stop)
+            runs[i] = (stop, part, part_in)
+            i = stop
+        _runs_cache[jaxpr] = runs
+    return runs
+
+
 def sites_in(jaxpr) -> frozenset[tuple[str, str, str]]:
     """(kind, collection, name) of every site in `jaxpr` and its sub-jaxprs."""
     return _analyse(jaxpr)[0]
@@ -123,7 +146,21 @@ def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     literal = _compat.Literal
-    for eqn, sites in zip(jaxpr.eqns, _analyse(jaxpr)[1]):
+    runs = _plain_runs(jaxpr)
+    eqns, per_eqn = jaxpr.eqns, _analyse(jaxpr)[1]
+    i = 0
+    while i < len(eqns):
+        run_of_plain = runs.get(i)
+        if run_of_plain is not None:
+            # Equations holding no site are copied as they are.
+            stop, part, part_in = run_of_plain
+            outs = _compat.copy_into_trace(part, [read(v) for v in part_in])
+            if outs is not None:
+                env.update(zip(part.outvars, outs))
+                i = stop
+                continue
+        eqn, sites = eqns[i], per_eqn[i]
+        i += 1
         invals = [v.val if type(v) is literal else env[v] for v in eqn.invars]
         if not sites:
             outs = _bind(eqn, invals)
