@@ -15,6 +15,7 @@ Run with `python benchmarks/bench_flax.py [--append FILE]`.
 """
 
 import functools
+import itertools
 
 import flax.linen as nn
 import jax
@@ -44,6 +45,7 @@ class Layer(nn.Module):
 
 class MLP(nn.Module):
     record: str  # "tag", "sow" or "none"
+    instance: int = 0  # unused by the model: makes each round's module distinct
 
     @nn.compact
     def __call__(self, h):
@@ -61,19 +63,26 @@ def only_layers(module, method_name):
 
 
 # Each returns a new function object on every call, so caches keyed on the
-# function miss (linen modules compare equal field by field, hence the partials;
-# `handle` returns one wrapper for all equal modules' `apply`, so it gets one too).
+# function miss: linen modules compare equal field by field, and `handle` caches
+# what it traced and rewrote per equal module's `apply`, so every round gets a
+# module of its own (and a partial, for `jax.jit`'s cache).
+_instances = itertools.count()
+
+
 def with_tag():
-    return functools.partial(fx.handle(MLP("tag").apply, fx.Tag()))
+    model = MLP("tag", instance=next(_instances))
+    return functools.partial(fx.handle(model.apply, fx.Tag()))
 
 
 def with_sow():
-    return functools.partial(MLP("sow").apply, mutable="intermediates")
+    model = MLP("sow", instance=next(_instances))
+    return functools.partial(model.apply, mutable="intermediates")
 
 
 def with_capture():
+    model = MLP("none", instance=next(_instances))
     return functools.partial(
-        MLP("none").apply, capture_intermediates=only_layers, mutable="intermediates"
+        model.apply, capture_intermediates=only_layers, mutable="intermediates"
     )
 
 
@@ -94,7 +103,7 @@ def main():
         )
     ]
     for label, anchor, limit in (
-        ("`sow`", with_sow, 1.0),
+        ("`sow`", with_sow, 1.1),
         ("`capture_intermediates`", with_capture, None),
     ):
         # Three times the rounds: the two traces differ by about 1%, less than
