@@ -41,6 +41,12 @@ def _pytest(session: nox.Session, **env: str) -> None:
     session.run("pytest", *session.posargs, env=env)
 
 
+# The property tests' programs per property in the sessions that repeat the
+# suite on other versions (the default `tests` sessions run the file's default;
+# `fuzz` runs thousands).
+_FEW_PROGRAMS = {"EFFECTS_FUZZ_EXAMPLES": "3"}
+
+
 @nox.session(python=PYTHONS)
 def tests(session: nox.Session) -> None:
     """The test suite on the newest JAX each Python resolves to (CPU)."""
@@ -57,7 +63,23 @@ def tests(session: nox.Session) -> None:
 def tests_jax(session: nox.Session, jax: str) -> None:
     """The test suite on each JAX minor release, pinned (`jax==0.X.*`), on CPU."""
     session.install("-e", ".[test]", f"jax=={jax}.*", f"jaxlib=={jax}.*")
-    _pytest(session)
+    _pytest(session, **_FEW_PROGRAMS)
+
+
+# Not among the default sessions: `nox -s fuzz` (`-- -x` to stop at the first
+# failure). The property tests run on thousands of generated programs each,
+# new ones on every run; a failure prints its program as a standalone script.
+@nox.session(python="3.11")
+def fuzz(session: nox.Session) -> None:
+    """The property tests (tests/test_properties.py) on thousands of programs."""
+    session.install("-e", ".[test]")
+    session.run("python", "-c", _VERSIONS, silent=False)
+    session.run(
+        "pytest",
+        "tests/test_properties.py",
+        *session.posargs,
+        env={"EFFECTS_FUZZ_EXAMPLES": "2000", "EFFECTS_FUZZ_RANDOM": "1"},
+    )
 
 
 @nox.session(python="3.11")
@@ -66,7 +88,7 @@ def minimums(session: nox.Session) -> None:
     if not _has_uv():
         session.error("the minimums session needs uv (`pip install uv`)")
     session.install("--resolution", "lowest-direct", "-e", ".[test]")
-    _pytest(session)
+    _pytest(session, **_FEW_PROGRAMS)
 
 
 @nox.session(python="3.12")
@@ -82,7 +104,7 @@ def cuda(session: nox.Session) -> None:
     session.install("-e", ".[test]", "jax[cuda12]")
     # The GPU is the default backend; the CPU backend is there for the tests
     # that need 8 devices when fewer GPUs are visible (tests/helpers.py).
-    _pytest(session, JAX_PLATFORMS="cuda,cpu")
+    _pytest(session, JAX_PLATFORMS="cuda,cpu", **_FEW_PROGRAMS)
 
 
 @nox.session(python="3.11")

@@ -62,10 +62,6 @@ def bool_trace_state(name: str, help: str):
 
 Effect = _effects.Effect
 
-# jax 0.7-0.12: JAX's unordered IO effect (`io_callback`'s), which `vmap` of a
-# `cond` with a batched predicate refuses (`_cond_batching_rule`).
-from jax._src.callback import _IOEffect as io_effect  # noqa: E402, F401
-
 
 def allow_effect(effect_type: type) -> None:
     # jax 0.10: an unordered effect must be allowed in each of these sets to pass

@@ -18,8 +18,8 @@ import jax
 
 from . import _compat
 from ._handlers import Handler, Perturb
-from ._primitives import handling, probing
-from ._rewrite import batched_sites_in, run, sites_in
+from ._primitives import handling
+from ._rewrite import run, sites_in
 from ._scope import Scope
 from ._site import aval
 
@@ -175,10 +175,6 @@ class _Traced:
     out_tree: Any
     out_static: tuple  # the non-array outputs, by position
     sites: frozenset
-    batched: tuple  # the sites a vmap inside the function batched
-    # Whether a vmap inside the function batched the predicate of a `cond`
-    # holding sites: found once, when a handler matches one of `batched`.
-    batched_cond: dict = dataclasses.field(default_factory=dict)
 
 
 def _flat(fn, static, treedef, out_info: dict):
@@ -202,35 +198,7 @@ def _trace(fn, static, treedef, dynamic) -> _Traced:
         out_info["tree"],
         out_info["static"],
         sites_in(jaxpr),
-        tuple(batched_sites_in(jaxpr)),
     )
-
-
-_BATCHED_COND = (
-    "handle: a tag is inside a lax.cond (or lax.switch) whose predicate a vmap "
-    "inside the handled function batches (one of: {names}). JAX's vmap "
-    "evaluates every branch of such a cond for every example and selects the "
-    "results, so no handler can tell which branch each example ran. Move the "
-    "handler inside the vmap: `jax.vmap(fx.handle(f, ...))` instead of "
-    "`fx.handle(jax.vmap(f), ...)`."
-)
-
-
-def _has_batched_cond(fn, static, treedef, dynamic) -> bool:
-    """Traces the function once more with sites carrying JAX's IO effect, which
-    JAX's batching of a `cond` with a batched predicate refuses. (Other
-    refusals of the IO effect, such as a `while_loop` with a batched predicate,
-    which is handled correctly, are no concern here: the probe's program is
-    thrown away.)"""
-    flat_fn = _flat(fn, static, treedef, {})
-    try:
-        with handling(True), probing(True):
-            _compat.trace(flat_fn, [aval(x) for x in dynamic])
-    except NotImplementedError as e:
-        return "vmap-of-cond" in str(e)
-    except Exception:  # noqa: BLE001  (the probe found no batched cond)
-        pass
-    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,13 +340,6 @@ def _program(fn, config: _Config, h_leaves, static, treedef, dynamic) -> _Progra
         if cache is not None and not any(map(_is_tracer, traced.consts)):
             cache.put(sig, traced)
     _check_names(traced.sites, handlers)
-    if traced.batched and any(h.matches(s) for s in traced.batched for h in handlers):
-        if "found" not in traced.batched_cond:
-            found = _has_batched_cond(fn, static, treedef, dynamic)
-            traced.batched_cond["found"] = found
-        if traced.batched_cond["found"]:
-            names = dict.fromkeys(s.where() for s in traced.batched)
-            raise ValueError(_BATCHED_COND.format(names=", ".join(names)))
     key = None
     if cache is not None:
         key = (sig, h_static, h_def, tuple(map(aval, h_leaves)), bool(handling.value))

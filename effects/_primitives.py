@@ -27,14 +27,6 @@ handling = _compat.bool_trace_state(
 )
 
 
-# True while `handle` traces a function again to find a `cond` whose predicate a
-# `vmap` inside it batched (see `_handle._refuse_batched_cond`): sites then also
-# carry JAX's IO effect, which JAX's batching of such a `cond` refuses.
-probing = _compat.bool_trace_state(
-    "effects_probing", "Internal to `effects`: set while `handle` probes."
-)
-
-
 class SiteEffect(_compat.Effect):
     __str__ = lambda self: "EffectsSite"  # noqa: E731
 
@@ -73,9 +65,7 @@ def _site_impl(*args, **_):
 
 @site_p.def_effectful_abstract_eval
 def _site_abstract_eval(*avals, effect, **_):
-    if not effect:
-        return avals, set()
-    return avals, {site_effect, _compat.io_effect} if probing.value else {site_effect}
+    return avals, {site_effect} if effect else set()
 
 
 def _site_lowering(ctx, *args, **_):

@@ -66,21 +66,6 @@ def _analyse(jaxpr) -> tuple[frozenset, tuple[frozenset, ...]]:
     return found
 
 
-def batched_sites_in(jaxpr) -> list[Site]:
-    """The sites a `vmap` applied inside the traced function batched."""
-    found = []
-    for eqn, sites in zip(jaxpr.eqns, _analyse(jaxpr)[1]):
-        if not sites:
-            continue
-        if eqn.primitive is site_p:
-            if any(eqn.params["batch"]):
-                found.append(Site.probe(*next(iter(sites))))
-        else:
-            for sub in _compat.open_jaxprs_in_params(eqn.params):
-                found += batched_sites_in(sub)
-    return found
-
-
 _runs_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -262,12 +247,12 @@ class Plan:
         return leaves
 
     def forbid(
-        self, what: str, *, appends: bool, inputs: bool, strict: bool, scope: Scope
+        self, what: str, *, appends: bool, inputs: bool, single: bool, scope: Scope
     ) -> None:
         for key in self.entries:
             mode = scope.modes[key[0]]
             where = self.sites[key].where()
-            if strict and mode.single:
+            if single and mode.single:
                 instead = _INSTEAD_IN_WHILE if appends else _INSTEAD_IN_SCAN
                 raise ValueError(
                     _STRICT_IN_LOOP.format(
@@ -578,7 +563,7 @@ def _scan_rule(eqn, invals, scope: Scope) -> list[Any]:
     n_ys = len(eqn.outvars) - n_carry
     in_avals = closed.in_avals
     plan = discover(closed.jaxpr, closed.consts, in_avals, scope)
-    plan.forbid("lax.scan", appends=False, inputs=False, strict=True, scope=scope)
+    plan.forbid("lax.scan", appends=False, inputs=False, single=True, scope=scope)
 
     acc_in = plan.acc_in(scope)
     inputs = _take_inputs(plan, scope, "scan", length)
@@ -653,7 +638,7 @@ def _while_rule(eqn, invals, scope: Scope) -> list[Any]:
             "Tag the value in body_fun instead."
         )
     plan = discover(body_closed.jaxpr, body_closed.consts, body_closed.in_avals, scope)
-    plan.forbid("lax.while_loop", appends=True, inputs=True, strict=True, scope=scope)
+    plan.forbid("lax.while_loop", appends=True, inputs=True, single=True, scope=scope)
     acc_in = plan.acc_in(scope)
     if scope.discovering:
         return _discovered(eqn, invals, scope, plan)

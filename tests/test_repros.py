@@ -242,6 +242,15 @@ def _scan_of_branches(x):
 _MOVE_INSIDE = re.compile(r"(?i)inside the vmap|vmap\((fx\.)?handle|handler inside")
 
 
+# Not fixed: JAX's vmap turns a cond with a batched predicate into a select of
+# every branch, evaluated inline, before any handler sees the program; nothing
+# in the jaxpr says which branch each example took, and JAX's cond batching
+# rule refuses the IO effect (the one way to make it say so) for every vmapped
+# cond holding it, batched predicate or not.
+@pytest.mark.xfail(
+    strict=True,
+    reason="handle(vmap(f)) with a batched cond predicate sees both branches",
+)
 @pytest.mark.parametrize("mode", ["append", "last", "sum"])
 @pytest.mark.parametrize("fn", [_branchy, _scan_of_branches], ids=["cond", "scan"])
 def test_handle_of_vmap_of_batched_cond_reports_each_examples_branch(fn, mode):
