@@ -21,7 +21,7 @@ from ._handlers import Handler, Perturb
 from ._primitives import handling
 from ._rewrite import run, sites_in
 from ._scope import Scope
-from ._site import aval
+from ._site import Site, aval
 
 _NOT_CALLABLE = "handle: the first argument must be a callable, got {fn!r}."
 _NOT_HANDLER = (
@@ -221,11 +221,20 @@ class _Program:
 
 
 def _check_names(sites, handlers) -> None:
-    for h in handlers:
+    """Each handler's required names exist among the sites it sees: those no
+    handler before it consumes, as in `handle(handle(f, A), B)`."""
+    for i, h in enumerate(handlers):
         names = h.required_names()
         if not names:
             continue
-        known = sorted(n for k, c, n in sites if k == h.kind and c == h.collection)
+        before = [g for g in handlers[:i] if g.consumes]
+        known = sorted(
+            n
+            for k, c, n in sites
+            if k == h.kind
+            and c == h.collection
+            and not any(g.matches(Site.probe(k, c, n)) for g in before)
+        )
         for name in names:
             if name not in known:
                 raise ValueError(

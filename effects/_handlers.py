@@ -231,6 +231,9 @@ class Handler:
       the layout `Tag()` reports.
     - `required_names()`: names that must exist (a typo is an error).
     - `calls_user_code()`: whether `apply` may call user code (default True).
+    - The class attribute `consumes`: whether `apply` consumes every site it
+      matches (`Tag` and `Perturb` do), so that handlers further out, which do
+      not see those sites, cannot require their names.
 
     ```python
     class Scale(fx.Handler):
@@ -246,6 +249,9 @@ class Handler:
 
     kind: ClassVar[str] = "tag"
     reports: ClassVar[bool] = False
+    # Whether `apply` consumes every site it matches (then handlers further out
+    # never see those sites, and cannot require their names).
+    consumes: ClassVar[bool] = False
     collection: str
     # Whether the class or a base defines its own `__init__` (as `Tag` does, to
     # validate its arguments): it is then kept, and no dataclass one generated.
@@ -321,6 +327,7 @@ class Tag(Handler):
     """
 
     reports: ClassVar[bool] = True
+    consumes: ClassVar[bool] = True
     collection: str = _static()
     names: Any = _static()
     mode: Any = _static()
@@ -392,6 +399,7 @@ class Perturb(Handler):
     """
 
     kind: ClassVar[str] = "perturb"
+    consumes: ClassVar[bool] = True
     collection: str = _static()
     deltas: Any
     names: Any = _static()

@@ -1156,3 +1156,22 @@ def test_flax_nnx_module_with_tags():
         grads["l2"]["bias"][...],
     )
     assert_trees_close(got, want)
+
+
+def test_a_name_consumed_by_an_earlier_handler_is_unknown_to_later_ones():
+    # Found by the property tests: handle(f, A, B) as handle(handle(f, A), B),
+    # where A (a Tag) consumes the tag B (an Intervene) names.
+    def f(x):
+        return fx.tag(jnp.sin(x), "t1") * 2.0
+
+    intervene = fx.Intervene({"t1": lambda v: v * 2.0})
+    for handled in (
+        fx.handle(f, fx.Tag(), intervene),
+        fx.handle(fx.handle(f, fx.Tag()), intervene),
+    ):
+        with pytest.raises(ValueError, match="no tag named 't1'.*Known names: none"):
+            handled(X)
+    # The other order: the Intervene sees the tag, the Tag collects its result.
+    out, found = fx.handle(f, intervene, fx.Tag())(X)
+    expected = {"intermediates": {"t1": (2.0 * jnp.sin(X),)}}
+    assert_trees_close((out, found), (4.0 * jnp.sin(X), expected))
