@@ -232,19 +232,22 @@ class Plan:
         """The accumulators' values entering the region, flat (the region's
         sites made known first), broadcast to the types the region gives them."""
         self.enter(scope)
-        leaves = []
-        for key, avals in self.acc_avals.items():
-            if key not in scope.accs:
-                scope.acc_inits.setdefault(key, self.accs[key])
-                scope.accs[key] = self.accs[key]()
-                scope.acc_batch[key] = self.acc_batch[key]
-            scope.touched[key] = None
-            acc, have = scope.accs[key], scope.acc_batch[key]
-            if have != self.acc_batch[key]:  # grown inside, under a vmap
-                acc = scope.accs[key] = grow(acc, have, self.acc_batch[key])
-                scope.acc_batch[key] = self.acc_batch[key]
-            leaves += jax.tree.leaves(acc)
-        return leaves
+        return [
+            x for key in self.acc_avals for x in jax.tree.leaves(self.acc(scope, key))
+        ]
+
+    def acc(self, scope: Scope, key: Key):
+        """One accumulator's value entering the region."""
+        if key not in scope.accs:
+            scope.acc_inits.setdefault(key, self.accs[key])
+            scope.accs[key] = self.accs[key]()
+            scope.acc_batch[key] = self.acc_batch[key]
+        scope.touched[key] = None
+        acc, have = scope.accs[key], scope.acc_batch[key]
+        if have != self.acc_batch[key]:  # grown inside, under a vmap
+            acc = scope.accs[key] = grow(acc, have, self.acc_batch[key])
+            scope.acc_batch[key] = self.acc_batch[key]
+        return acc
 
     def forbid(
         self, what: str, *, appends: bool, inputs: bool, single: bool, scope: Scope
@@ -369,6 +372,7 @@ def trace_region(
     input_avals: list[Any] | None = None,
     input_in=None,
     entry_out=None,
+    acc_avals=None,
     acc_in=None,
     acc_out=None,
 ):
@@ -414,7 +418,9 @@ def trace_region(
 
     if input_avals is None:
         input_avals = _avals_of_trees(input_trees)
-    avals = [*in_avals, *_avals_of_trees(acc_trees), *input_avals]
+    if acc_avals is None:
+        acc_avals = _avals_of_trees(acc_trees)
+    avals = [*in_avals, *acc_avals, *input_avals]
     return _compat.trace(fn, avals)
 
 
@@ -893,11 +899,23 @@ rules[_compat.custom_vjp_call_p] = _custom_rule
 # shard_map (and pmap, which lowers to it)
 #
 
-_ACC_TWICE_IN_SHARD_MAP = (
-    "{where} is reduced in more than one shard_map (or pmap): its accumulator "
-    "already has a shard axis. Give the tags different names, or use "
-    "Tag(mode='append')."
+_ACC_GROWS_IN_SHARD_MAP = (
+    "{where} is reduced in a shard_map (or pmap) that gives its per-shard "
+    "accumulator vmap batch axes it did not have: reduce it under one vmap "
+    "throughout, give the tags different names, or use Tag(mode='append')."
 )
+
+
+def _stacked_init(init, lead: Lead, n_shards: int):
+    value = jax.tree.map(lambda x: jnp.broadcast_to(x, (n_shards, *x.shape)), init())
+    return from_region(value, lead, "shard")
+
+
+def _without_axis(types, axis: int):
+    return jax.tree.map(
+        lambda t: jax.ShapeDtypeStruct(t.shape[:axis] + t.shape[axis + 1 :], t.dtype),
+        types,
+    )
 
 
 def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
@@ -914,24 +932,58 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
         n_shards *= mesh.shape[a]
     spec = jax.sharding.PartitionSpec(axes)
     in_avals = [v.aval for v in body.invars]
+    # An accumulator with a shard axis already (from this shard_map's previous
+    # run in a loop, or another over the same axes) enters split along it; any
+    # other enters whole in every shard. Inside, each shard sees its own.
+    marker = ("shard", n_shards)
+    split = {
+        k
+        for k, b in scope.acc_batch.items()
+        if b and b[-1] == marker and k in scope.accs
+    }
+    local = Scope(
+        scope.handlers,
+        accs={
+            k: _without_axis(types_of(v), len(scope.acc_batch[k]) - 1)
+            if k in split
+            else types_of(v)
+            for k, v in scope.accs.items()
+        },
+        acc_batch={k: b[:-1] if k in split else b for k, b in scope.acc_batch.items()},
+    )
     with _compat.shard_map_body(p):
-        plan = discover(body, (), in_avals, scope)
-    for key in plan.acc_avals:
-        if any(not isinstance(s, int) for s in scope.acc_batch.get(key, ())):
-            raise ValueError(
-                _ACC_TWICE_IN_SHARD_MAP.format(where=plan.sites[key].where())
+        plan = discover(body, (), in_avals, local)
+    plan.enter(scope)
+    acc_in = []
+    for key, avals in plan.acc_avals.items():
+        inside = plan.acc_batch[key]
+        if key in split:
+            if scope.acc_batch[key][:-1] != inside:
+                raise ValueError(
+                    _ACC_GROWS_IN_SHARD_MAP.format(where=plan.sites[key].where())
+                )
+            scope.touched[key] = None
+            value = to_region(scope.accs[key], Lead(len(inside)), "shard")
+        else:
+            value = jax.tree.map(
+                lambda x: jnp.broadcast_to(x, (n_shards, *x.shape)),
+                plan.acc(scope, key),
             )
-    acc_in = plan.acc_in(scope)  # the same in every shard
+        acc_in += jax.tree.leaves(value)
     inputs = _take_inputs(plan, scope, "shard", n_shards)
 
     def per_shard(key):
-        return plan.acc_batch[key] + (("shard", n_shards),)
+        return plan.acc_batch[key] + (marker,)
 
     if scope.discovering:
         for key, avals in plan.acc_avals.items():
             lead = Lead(len(plan.acc_batch[key]))
             scope.accs[key] = zeros(stacked_avals(avals, lead, "shard", n_shards))
             scope.acc_batch[key] = per_shard(key)
+            if key in plan.accs:  # first made here: what it starts as, stacked
+                scope.acc_inits[key] = functools.partial(
+                    _stacked_init, plan.accs[key], lead, n_shards
+                )
         return _discovered(eqn, invals, scope, plan, "shard", n_shards)
     in_input_avals = [
         _compat.shard_aval(p, spec, _compat.ShapedArray((n_shards,) + a.shape, a.dtype))
@@ -943,6 +995,13 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
     def stacked_out(x):
         return _compat.vary_over_manual_axes(x)[None]
 
+    def sliced_in(x):
+        return _compat.vary_over_manual_axes(x[0])
+
+    acc_avals = [
+        _compat.shard_aval(p, spec, _compat.ShapedArray((n_shards,) + a.shape, a.dtype))
+        for a in _flat(plan.acc_avals.values())
+    ]
     with _compat.shard_map_body(p):
         new_body, hoisted = trace_region(
             body,
@@ -953,7 +1012,8 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
             input_avals=in_input_avals,
             input_in=lambda x: x[0],
             entry_out=stacked_out,
-            acc_in=_compat.vary_over_manual_axes,
+            acc_avals=acc_avals,
+            acc_in=sliced_in,
             acc_out=stacked_out,
         )
     n_out, n_acc = len(eqn.outvars), len(acc_in)
@@ -963,7 +1023,7 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
         jaxpr=new_body,
         in_specs=(replicated,) * len(hoisted)
         + tuple(p["in_specs"])
-        + (replicated,) * n_acc
+        + (spec,) * n_acc
         + (spec,) * len(inputs),
         out_specs=tuple(p["out_specs"]) + (spec,) * (n_acc + n_entry),
     )

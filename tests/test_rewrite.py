@@ -1277,3 +1277,29 @@ def test_grad_through_equinox_custom_vjp_with_a_nondifferentiable_input():
         assert_trees_close(grad, jax.grad(loss)(x))
         xy = jnp.sin(x) * y
         assert_trees_close(found, found_of(xy=(xy,) if mode == "append" else xy))
+
+
+def test_reduction_in_a_shard_map_in_a_loop_is_per_shard():
+    # Found by the property tests: the loop carries the per-shard accumulator,
+    # which enters the shard_map again on every iteration, split along its
+    # shard axis.
+    mesh = Mesh(np.array(devices(2)), ("s",))
+    body = lambda v: fx.tag(v * 2.0, "t", collection="loop")  # noqa: E731
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=P("s"), out_specs=P("s"))
+
+    def f(x):
+        def step(s):
+            i, v = s
+            return i + 1, sharded(v)
+
+        return lax.while_loop(lambda s: s[0] < 3, step, (jnp.int32(0), x))[1]
+
+    x = lin(-1.0, 1.0, 4)
+    values = [np.asarray(x) * 2.0]
+    for _ in range(2):
+        values.append(values[-1] * 2.0)
+    per_shard = [v.reshape(2, 2) for v in values]  # (shards, per-shard values)
+    for mode, expected in (("last", per_shard[-1]), ("sum", sum(per_shard))):
+        out, found = jax.jit(fx.handle(f, fx.Tag("loop", mode=mode)))(x)
+        assert_trees_close(out, f(x))
+        assert_trees_close(found, {"loop": {"t": expected}})
