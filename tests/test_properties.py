@@ -1195,7 +1195,7 @@ def test_the_generator_covers_every_construct():
     shared = []
 
     @settings(
-        max_examples=300,
+        max_examples=1000,
         derandomize=True,
         database=None,
         suppress_health_check=list(HealthCheck),
