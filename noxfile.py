@@ -44,7 +44,7 @@ def _pytest(session: nox.Session, **env: str) -> None:
 # The property tests' programs per property in the sessions that repeat the
 # suite on other versions (the default `tests` sessions run the file's default;
 # `fuzz` runs thousands).
-_FEW_PROGRAMS = {"EFFECTS_FUZZ_EXAMPLES": "3"}
+_FEW_PROGRAMS = {"EFFECTS_FUZZ_EXAMPLES": "2"}
 
 
 @nox.session(python=PYTHONS)

@@ -67,7 +67,7 @@ from jax.sharding import PartitionSpec as P
 
 import effects as fx
 
-EXAMPLES = int(os.environ.get("EFFECTS_FUZZ_EXAMPLES", "10"))
+EXAMPLES = int(os.environ.get("EFFECTS_FUZZ_EXAMPLES", "6"))
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
