@@ -185,6 +185,7 @@ class Row:
     ratio: str
     target: str
     met: bool | str | None  # a string: "within noise"
+    spread: str = "—"  # the interquartile range of the per-round ratios
 
 
 def seconds(t: float) -> str:
@@ -214,9 +215,10 @@ def ratio_row(what: str, pair: Pair, limit: float | None, target: str = "") -> R
         what,
         seconds(pair.a),
         seconds(pair.b),
-        f"{pair.ratio:.3f} ({low:.2f}–{high:.2f})",
+        f"{pair.ratio:.3f}",
         target or ("—" if limit is None else f"≤ {limit:g}"),
         met,
+        f"{low:.3f}–{high:.3f}",
     )
 
 
@@ -234,7 +236,7 @@ def identical_row(what: str, a: str, b: str) -> Row:
 
 def table(title: str, columns: tuple[str, str], rows: Sequence[Row]) -> str:
     """A Markdown section: `columns` names the A and B columns."""
-    head = ["benchmark", *columns, "ratio A/B (IQR)", "target", "met"]
+    head = ["benchmark", *columns, "ratio A/B", "spread (IQR)", "target", "met"]
     lines = [
         f"### {title}",
         "",
@@ -246,7 +248,8 @@ def table(title: str, columns: tuple[str, str], rows: Sequence[Row]) -> str:
             met = r.met
         else:
             met = "—" if r.met is None else ("yes" if r.met else "**no**")
-        lines.append(f"| {r.what} | {r.a} | {r.b} | {r.ratio} | {r.target} | {met} |")
+        cells = (r.what, r.a, r.b, r.ratio, r.spread, r.target, met)
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

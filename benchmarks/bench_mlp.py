@@ -14,6 +14,11 @@ and collected with `fx.handle(f, fx.Tag())`. The hand-written function returns
   rewrite is cached, so only lowering is left) against the cold hand-written
   trace+lower.
 
+Targets: identical optimized HLO; run time at most 1.02x; cold trace+lower at
+200 layers at most 1.3x the hand-written one; 800 layers at most 4.3x the
+handled 200 layers; the trace again under a new outer jit at most 0.75x the cold
+hand-written trace+lower.
+
 Run with `python benchmarks/bench_mlp.py [--append FILE]`.
 """
 

@@ -86,7 +86,7 @@ def main():
         trace_lower(make_hand_written_grad),
         repeats=repeats,
     )
-    rows.append(ratio_row("cold trace+lower of the gradient", pair, 1.3, "≤ 1.3 †"))
+    rows.append(ratio_row("cold trace+lower of the gradient", pair, 1.3))
     emit(
         table(
             "6. `Perturb` + `grad`, 200 layers: handled (A) vs explicit deltas (B)",

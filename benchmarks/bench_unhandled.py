@@ -3,7 +3,7 @@
 - The optimized HLO of `jax.jit(f_tagged)` equals that of `jax.jit(f_untagged)`,
   after stripping metadata and names: a small function and the 200-layer MLP.
 - Dispatch: a jitted tagged function called in a loop on a small input vs the
-  untagged one (JAX's C++ fast path must stay on).
+  untagged one (JAX's C++ fast path must stay on): at most 1.05x.
 - Run time of the jitted 200-layer MLP, tagged vs untagged.
 
 Run with `python benchmarks/bench_unhandled.py [--append FILE]`.
@@ -70,11 +70,11 @@ def main():
     pair = compare(
         blocking(tagged, x_small),
         blocking(untagged, x_small),
-        repeats=repeats,
+        repeats=3 * repeats,
         number=2000,
         warmup=100,
     )
-    rows.append(ratio_row("dispatch per call, small input (8 floats)", pair, 1.2))
+    rows.append(ratio_row("dispatch per call, small input (8 floats)", pair, 1.05))
     tagged, untagged = jax.jit(mlp), jax.jit(mlp_untagged)
     pair = compare(
         blocking(tagged, params, x),
@@ -83,7 +83,7 @@ def main():
         number=5,
         warmup=3,
     )
-    rows.append(ratio_row("run time, 200-layer MLP", pair, 1.02))
+    rows.append(ratio_row("run time, 200-layer MLP", pair, 1.02, "≤ 1.02 †"))
     emit(
         table("1. Unhandled: tagged (A) vs untagged (B)", ("tagged", "untagged"), rows),
         args,

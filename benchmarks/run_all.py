@@ -35,11 +35,12 @@ MARKERS = re.compile(r"(<!-- results -->).*?(<!-- /results -->)", re.S)
 HOW_TO_READ = """\
 Each row measures A and B side by side in one process: A and B alternate
 within every round, times are medians over the rounds, and the ratio is the
-median over the rounds of A / B, with the interquartile range of the
-per-round ratios in parentheses. A target is met when that whole range is
-within it, missed when none of it is, and "within noise" otherwise. Cold
-trace+lower builds new function objects every round, so no cache keyed on the
-function helps. Targets marked † are carried over from the closest stated one.
+median over the rounds of A / B. The spread is the interquartile range of the
+per-round ratios. A target is met ("yes") when the whole spread is within it,
+missed ("no") when none of it is, and "within noise" when the spread straddles
+it. Cold trace+lower builds new function objects every round, so no cache keyed
+on the function helps. Targets marked † are carried over from the closest
+stated one to a comparison that has none of its own.
 """
 
 
