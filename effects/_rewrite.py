@@ -505,6 +505,7 @@ def _call_rule(eqn, invals, scope: Scope, *, get_body, rebuild) -> list[Any]:
         scope,
         plan,
         input_avals=[jax.typeof(v) for v in inputs],
+        acc_avals=[jax.typeof(v) for v in acc_in],
     )
     n_out = len(eqn.outvars)
     n_extra_in = len(acc_in) + len(inputs)
@@ -582,6 +583,7 @@ def _scan_rule(eqn, invals, scope: Scope) -> list[Any]:
         scope,
         plan,
         input_avals=[_compat.mapped_aval(length, jax.typeof(v)) for v in inputs],
+        acc_avals=[jax.typeof(v) for v in acc_in],
     )
     # The region is (hoisted, consts, carry, xs, accs, inputs) -> (carry, ys, accs,
     # entries); scan wants the accumulators in the carry: (hoisted, consts, carry,
@@ -649,7 +651,12 @@ def _while_rule(eqn, invals, scope: Scope) -> list[Any]:
     if scope.discovering:
         return _discovered(eqn, invals, scope, plan)
     body, hoisted = trace_region(
-        body_closed.jaxpr, body_closed.consts, body_closed.in_avals, scope, plan
+        body_closed.jaxpr,
+        body_closed.consts,
+        body_closed.in_avals,
+        scope,
+        plan,
+        acc_avals=[jax.typeof(v) for v in acc_in],
     )
     # Region: (hoisted, body_consts, carry, accs) -> (carry, accs): the accumulators
     # extend the carry; cond_fun ignores them.
@@ -730,6 +737,7 @@ def _cond_rule(eqn, invals, scope: Scope) -> list[Any]:
             scope,
             plan,
             input_avals=[jax.typeof(v) for v in inputs],
+            acc_avals=[jax.typeof(v) for v in acc_in],
             entry_out=_compat.vary_over_manual_axes,
         )
         for b in branches
@@ -804,7 +812,14 @@ def _custom_rule(eqn, invals, scope: Scope) -> list[Any]:
     in_avals = [v.aval for v in eqn.invars]
     plan = discover(closed.jaxpr, closed.consts, in_avals, scope)
     acc_in = plan.acc_in(scope)
-    body, hoisted = trace_region(closed.jaxpr, closed.consts, in_avals, scope, plan)
+    body, hoisted = trace_region(
+        closed.jaxpr,
+        closed.consts,
+        in_avals,
+        scope,
+        plan,
+        acc_avals=[jax.typeof(v) for v in acc_in],
+    )
     region = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(body, ()))
     n_out = len(eqn.outvars)
 

@@ -227,7 +227,10 @@ def _acc_init(reduce, site: Site):
     front = site.front_avals()
 
     def init():
-        return jax.tree.map(strong, reduce.init(zeros(front)))
+        # Inside a shard_map an accumulator differs per shard: it varies over
+        # the manual mesh axes from the start, as a loop carrying it needs.
+        value = reduce.init(zeros(front))
+        return jax.tree.map(lambda x: _compat.vary_over_manual_axes(strong(x)), value)
 
     return init
 

@@ -1303,3 +1303,30 @@ def test_reduction_in_a_shard_map_in_a_loop_is_per_shard():
         out, found = jax.jit(fx.handle(f, fx.Tag("loop", mode=mode)))(x)
         assert_trees_close(out, f(x))
         assert_trees_close(found, {"loop": {"t": expected}})
+
+
+def test_reduction_in_nested_scans_in_a_shard_map():
+    # Found by the property tests: the accumulator a scan carries inside a
+    # shard_map varies over the mesh from its first value.
+    mesh = Mesh(np.array(devices(2)), ("s",))
+
+    def body(v):
+        def outer(c, _):
+            def inner(d, _):
+                return fx.tag(d * 0.5 + 1.0, "t"), None
+
+            return lax.scan(inner, c, None, length=2)[0], None
+
+        return lax.scan(outer, v, None, length=3)[0]
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("s"), out_specs=P("s"))
+    x = lin(-1.0, 1.0, 4)
+    values = []
+    v = np.asarray(x)
+    for _ in range(6):
+        v = v * 0.5 + 1.0
+        values.append(v.reshape(2, 2))  # (shards, per-shard values)
+    for mode, expected in (("last", values[-1]), ("sum", sum(values))):
+        out, found = jax.jit(fx.handle(f, fx.Tag(mode=mode)))(x)
+        assert_trees_close(out, f(x))
+        assert_trees_close(found, found_of(t=expected))
