@@ -55,12 +55,58 @@ def bool_trace_state(name: str, help: str):
     return state
 
 
+def object_trace_state(name: str, help: str):
+    """Like `bool_trace_state`, for a hashable value that defaults to None."""
+    make = _config.string_or_object_state
+    if "include_in_trace_context" in inspect.signature(make).parameters:
+        return make(name=name, default=None, help=help, include_in_trace_context=True)
+    state = make(name=name, default=None, help=help, include_in_jit_key=True)
+    _config.register_trace_context_callback.append(lambda: state.value)  # pyright: ignore
+    return state
+
+
 #
 # Effects
 #
 
 
 Effect = _effects.Effect
+
+# jax 0.7-0.12: the effect of `jax.experimental.io_callback(ordered=False)`.
+# JAX's cond batching rule refuses it in the branches of a vmapped `cond`, with
+# `NotImplementedError("IO effect not supported in vmap-of-cond.")`.
+from jax._src import callback as _callback  # noqa: E402
+
+io_effect = _callback._IOEffect
+
+
+def is_vmap_of_cond_refusal(e: BaseException) -> bool:
+    return isinstance(e, NotImplementedError) and "vmap-of-cond" in str(e)
+
+
+#
+# Where a site was bound
+#
+
+_OWN_FILES = __file__.rsplit("/", 1)[0] + "/"
+
+
+def call_path(traceback) -> tuple[tuple[str, int, int], ...]:
+    """(file, line, column) of each frame of `traceback` in neither JAX nor effects,
+    innermost first: where a site's `tag` was called, and from where (jax 0.7-0.12:
+    `source_info_util.user_frames`). An equation keeps the traceback of the call
+    that made it through JAX's transformations."""
+    if traceback is None:
+        return ()
+    return tuple(
+        (f.file_name, f.start_line, f.start_column)
+        for f in _source_info_util.user_frames(traceback)
+        if not f.file_name.startswith(_OWN_FILES)
+    )
+
+
+def current_call_path() -> tuple[tuple[str, int, int], ...]:
+    return call_path(_source_info_util.current().traceback)
 
 
 def allow_effect(effect_type: type) -> None:

@@ -16,9 +16,9 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from . import _compat
+from . import _branches, _compat
 from ._handlers import Handler, Perturb
-from ._primitives import handling
+from ._primitives import handling, probing
 from ._rewrite import run, sites_in
 from ._scope import Scope
 from ._site import Site, aval
@@ -31,6 +31,14 @@ _NOT_HANDLER = (
 _UNKNOWN_NAME = (
     "{handler}: no {kind} named {name!r} in collection {collection!r}. Known names: "
     "{known}."
+)
+_EVERY_BRANCH = (
+    "{handler}: the {kind} {names} (collection {collection!r}) sits in a "
+    "`lax.cond` or `lax.switch` whose predicate a `jax.vmap` inside the handled "
+    "function batches. That vmap runs every branch for every example and keeps "
+    "each example's own outputs, so a handler outside it would report branches "
+    "that did not run. Put the handler inside the vmap instead: "
+    "`jax.vmap(fx.handle(f, ...))` reports each example's own branch."
 )
 _LEFTOVER = (
     "{handler} got more entries for {where} than it has executions ({n} left "
@@ -175,6 +183,8 @@ class _Traced:
     out_tree: Any
     out_static: tuple  # the non-array outputs, by position
     sites: frozenset
+    # Sites a vmap inside `fn` ran for every branch of a cond (see `_branches`).
+    every_branch: frozenset
 
 
 def _flat(fn, static, treedef, out_info: dict):
@@ -188,16 +198,21 @@ def _flat(fn, static, treedef, out_info: dict):
 
 def _trace(fn, static, treedef, dynamic) -> _Traced:
     out_info = {}
+    avals = [aval(x) for x in dynamic]
     with handling(True):
-        jaxpr, consts = _compat.trace(
-            _flat(fn, static, treedef, out_info), [aval(x) for x in dynamic]
-        )
+        jaxpr, consts = _compat.trace(_flat(fn, static, treedef, out_info), avals)
+
+    def retrace(keys):
+        with handling(True), probing(keys):
+            _compat.trace(_flat(fn, static, treedef, {}), avals)
+
     return _Traced(
         jaxpr,
         consts,
         out_info["tree"],
         out_info["static"],
         sites_in(jaxpr),
+        _branches.mixed(retrace, _branches.suspects(jaxpr)),
     )
 
 
@@ -246,6 +261,25 @@ def _check_names(sites, handlers) -> None:
                         known=", ".join(map(repr, known)) or "none",
                     )
                 )
+
+
+def _check_branches(every_branch, handlers) -> None:
+    """No handler sees a site that a vmap inside the function ran for every
+    branch of a cond: it would report values of branches that did not run."""
+    for h in handlers:
+        hit = sorted(s for s in every_branch if h.matches(Site.probe(*s[:3])))
+        if hit:
+            kind, collection = hit[0][:2]
+            raise ValueError(
+                _EVERY_BRANCH.format(
+                    handler=type(h).__name__,
+                    kind="tag" if kind == "tag" else "perturb site",
+                    names=", ".join(
+                        dict.fromkeys(f"{s[2]!r}{_branches.where(s)}" for s in hit)
+                    ),
+                    collection=collection,
+                )
+            )
 
 
 def _scope(handlers) -> Scope:
@@ -339,7 +373,8 @@ def _program(fn, config: _Config, h_leaves, static, treedef, dynamic) -> _Progra
     """The rewritten program for these arguments and handlers, from the cache
     where it can be."""
     handlers, h_static, h_def = config.handlers, config.static, config.treedef
-    cache = _cache_for(fn)
+    # A check for branches a vmap evaluated traces with sites marked: never cache.
+    cache = _cache_for(fn) if probing.value is None else None
     sig = _signature(static, treedef, dynamic) if cache is not None else None
     if sig is None:
         cache = None
@@ -349,6 +384,7 @@ def _program(fn, config: _Config, h_leaves, static, treedef, dynamic) -> _Progra
         if cache is not None and not any(map(_is_tracer, traced.consts)):
             cache.put(sig, traced)
     _check_names(traced.sites, handlers)
+    _check_branches(traced.every_branch, handlers)
     key = None
     if cache is not None:
         key = (sig, h_static, h_def, tuple(map(aval, h_leaves)), bool(handling.value))

@@ -27,6 +27,16 @@ handling = _compat.bool_trace_state(
 )
 
 
+# While `handle` checks a program for a vmap that ran every branch of a `cond`
+# (see `_branches`): the sites that then carry JAX's IO effect too, which JAX's
+# cond batching rule refuses, as `(names, keys)`: their (kind, collection,
+# name), and those with the call path of the `tag`. Part of the trace context,
+# so jitted functions are traced again for the check.
+probing = _compat.object_trace_state(
+    "effects_probing", "Internal to `effects`: set while `handle` checks branches."
+)
+
+
 class SiteEffect(_compat.Effect):
     __str__ = lambda self: "EffectsSite"  # noqa: E731
 
@@ -44,7 +54,13 @@ class _SitePrimitive(Primitive):
     # the effect flag from the current handling state, so a site bound outside
     # `handle` never carries the effect.
     def bind(self, *args, **params):
-        params["effect"] = bool(handling.value)
+        effect: bool | str = bool(handling.value)
+        probe = probing.value
+        if effect and probe:
+            key = (params["kind"], params["collection"], params["name"])
+            if key in probe[0] and (*key, _compat.current_call_path()) in probe[1]:
+                effect = "probe"
+        params["effect"] = effect
         return super().bind(*args, **params)
 
 
@@ -65,6 +81,8 @@ def _site_impl(*args, **_):
 
 @site_p.def_effectful_abstract_eval
 def _site_abstract_eval(*avals, effect, **_):
+    if effect == "probe":
+        return avals, {site_effect, _compat.io_effect}
     return avals, {site_effect} if effect else set()
 
 

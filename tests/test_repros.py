@@ -242,34 +242,66 @@ def _scan_of_branches(x):
 _MOVE_INSIDE = re.compile(r"(?i)inside the vmap|vmap\((fx\.)?handle|handler inside")
 
 
-# Not fixed: JAX's vmap turns a cond with a batched predicate into a select of
-# every branch, evaluated inline, before any handler sees the program; nothing
-# in the jaxpr says which branch each example took, and JAX's cond batching
-# rule refuses the IO effect (the one way to make it say so) for every vmapped
-# cond holding it, batched predicate or not.
-@pytest.mark.xfail(
-    strict=True,
-    reason="handle(vmap(f)) with a batched cond predicate sees both branches",
-)
 @pytest.mark.parametrize("mode", ["append", "last", "sum"])
 @pytest.mark.parametrize("fn", [_branchy, _scan_of_branches], ids=["cond", "scan"])
 def test_handle_of_vmap_of_batched_cond_reports_each_examples_branch(fn, mode):
     """The issue: handle(vmap(f)) with a batched cond predicate mixed branches."""
-    # It must equal vmap(handle(f)), or raise an error saying to move the handler
-    # inside the vmap; never report both branches' tags.
+    # JAX's vmap turns the cond into a select of every branch before any handler
+    # sees the program, so handle(vmap(f)) refuses, saying to move the handler
+    # inside the vmap; vmap(handle(f)) gets each example's own branch.
     xs = jnp.array([1.0, -2.0, 3.0])
     handled = fx.handle(fn, fx.Tag(mode=mode))
     alone = [handled(x) for x in xs]  # each example's own branch
     expected = jax.tree.map(lambda *a: jnp.stack(a), *alone)
     assert_trees_close(jax.vmap(handled)(xs), expected)
-    try:
-        got = fx.handle(jax.vmap(fn), fx.Tag(mode=mode))(xs)
-    except Exception as e:
-        if not _MOVE_INSIDE.search(str(e)):
-            raise
-        assert "'b'" in str(e), str(e)
-    else:
-        assert_trees_close(got, expected)
+    with pytest.raises(ValueError, match=_MOVE_INSIDE) as e:
+        fx.handle(jax.vmap(fn), fx.Tag(mode=mode))(xs)
+    assert "'b'" in str(e.value)
+    # A handler that matches none of the branches' tags sees no mixed value.
+    out, found = fx.handle(jax.vmap(fn), fx.Tag(names=["other*"]))(xs)
+    assert_trees_close(out, jax.vmap(fn)(xs))
+    assert found == {"intermediates": {}}
+
+
+def _tags_beside_branches(x, s):
+    # `top` and `kept` are exact under the vmap: `top` is outside any cond, and
+    # `kept`'s cond has an unbatched predicate, so JAX keeps it a cond.
+    y = fx.tag(x * 2.0, "top")
+    y = jax.lax.cond(s > 0, lambda y: fx.tag(y + 1.0, "kept"), lambda y: y - 1.0, y)
+    return jax.lax.cond(
+        y > 0, lambda y: fx.tag(jnp.sin(y), "b"), lambda y: jnp.where(y < -3, y, 0.0), y
+    )
+
+
+@pytest.mark.parametrize("mode", ["append", "last", "sum"])
+def test_handle_of_vmap_refuses_only_the_tags_of_batched_branches(mode):
+    xs, s = jnp.array([1.0, -2.0, 3.0]), jnp.array(1.0)
+    vf = jax.vmap(_tags_beside_branches, in_axes=(0, None))
+    with pytest.raises(ValueError, match=_MOVE_INSIDE) as e:
+        fx.handle(vf, fx.Tag(mode=mode))(xs, s)
+    assert "'b'" in str(e.value) and "'top'" not in str(e.value)
+    assert "'kept'" not in str(e.value)
+    handlers = (fx.Tag(names=["top", "kept"], mode=mode),)
+    got = fx.handle(vf, *handlers)(xs, s)
+    handled = fx.handle(_tags_beside_branches, *handlers)
+    want = jax.vmap(handled, in_axes=(0, None))(xs, s)
+    assert_trees_close(got, want)
+    assert set(got[1]["intermediates"]) == {"top", "kept"}
+
+
+def test_handle_of_vmap_of_a_cond_with_an_unbatched_predicate_is_exact():
+    # A cond whose predicate the vmap does not batch stays a cond: every example
+    # takes the same branch, and handle(vmap(f)) reports it.
+    def f(x, s):
+        return jax.lax.cond(
+            s > 0, lambda x: fx.tag(x * 2.0, "b"), lambda x: fx.tag(x - 1.0, "b"), x
+        )
+
+    xs = jnp.array([1.0, -2.0, 3.0])
+    for s in (1.0, -1.0):
+        got = fx.handle(jax.vmap(f, in_axes=(0, None)), fx.Tag(mode="sum"))(xs, s)
+        want = jax.vmap(fx.handle(f, fx.Tag(mode="sum")), in_axes=(0, None))(xs, s)
+        assert_trees_close(got, want)
 
 
 #

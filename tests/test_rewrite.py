@@ -723,10 +723,11 @@ def test_shapes_differing_across_branches_raise(construct):
     assert_trees_close(found, found_of(h=(arr([1.0]),)))
 
 
-def test_batched_predicate_runs_every_branch():
-    # Documented limitation: under vmap inside the handled function with a
-    # batched predicate, JAX evaluates every branch for every example and
-    # selects, so every branch's tag executes, in branch order.
+def test_batched_predicate_is_refused_outside_the_vmap():
+    # Under vmap inside the handled function with a batched predicate, JAX
+    # evaluates every branch for every example and selects: a handler outside
+    # the vmap would see both branches' tags, so it refuses them, naming the
+    # tag and where it was called.
     def f(x):
         return lax.switch(
             jnp.int32(jnp.sum(x) > 0),
@@ -735,12 +736,14 @@ def test_batched_predicate_runs_every_branch():
         )
 
     xs = arr([[0.5, 0.25], [-0.5, 0.25]])
-    out, found = fx.handle(jax.vmap(f), fx.Tag())(xs)
-    taken = np.stack([np.cos(xs[0]), np.sin(xs[1])])
-    assert_trees_close(out, taken)
-    assert_trees_close(found, found_of(h=(np.sin(xs), np.cos(xs))))
+    with pytest.raises(
+        ValueError, match=r"tag 'h' at .*test_rewrite.py:\d+.*inside the vmap"
+    ):
+        fx.handle(jax.vmap(f), fx.Tag())(xs)
     # Outside the vmap each example sees the branch it took.
-    _, found = jax.jit(jax.vmap(fx.handle(f, fx.Tag())))(xs)
+    taken = np.stack([np.cos(xs[0]), np.sin(xs[1])])
+    out, found = jax.jit(jax.vmap(fx.handle(f, fx.Tag())))(xs)
+    assert_trees_close(out, taken)
     assert_trees_close(found, found_of(h=(taken,)))
 
 

@@ -1,0 +1,106 @@
+"""Finding the sites a `vmap` inside `handle` ran for every branch of a `cond`.
+
+Under `jax.vmap`, a `cond` (or `switch`) whose predicate is batched becomes a
+select between the outputs of all its branches, each evaluated for every
+example; no `cond` is left in the program for a rewriter to see, nor anything
+that says which branch each example took. A handler outside that vmap would see
+every branch's tags, so `handle` refuses them (`vmap(handle(f))` sees each
+example's own branch). JAX's cond batching rule refuses JAX's IO effect in a
+branch, batched predicate or not; the check uses that: it traces the function
+again with the IO effect on the sites that may have lost their `cond`, and a
+refusal says one did. A site is known by its name and the call path of its
+`tag` (which its equation keeps through JAX's transformations), so a tag of the
+same name in a cond the vmap kept is not mistaken for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from . import _compat
+from ._primitives import site_p
+
+# (kind, collection, name, call path of the `tag`)
+Key = tuple[str, str, str, tuple]
+
+
+def suspects(jaxpr) -> frozenset[Key]:
+    """Sites that may sit in a branch a vmap turned into a select: those outside
+    every `cond` left in the program, when the program has a vmap of a site and
+    a select (every such branch leaves one). Sites in a `while_loop` whose
+    predicate a vmap batched are left out: the loop masks its carry per example,
+    so they are exact, and JAX refuses the IO effect in such a loop (so a cond
+    inside one goes unchecked; docs/semantics.md says so)."""
+    loose = []
+    seen = {"vmap": False, "select": False}
+
+    def walk(jaxpr, kept: bool) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive is site_p:
+                if not kept:
+                    loose.append(eqn)
+                seen["vmap"] |= any(eqn.params["batch"])
+                continue
+            if eqn.primitive.name == "select_n":
+                seen["select"] = True
+            inner = kept or eqn.primitive is _compat.cond_p or _batched_loop(eqn)
+            for sub in _compat.open_jaxprs_in_params(eqn.params):
+                walk(sub, inner)
+
+    walk(jaxpr, False)
+    if not (seen["vmap"] and seen["select"]):
+        return frozenset()
+    return frozenset(
+        (
+            e.params["kind"],
+            e.params["collection"],
+            e.params["name"],
+            _compat.call_path(e.source_info.traceback),
+        )
+        for e in loose
+    )
+
+
+def _batched_loop(eqn) -> bool:
+    # A vmap leaves a `while` with a batched predicate as one loop whose
+    # predicate is a vector.
+    return eqn.primitive is _compat.while_p and bool(
+        eqn.params["cond_jaxpr"].out_avals[0].shape
+    )
+
+
+def mixed(retrace: Callable[[object], object], candidates: frozenset[Key]):
+    """The candidates in a branch that a vmap turned into a select.
+    `retrace(probe)` traces the function again with the IO effect on the sites
+    `probe` names (see `_primitives.probing`); JAX refuses it in the branch of a
+    vmapped cond. Found by halving: one trace when there is none, about two per
+    such site and halving step otherwise."""
+
+    def refused(keys: list[Key]) -> bool:
+        probe = (frozenset(k[:3] for k in keys), frozenset(keys))
+        try:
+            retrace(probe)
+        except Exception as e:  # the check looks for the cond's refusal only
+            return _compat.is_vmap_of_cond_refusal(e)
+        return False
+
+    def find(keys: list[Key]) -> set[Key]:
+        if len(keys) == 1:
+            return set(keys)
+        half = len(keys) // 2
+        out: set[Key] = set()
+        for part in (keys[:half], keys[half:]):
+            if refused(part):
+                out |= find(part)
+        return out
+
+    keys = sorted(candidates)
+    if not keys or not refused(keys):
+        return frozenset()
+    return frozenset(find(keys))
+
+
+def where(key: Key) -> str:
+    """Where a site's `tag` was called, for messages."""
+    path = key[3]
+    return f" at {path[0][0]}:{path[0][1]}" if path else ""
