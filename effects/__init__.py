@@ -25,6 +25,7 @@ from ._handlers import (
 from ._handlers import (
     Tag as Tag,
 )
+from ._modules import tag_modules as tag_modules
 from ._primitives import perturb as perturb
 from ._primitives import tag as tag
 

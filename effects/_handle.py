@@ -16,7 +16,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from . import _branches, _compat
+from . import _branches, _compat, _nnx
 from ._handlers import Handler, Perturb
 from ._primitives import handling, probing
 from ._rewrite import run, sites_in
@@ -457,6 +457,31 @@ class _Handled:
         return new
 
     def __call__(self, *args, **kwargs):
+        try:
+            nnx_call = _nnx.functional(self.fn, args, kwargs)
+            if nnx_call is not None:
+                return self._call_nnx(*nnx_call)
+            return self._call(args, kwargs)
+        except Exception as e:
+            better = _nnx.explain(e)
+            if better is None:
+                raise
+            raise better from e
+
+    def _call_nnx(self, pure, pure_args, finish):
+        """With Flax NNX objects among the function and its arguments: their
+        state in and out (see `_nnx`)."""
+        if isinstance(self.fn, _CACHEABLE) or _nnx.is_node(self.fn):
+            handled = _memoized(pure, self.handlers)
+        else:  # a callable that may hold state: traced at every call
+            handled = _Handled(
+                functools.wraps(pure)(lambda *a: pure(*a)), self.handlers
+            )
+        (out, state), found = handled(*pure_args)
+        finish(state)
+        return out, found
+
+    def _call(self, args, kwargs):
         fn = self.fn
         if self._module:  # its arrays are inputs, not constants
             fn, args = _call_module, (self.fn, *args)
@@ -644,18 +669,30 @@ def intermediate_grads(fn: Callable, *, collection: str = "perturbations") -> Ca
     """
 
     def g(*args, **kwargs):
+        # Flax NNX objects among the arguments: their state goes in and the
+        # state they end with comes out of the gradient as auxiliary output.
+        nnx_call = _nnx.functional(fn, args, kwargs)
+        pure, kwargs = (fn, kwargs) if nnx_call is None else (nnx_call[0], {})
+        if nnx_call is not None:
+            args = nnx_call[1]
         _, shapes = eqx.filter_eval_shape(
-            handle(fn, Perturb(collection=collection)), *args, **kwargs
+            handle(pure, Perturb(collection=collection)), *args, **kwargs
         )
         zeros = jax.tree.map(
             lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes[collection]
         )
 
         def loss(deltas):
-            out, _ = handle(fn, Perturb(deltas, collection=collection))(*args, **kwargs)
-            return out
+            out, _ = handle(pure, Perturb(deltas, collection=collection))(
+                *args, **kwargs
+            )
+            return out  # with NNX objects: (value, their state)
 
-        return jax.value_and_grad(loss)(zeros)
+        if nnx_call is None:
+            return jax.value_and_grad(loss)(zeros)
+        (out, state), grads = jax.value_and_grad(loss, has_aux=True)(zeros)
+        nnx_call[2](state)
+        return out, grads
 
     functools.update_wrapper(g, fn)
     return g

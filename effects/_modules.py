@@ -1,0 +1,286 @@
+"""`tag_modules`: the output of every selected submodule call tagged, named by
+the submodule's path in the model, without editing the model's code and
+without patching any class.
+
+- Flax linen: the model's own `apply` and `init`, run inside
+  `flax.linen.intercept_methods` (Flax's thread-local hook for exactly this),
+  which tags the outputs of the selected modules' methods. Names are scope paths
+  joined by "/", as `capture_intermediates` gives them.
+- Equinox and Flax NNX: a copy of the model in which each selected submodule is
+  an instance of a subclass of its own class (so `isinstance` and attribute
+  access behave as before) whose methods tag their outputs. The subclass is
+  made once per class and set of methods; the submodule's name and collection
+  are a static field of the copy. Names are attribute paths joined by ".",
+  sequence indices as numbers (`"layers.0"`), from JAX's key paths (Equinox) or
+  NNX's graph attributes. An NNX copy shares the model's Variables, so updates
+  made through either reach both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from ._primitives import tag
+
+_SITE = "_effects_site"  # (name, collection) on a tagged copy of a submodule
+
+_BAD_MODEL = (
+    "tag_modules: expected an Equinox module, a Flax linen module or a Flax NNX "
+    "module, got {model!r}."
+)
+_BAD_FILTER = (
+    "tag_modules: `filter` must be None, a module type, a tuple of types, or a "
+    "function `filter(path, module) -> bool`; got {filter!r}."
+)
+_BAD_METHODS = (
+    "tag_modules: `methods` must be a sequence of method names, got {methods!r}."
+)
+
+
+def tag_modules(
+    model,
+    *,
+    filter: type | tuple[type, ...] | Callable[[str, Any], bool] | None = None,
+    methods: Sequence[str] = ("__call__",),
+    collection: str = "intermediates",
+):
+    """`model`, with the output of every selected submodule call tagged.
+
+    **Arguments:**
+
+    - `model`: an Equinox module, a Flax linen module or a Flax NNX module.
+    - `filter`: which submodules: None for every one (the model itself
+      excluded), a module type or tuple of types, or `filter(path, module) ->
+      bool` with `path` the submodule's name.
+    - `methods`: the methods whose outputs are tagged. `__call__`'s output is
+      named by the submodule's path; another method's by the path, a dot and
+      the method's name (`"attn.project"`).
+    - `collection`: the tags' collection.
+
+    **Returns:**
+
+    For Equinox and NNX, a module of the same system that runs like `model`
+    (`eqx.filter_jit`, `nnx.jit`, `nnx.split` work on it); an NNX one shares
+    `model`'s Variables. For linen, an object with `apply` and `init` taking
+    what `model`'s take. Names: Equinox and NNX, attribute paths joined by "."
+    with sequence indices as numbers (`"layers.0"`); linen, scope paths joined
+    by "/" (`"Encoder_0/Dense_1"`), as `capture_intermediates` names them. A
+    submodule called several times reports one entry per call; one called in a
+    scan reports its entries stacked, as a tag there would.
+
+    ```python
+    out, found = fx.handle(fx.tag_modules(model, filter=eqx.nn.Linear), fx.Tag())(x)
+    # found["intermediates"]: {"layers.0": (...,), "layers.1": (...,), ...}
+    ```
+    """
+    select = _selector(filter)
+    if isinstance(methods, str) or not all(isinstance(m, str) for m in methods):
+        raise TypeError(_BAD_METHODS.format(methods=methods))
+    methods = tuple(methods)
+    if isinstance(model, eqx.Module):
+        return _equinox(model, select, methods, collection)
+    linen = sys.modules.get("flax.linen")
+    if linen is not None and isinstance(model, linen.Module):
+        return TaggedLinen(model, filter, methods, collection)
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(model, nnx.Module):
+        return _nnx(nnx, model, select, methods, collection)
+    raise TypeError(_BAD_MODEL.format(model=model))
+
+
+def _selector(filter) -> Callable[[str, Any], bool]:
+    if filter is None:
+        return lambda path, module: True
+    if isinstance(filter, type) or (
+        isinstance(filter, tuple) and all(isinstance(t, type) for t in filter)
+    ):
+        return lambda path, module: isinstance(module, filter)
+    if callable(filter):
+        return lambda path, module: bool(filter(path, module))
+    raise TypeError(_BAD_FILTER.format(filter=filter))
+
+
+def _tag_arrays(out, name: str, collection: str):
+    """Tags the arrays of `out` (a pytree of any leaves) as `name`."""
+    arrays, rest = eqx.partition(out, eqx.is_array)
+    if not jax.tree.leaves(arrays):
+        return out
+    return eqx.combine(tag(arrays, name, collection=collection), rest)
+
+
+def _site_name(path: str, method: str) -> str:
+    return path if method == "__call__" else f"{path}.{method}"
+
+
+#
+# Equinox and NNX: subclasses whose methods tag
+#
+
+# Per class and methods: its tagging subclass. Both Equinox and NNX register
+# every class with JAX's pytree registry, which keeps it for the life of the
+# process; making the subclass once bounds what that registry holds.
+_subclasses: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_subclasses_lock = threading.Lock()
+
+
+def _tagging_method(cls: type, method: str):
+    original = getattr(cls, method)
+
+    @functools.wraps(original)
+    def tagged(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        site = getattr(self, _SITE, None)
+        if site is None:
+            return out
+        name, collection = site
+        return _tag_arrays(out, _site_name(name, method), collection)
+
+    return tagged
+
+
+def _subclass(cls: type, methods: tuple[str, ...], equinox: bool) -> type:
+    with _subclasses_lock:
+        per_class = _subclasses.setdefault(cls, {})
+        sub = per_class.get(methods)
+        if sub is None:
+            namespace: dict[str, Any] = {
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "__doc__": cls.__doc__,
+            }
+            if equinox:
+                namespace["__annotations__"] = {_SITE: Any}
+                namespace[_SITE] = eqx.field(static=True, default=None)
+            for m in methods:
+                if _has_methods_cls(cls, (m,)):
+                    namespace[m] = _tagging_method(cls, m)
+            sub = per_class[methods] = type(cls.__name__, (cls,), namespace)
+        return sub
+
+
+def _has_methods(module, methods) -> bool:
+    return _has_methods_cls(type(module), methods)
+
+
+def _has_methods_cls(cls: type, methods) -> bool:
+    """Whether `cls` defines one of `methods` (a class's own `__call__`, not
+    that of its metaclass)."""
+    own = [vars(c) for c in cls.__mro__ if c is not object]
+    return any(callable(d.get(m)) for m in methods for d in own)
+
+
+def _equinox(model, select, methods, collection):
+    def rebuild(node, path: tuple):
+        def child(key, x):
+            return rebuild(x, path + key) if isinstance(x, eqx.Module) else x
+
+        node = jax.tree_util.tree_map_with_path(
+            child,
+            node,
+            is_leaf=lambda x: x is not node and isinstance(x, eqx.Module),
+        )
+        if not path or not _has_methods(node, methods):
+            return node
+        name = jax.tree_util.keystr(path, simple=True, separator=".")
+        if not select(name, node):
+            return node
+        new = object.__new__(_subclass(type(node), methods, equinox=True))
+        for f in dataclasses.fields(node):
+            object.__setattr__(new, f.name, getattr(node, f.name))
+        object.__setattr__(new, _SITE, (name, collection))
+        return new
+
+    return rebuild(model, ())
+
+
+def _nnx(nnx, model, select, methods, collection):
+    copies: dict[int, Any] = {}  # a submodule shared in the model stays shared
+
+    def value(x, path: tuple):
+        if isinstance(x, nnx.Variable):
+            return x  # shared with the model
+        if isinstance(x, nnx.Pytree):
+            return node(x, path)
+        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+            return type(x)(value(v, (*path, str(i))) for i, v in enumerate(x))
+        if type(x) is dict:
+            return {k: value(v, (*path, str(k))) for k, v in x.items()}
+        return x
+
+    def node(x, path: tuple):
+        if id(x) in copies:
+            return copies[id(x)]
+        name = ".".join(path)
+        site = None
+        if (
+            path
+            and isinstance(x, nnx.Module)
+            and _has_methods(x, methods)
+            and select(name, x)
+        ):
+            site = (name, collection)
+        cls = _subclass(type(x), methods, equinox=False) if site else type(x)
+        new = copies[id(x)] = object.__new__(cls)
+        attrs = vars(new)
+        for k, v in vars(x).items():
+            # `nnx.List` and `nnx.Dict` keep their items as attributes named by
+            # index or key, so the path names an item as NNX's own paths do.
+            attrs[k] = v if k.startswith("_pytree__") else value(v, (*path, k))
+        if site is not None:
+            setattr(new, _SITE, site)
+        return new
+
+    return node(model, ())
+
+
+#
+# Flax linen: Flax's method interceptor
+#
+
+
+@dataclasses.dataclass(frozen=True)
+class TaggedLinen:
+    """A linen model whose `apply` and `init` tag the outputs of the selected
+    submodules' methods (see `tag_modules`). Equal to another made from equal
+    arguments, as linen modules are, so `handle(tagged.apply, ...)` and
+    `jax.jit` cache their traces."""
+
+    model: Any
+    filter: Any
+    methods: tuple[str, ...]
+    collection: str
+
+    @functools.cached_property
+    def _select(self):
+        return _selector(self.filter)
+
+    def _intercept(self, next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        module, method = context.module, context.method_name
+        if method not in self.methods or module.scope is None:
+            return out
+        path = "/".join(module.scope.path)
+        if not path or not self._select(path, module):
+            return out
+        return _tag_arrays(out, _site_name(path, method), self.collection)
+
+    def apply(self, variables, *args, **kwargs):
+        import flax.linen as nn
+
+        with nn.intercept_methods(self._intercept):
+            return self.model.apply(variables, *args, **kwargs)
+
+    def init(self, rngs, *args, **kwargs):
+        import flax.linen as nn
+
+        with nn.intercept_methods(self._intercept):
+            return self.model.init(rngs, *args, **kwargs)

@@ -1,0 +1,105 @@
+"""Flax NNX modules through `handle`: their state goes in, their updates come out.
+
+An NNX module is a graph of mutable Python objects. `handle` traces its function
+with the arrays of its arguments as inputs, so a module among the arguments
+would be rebuilt from those arrays inside the trace, and what the function
+writes to it (BatchNorm's running statistics, an RNG stream's counter) would die
+with the trace, as under a bare `jax.jit`. As `nnx.jit` does, the NNX objects
+among the function and its arguments are split (`nnx.split`) into a graph
+definition, which is static, and their state, which is an input; inside the
+trace they are merged again and called; the state they end with is an output,
+written back into the caller's objects with `nnx.update`.
+
+Flax is optional: nothing here imports it. An NNX object can only reach
+`handle` once `flax.nnx` is imported, so that is where it is looked up.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+_CLOSED_OVER = (
+    "handle: the handled function writes to an NNX Variable it does not get as "
+    "an argument (a module it closes over?). `handle` carries the state of the "
+    "NNX modules among its arguments in and out, as `nnx.jit` does: pass the "
+    "module as an argument, `fx.handle(lambda model, x: model(x), ...)(model, x)`, "
+    "or handle the module itself, `fx.handle(model, ...)(x)`."
+)
+
+
+class _Hole:
+    """Where an NNX object was among the leaves (hashable, one instance)."""
+
+    def __repr__(self) -> str:
+        return "<NNX object>"
+
+
+_HOLE = _Hole()
+
+
+def _module():
+    return sys.modules.get("flax.nnx")
+
+
+def is_node(x) -> bool:
+    """Whether `x` is an NNX object, or a method bound to one."""
+    nnx = _module()
+    if nnx is None:
+        return False
+    if isinstance(x, types.MethodType):
+        x = x.__self__
+    return isinstance(x, (nnx.Pytree, nnx.Variable))
+
+
+def functional(fn, args, kwargs) -> tuple[Callable, tuple, Callable] | None:
+    """`(pure, pure_args, finish)` when NNX objects are among `fn` (a module, or
+    a method bound to one) and its arguments, else None. `pure(*pure_args)`
+    returns `(fn(*args, **kwargs), state)`, with `state` what the objects hold
+    after the call; `finish(state)` writes it into the caller's objects."""
+    nnx = _module()
+    if nnx is None or fn is _pure or getattr(fn, "__wrapped__", None) is _pure:
+        return None  # `handle` calling itself with the state split off
+
+    def is_node(x) -> bool:
+        return isinstance(x, (nnx.Pytree, nnx.Variable))
+
+    owner = None
+    if isinstance(fn, types.MethodType) and is_node(fn.__self__):
+        fn, owner = fn.__func__, fn.__self__
+    leaves, treedef = jax.tree.flatten((fn, owner, args, kwargs), is_leaf=is_node)
+    nodes = [x for x in leaves if is_node(x)]
+    if not nodes:
+        return None
+    graphdef, state = nnx.split(nodes)
+    rest = tuple(_HOLE if is_node(x) else x for x in leaves)
+
+    def finish(new_state) -> None:
+        nnx.update(nodes, new_state)
+
+    return _pure, (graphdef, state, treedef, rest), finish
+
+
+def _pure(graphdef, state, treedef, rest) -> tuple[Any, Any]:
+    nnx = _module()
+    nodes = nnx.merge(graphdef, state)  # pyright: ignore[reportOptionalMemberAccess]
+    it = iter(nodes)
+    leaves = [next(it) if x is _HOLE else x for x in rest]
+    fn, owner, args, kwargs = jax.tree.unflatten(treedef, leaves)
+    if owner is not None:
+        args = (owner, *args)
+    out = fn(*args, **kwargs)
+    return out, nnx.state(nodes)  # pyright: ignore[reportOptionalMemberAccess]
+
+
+def explain(e: BaseException) -> Exception | None:
+    """A clearer error for Flax's refusal to write a Variable from inside
+    `handle`'s trace, or None."""
+    errors = sys.modules.get("flax.errors")
+    if errors is not None and isinstance(e, errors.TraceContextError):
+        return ValueError(_CLOSED_OVER)
+    return None
