@@ -234,7 +234,9 @@ def _nnx(nnx, model, select, methods, collection):
         for k, v in vars(x).items():
             # `nnx.List` and `nnx.Dict` keep their items as attributes named by
             # index or key, so the path names an item as NNX's own paths do.
-            attrs[k] = v if k.startswith("_pytree__") else value(v, (*path, k))
+            attrs[k] = (
+                v if str(k).startswith("_pytree__") else value(v, (*path, str(k)))
+            )
         if site is not None:
             setattr(new, _SITE, site)
         return new

@@ -16,6 +16,7 @@ Flax is optional: nothing here imports it. An NNX object can only reach
 
 from __future__ import annotations
 
+import operator
 import sys
 import types
 from collections.abc import Callable
@@ -24,11 +25,19 @@ from typing import Any
 import jax
 
 _CLOSED_OVER = (
-    "handle: the handled function writes to an NNX Variable it does not get as "
-    "an argument (a module it closes over?). `handle` carries the state of the "
-    "NNX modules among its arguments in and out, as `nnx.jit` does: pass the "
-    "module as an argument, `fx.handle(lambda model, x: model(x), ...)(model, x)`, "
-    "or handle the module itself, `fx.handle(model, ...)(x)`."
+    "handle: an NNX Variable is written inside a JAX transformation its module "
+    "was made outside of: a module the handled function closes over, or a "
+    "module made outside a `jax.grad` or `jax.jit` that calls `handle`. `handle` "
+    "carries the state of the NNX modules among its arguments in and out, as "
+    "`nnx.jit` does: pass the module as an argument, "
+    "`fx.handle(lambda model, x: model(x), ...)(model, x)`, or handle the module "
+    "itself, `fx.handle(model, ...)(x)`; around `handle`, use `nnx.grad` and "
+    "`nnx.jit`, which carry the state too."
+)
+_NEW_VARIABLES = (
+    "handle: the handled function added or removed NNX Variables of a module "
+    "among its arguments; `handle` carries updates of the Variables a module "
+    "has. Create them before handling (for example with a first plain call)."
 )
 
 
@@ -77,9 +86,17 @@ def functional(fn, args, kwargs) -> tuple[Callable, tuple, Callable] | None:
         return None
     graphdef, state = nnx.split(nodes)
     rest = tuple(_HOLE if is_node(x) else x for x in leaves)
+    variables = _variables(nnx, state)  # the caller's own Variable objects
 
-    def finish(new_state) -> None:
-        nnx.update(nodes, new_state)
+    def finish(updates) -> None:
+        # Only the Variables the call wrote: writing an unchanged one would be
+        # refused where Flax refuses any write (a module made outside an
+        # enclosing `jax.grad`), though the plain call writes nothing there.
+        written, values = updates
+        for variable, value in zip(
+            (v for v, w in zip(variables, written) if w), values
+        ):
+            _set(variable, value)
 
     return _pure, (graphdef, state, treedef, rest), finish
 
@@ -92,8 +109,35 @@ def _pure(graphdef, state, treedef, rest) -> tuple[Any, Any]:
     fn, owner, args, kwargs = jax.tree.unflatten(treedef, leaves)
     if owner is not None:
         args = (owner, *args)
+    variables = _variables(nnx, nnx.state(nodes))  # pyright: ignore[reportOptionalMemberAccess]
+    before = [_get(v) for v in variables]
     out = fn(*args, **kwargs)
-    return out, nnx.state(nodes)  # pyright: ignore[reportOptionalMemberAccess]
+    if len(_variables(nnx, nnx.state(nodes))) != len(variables):  # pyright: ignore[reportOptionalMemberAccess]
+        raise ValueError(_NEW_VARIABLES)
+    after = [_get(v) for v in variables]
+    # A Variable the call did not write still holds the very value it got.
+    written = tuple(
+        not all(map(operator.is_, jax.tree.leaves(a), jax.tree.leaves(b)))
+        for a, b in zip(before, after)
+    )
+    return out, (written, [a for a, w in zip(after, written) if w])
+
+
+def _variables(nnx, state) -> list:
+    return jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _get(variable):
+    get = getattr(variable, "get_value", None)
+    return get() if get is not None else variable.value
+
+
+def _set(variable, value) -> None:
+    set_ = getattr(variable, "set_value", None)
+    if set_ is not None:
+        set_(value)
+    else:
+        variable.value = value
 
 
 def explain(e: BaseException) -> Exception | None:

@@ -215,3 +215,20 @@ def test_a_module_closed_over_and_written_says_to_pass_it():
     model.eval()
     out, _ = fx.handle(lambda x: model(x), fx.Tag())(X)
     assert_trees_close(out, model(X))
+
+
+def test_a_module_made_outside_jax_grad_and_not_written_is_fine():
+    # Under a plain jax.grad or jax.jit around `handle`, a module made outside
+    # them can be read, as in a plain call; only a write is Flax's error.
+    model = new_model()
+    model.eval()  # BatchNorm reads its statistics; Dropout does nothing
+
+    def loss(v):
+        out, _ = fx.handle(fwd, fx.Tag())(model, X)
+        return jnp.sum(out) * v
+
+    assert_trees_close(jax.grad(loss)(1.0), jnp.sum(fwd(model, X)))
+    assert_trees_close(jax.jit(loss)(2.0), 2.0 * jnp.sum(fwd(model, X)))
+    model.train()  # now the call writes the statistics: refused, with advice
+    with pytest.raises(ValueError, match="use `nnx.grad` and `nnx.jit`"):
+        jax.grad(loss)(1.0)
