@@ -25,6 +25,7 @@ SCRIPTS = [
     "bench_flax.py",
     "bench_perturb.py",
     "bench_custom_vjp.py",
+    "bench_modules.py",
 ]
 
 TITLE = (
