@@ -517,3 +517,31 @@ def test_nnx_scan_entries_are_stacked():
     assert_trees_close(out, h)
     want = {"blocks.lin": (jnp.stack(lin),), "blocks": (jnp.stack(hs),)}
     assert_trees_close(found, found_of(**want))
+
+
+class PerturbedLinen(nn.Module):
+    """The same layer twice: once with linen's perturb, once with fx.perturb."""
+
+    use_fx: bool
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4)(x)
+        h = fx.perturb(h, "h") if self.use_fx else self.perturb("h", h)
+        return jnp.sum(nn.Dense(1)(jnp.tanh(h)) ** 2)
+
+
+def test_intermediate_grads_match_linen_perturb():
+    x = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
+    flax_model, fx_model = PerturbedLinen(False), PerturbedLinen(True)
+    variables = flax_model.init(jax.random.key(0), x)
+    params = {"params": variables["params"]}
+
+    # Flax's workflow: perturbations initialised as zeros, then differentiated.
+    def loss(params, perturbations, x):
+        return flax_model.apply({**params, "perturbations": perturbations}, x)
+
+    want = jax.grad(loss, argnums=1)(params, variables["perturbations"], x)
+    value, got = fx.intermediate_grads(fx_model.apply)(params, x)
+    assert_trees_close(value, fx_model.apply(params, x))
+    assert_trees_close(got["h"], (want["h"],))
