@@ -545,3 +545,43 @@ def test_intermediate_grads_match_linen_perturb():
     value, got = fx.intermediate_grads(fx_model.apply)(params, x)
     assert_trees_close(value, fx_model.apply(params, x))
     assert_trees_close(got["h"], (want["h"],))
+
+
+def test_linen_and_nnx_from_threads_leave_classes_as_they_were():
+    classes = [nn.Dense, nn.Module, NnxNet, nnx.Linear, nnx.BatchNorm, nnx.Module]
+    before = _class_dicts(classes)
+    batch = jnp.stack([X, 2 * X])
+    cnn = CNN()
+    images = jnp.linspace(0.0, 1.0, 2 * 5 * 5).reshape(2, 5, 5, 1)
+    variables = cnn.init(jax.random.key(0), images)
+    want_linen = fx.handle(fx.tag_modules(cnn, filter=nn.Dense).apply, fx.Tag())(
+        variables, images
+    )[1]
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(3):
+                if i % 2:
+                    tagged = fx.tag_modules(cnn, filter=nn.Dense)
+                    got = fx.handle(tagged.apply, fx.Tag())(variables, images)[1]
+                    assert_trees_close(got, want_linen)
+                else:
+                    model = NnxNet(nnx.Rngs(i))
+                    model.eval()
+                    flt = nnx.Linear if i % 4 else None
+                    _, found = fx.handle(fx.tag_modules(model, filter=flt), fx.Tag())(
+                        batch
+                    )
+                    names = ["layers.0", "layers.1"] + ([] if i % 4 else ["bn"])
+                    assert list(found["intermediates"]) == names
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert _class_dicts(classes) == before
