@@ -319,8 +319,11 @@ def _report(scope: Scope, handlers) -> dict[str, dict[str, Any]]:
     return found
 
 
-def _rewrite(traced: _Traced, h_static, h_def, h_leaves) -> _Program:
-    n_h = len(h_leaves)
+def _body(traced: _Traced, h_static, h_def, n_h: int):
+    """The rewritten function: takes the handlers' arrays, the function's
+    constants and the arrays among its arguments, and returns the function's
+    arrays and what the handlers found, flat; `info` gets the found tree and
+    order once it has run."""
     info = {}
 
     def rewritten(*flat):
@@ -332,6 +335,11 @@ def _rewrite(traced: _Traced, h_static, h_def, h_leaves) -> _Program:
         info["order"] = tuple((c, tuple(names)) for c, names in found.items())
         return [*outs, *leaves]
 
+    return rewritten, info
+
+
+def _rewrite(traced: _Traced, h_static, h_def, h_leaves) -> _Program:
+    rewritten, info = _body(traced, h_static, h_def, len(h_leaves))
     in_avals = [*map(aval, h_leaves), *(v.aval for v in traced.jaxpr.invars)]
     jaxpr, consts = _compat.trace(rewritten, in_avals)
     closed = _compat.ClosedJaxpr(jaxpr, ())
@@ -369,9 +377,10 @@ def _is_tracer(x) -> bool:
     return isinstance(x, _compat.Tracer)
 
 
-def _program(fn, config: _Config, h_leaves, static, treedef, dynamic) -> _Program:
-    """The rewritten program for these arguments and handlers, from the cache
-    where it can be."""
+def _program(fn, config: _Config, h_leaves, static, treedef, dynamic):
+    """`(traced, program)`: `fn` traced, and the rewritten program for these
+    arguments and handlers, from the cache where it can be. The program is None
+    where it is better run straight on the caller's trace (see `_apply`)."""
     handlers, h_static, h_def = config.handlers, config.static, config.treedef
     # A check for branches a vmap evaluated traces with sites marked: never cache.
     cache = _cache_for(fn) if probing.value is None else None
@@ -385,6 +394,7 @@ def _program(fn, config: _Config, h_leaves, static, treedef, dynamic) -> _Progra
             cache.put(sig, traced)
     _check_names(traced.sites, handlers)
     _check_branches(traced.every_branch, handlers)
+    staging = _compat.is_staging()
     key = None
     if cache is not None:
         key = (sig, h_static, h_def, tuple(map(aval, h_leaves)), bool(handling.value))
@@ -393,12 +403,28 @@ def _program(fn, config: _Config, h_leaves, static, treedef, dynamic) -> _Progra
         except TypeError:  # a handler's configuration is unhashable
             key, program = None, None
         if program is not None:
-            return program
+            return traced, program
+    if staging:
+        # Building the program as a jaxpr, to have the caller's trace inline
+        # it, would copy it once more than running the rewrite on that trace.
+        # Done the second time it is asked for: most are asked for once.
+        if key is None:
+            return traced, None
+        # Marked by the key's hash, not the key: a handler may close over
+        # tracers, which the cache must not keep alive. Two keys of one hash
+        # cost only a program built on its first use.
+        seen = (_SEEN, hash(key))
+        if cache.get(seen) is None:  # pyright: ignore[reportOptionalMemberAccess]
+            cache.put(seen, True)  # pyright: ignore[reportOptionalMemberAccess]
+            return traced, None
     program = _rewrite(traced, h_static, h_def, h_leaves)
     program = dataclasses.replace(program, name=_name(fn))
     if key is not None and not any(map(_is_tracer, [*program.consts, *traced.consts])):
         cache.put(key, program)  # pyright: ignore[reportOptionalMemberAccess]
-    return program
+    return traced, program
+
+
+_SEEN = object()  # a cache key's mark: its program was asked for once
 
 
 def _name(fn) -> str:
@@ -407,21 +433,30 @@ def _name(fn) -> str:
 
 
 def _apply(fn, config: _Config, h_leaves, dynamic, static, treedef):
-    """Runs `fn` with its sites handled, on the current trace."""
-    program = _program(fn, config, h_leaves, static, treedef, dynamic)
-    args = [*program.consts, *h_leaves, *program.traced.consts, *dynamic]
-    if _compat.is_top_level():
-        # Outside any transformation and outside our cached jit: `jax.jit`'s
-        # de-optimized re-run looking for a NaN (`jax_debug_nans`), `disable_jit`,
-        # or unhashable static arguments. Op by op, as JAX runs a function
-        # there.
-        outs = _compat.eval_jaxpr(program.jaxpr.jaxpr, program.jaxpr.consts, *args)
+    """Runs `fn` with its sites handled, on the current trace: as one call of
+    the rewritten program (so `jax.grad` and `jax.vmap` reuse JAX's cached
+    derivative and batching of it), or, where the current trace builds a
+    jaxpr and would inline that call anyway, by running the rewrite on it."""
+    traced, program = _program(fn, config, h_leaves, static, treedef, dynamic)
+    n_out = sum(s is None for s in traced.out_static)
+    if program is None:
+        body, info = _body(traced, config.static, config.treedef, len(h_leaves))
+        outs = body(*h_leaves, *traced.consts, *dynamic)
+        found_tree, found_order = info["tree"], info["order"]
     else:
-        outs = _compat.call_jaxpr(program.jaxpr, args, program.name)
-    traced, n_out = program.traced, program.n_out
+        args = [*program.consts, *h_leaves, *traced.consts, *dynamic]
+        if _compat.is_top_level():
+            # Outside any transformation and outside our cached jit: `jax.jit`'s
+            # de-optimized re-run looking for a NaN (`jax_debug_nans`),
+            # `disable_jit`, or unhashable static arguments. Op by op, as JAX
+            # runs a function there.
+            outs = _compat.eval_jaxpr(program.jaxpr.jaxpr, program.jaxpr.consts, *args)
+        else:
+            outs = _compat.call_jaxpr(program.jaxpr, args, program.name)
+        found_tree, found_order = program.found_tree, program.found_order
     out = _merge(outs[:n_out], traced.out_static, traced.out_tree)
-    found = jax.tree.unflatten(program.found_tree, outs[n_out:])
-    return out, _in_order(found, program.found_order)
+    found = jax.tree.unflatten(found_tree, outs[n_out:])
+    return out, _in_order(found, found_order)
 
 
 def _in_order(found, order):

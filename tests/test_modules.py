@@ -617,3 +617,13 @@ def test_linen_and_nnx_from_threads_leave_classes_as_they_were():
         t.join()
     assert not errors, errors
     assert _class_dicts(classes) == before
+
+
+def test_nnx_unhandled_compiles_to_the_models_program():
+    model = NnxNet(nnx.Rngs(0))
+    model.eval()
+    tagged = fx.tag_modules(model)
+    batch = jnp.stack([X, 2 * X])
+    assert optimized_hlo(lambda x: tagged(x), batch) == optimized_hlo(
+        lambda x: model(x), batch
+    )

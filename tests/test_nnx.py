@@ -232,3 +232,39 @@ def test_a_module_made_outside_jax_grad_and_not_written_is_fine():
     model.train()  # now the call writes the statistics: refused, with advice
     with pytest.raises(ValueError, match="use `nnx.grad` and `nnx.jit`"):
         jax.grad(loss)(1.0)
+
+
+class Perturbed(nnx.Module):
+    """NNX's perturb, or fx.perturb, at the same place."""
+
+    def __init__(self, use_fx, rngs):
+        self.use_fx = use_fx
+        self.l1 = nnx.Linear(3, 4, rngs=rngs)
+        self.l2 = nnx.Linear(4, 1, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.l1(x)
+        h = fx.perturb(h, "h") if self.use_fx else self.perturb("h", h)
+        return jnp.sum(self.l2(jnp.tanh(h)) ** 2)
+
+
+def test_intermediate_grads_match_nnx_perturb_workflow():
+    if not hasattr(nnx, "capture"):
+        pytest.skip("nnx.capture is newer than this Flax: nothing to compare with")
+    flax_model = Perturbed(False, nnx.Rngs(0))
+    fx_model = Perturbed(True, nnx.Rngs(0))
+
+    # NNX's four steps: initialise the perturbations, capture, differentiate
+    # with respect to them (the fourth, merging with the intermediates, only
+    # repackages).
+    _, perturbations = nnx.capture(flax_model, nnx.Perturbation)(X[None])
+
+    def loss(model, perturbations, x):
+        return nnx.capture(model, nnx.Intermediate, init=perturbations)(x)
+
+    (_, want), _ = nnx.grad(loss, argnums=(0, 1), has_aux=True)(
+        flax_model, perturbations, X[None]
+    )
+    value, got = fx.intermediate_grads(fwd)(fx_model, X[None])
+    assert_trees_close(value, fx_model(X[None]))
+    assert_trees_close(got["h"], (want["h"].get_value(),))
