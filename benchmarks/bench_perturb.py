@@ -51,25 +51,18 @@ def make_handled_grad(params, x):
     return grad
 
 
-def make_hand_written_grad(params, x):
+def make_hand_written_grad(params, x, jit=False):
     def loss(deltas):
         h = x
         for i, w in enumerate(params):
             h = jnp.tanh(h @ w) + deltas[f"layer{i}"][0]
         return jnp.sum(h**2)
 
-    return jax.grad(loss)
+    return jax.grad(jax.jit(loss) if jit else loss)
 
 
 def make_jitted_hand_written_grad(params, x):
-    @jax.jit
-    def loss(deltas):
-        h = x
-        for i, w in enumerate(params):
-            h = jnp.tanh(h @ w) + deltas[f"layer{i}"][0]
-        return jnp.sum(h**2)
-
-    return jax.grad(loss)
+    return make_hand_written_grad(params, x, jit=True)
 
 
 def main():
