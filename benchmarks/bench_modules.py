@@ -1,4 +1,4 @@
-"""Group 7: `tag_modules` on a 100-layer Equinox MLP against the same model with
+"""Group 8: `tag_modules` on a 100-layer Equinox MLP against the same model with
 the same `fx.tag` calls written into its code.
 
 The model is a list of 100 blocks (`tanh(Linear(128, 128)(h))`, batch 32 by
@@ -107,7 +107,7 @@ def main():
     )
     emit(
         table(
-            f"7. `tag_modules`, Equinox, {LAYERS} layers: `tag_modules` (A) vs B",
+            f"8. `tag_modules`, Equinox, {LAYERS} layers: `tag_modules` (A) vs B",
             ("A", "B"),
             rows,
         ),
