@@ -1,5 +1,5 @@
-"""Group 8: `tag_modules` on a 100-layer Equinox MLP against the same model with
-the same `fx.tag` calls written into its code.
+"""Group 8: `tag_modules` on 100-layer Equinox, Flax linen and Flax NNX MLPs
+against the same models with the same `fx.tag` calls written into their code.
 
 The model is a list of 100 blocks (`tanh(Linear(128, 128)(h))`, batch 32 by
 `jax.vmap`). Measured, A vs B:
@@ -7,12 +7,16 @@ The model is a list of 100 blocks (`tanh(Linear(128, 128)(h))`, batch 32 by
 - unhandled: `tag_modules(model)` vs the model itself (optimized HLO);
 - handled with `fx.Tag()`: `tag_modules(model)` vs the hand-tagged model
   (optimized HLO, run time, and cold trace+lower, with a new model object every
-  round so no cache keyed on the function helps).
+  round so no cache keyed on the function helps); for linen and NNX, cold
+  trace+lower only (their HLO is tested in `tests/test_modules.py`).
 
 Run with `python benchmarks/bench_modules.py [--append FILE]`.
 """
 
+import itertools
+
 import equinox as eqx
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from _timing import (
@@ -26,6 +30,7 @@ from _timing import (
     ratio_row,
     table,
 )
+from flax import nnx
 
 import effects as fx
 
@@ -60,6 +65,82 @@ def handled(model):
     return fx.handle(lambda m, xs: jax.vmap(m)(xs), fx.Tag())
 
 
+class LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, h):
+        return jnp.tanh(nn.Dense(WIDTH)(h))
+
+
+class LinenModel(nn.Module):
+    tagged: bool = False
+    instance: int = 0  # unused: makes each round's module distinct
+
+    @nn.compact
+    def __call__(self, h):
+        for i in range(LAYERS):
+            h = LinenBlock()(h)
+            if self.tagged:
+                h = fx.tag(h, f"LinenBlock_{i}")
+        return h
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, h):
+        return jnp.tanh(self.lin(h))
+
+
+class NnxModel(nnx.Module):
+    def __init__(self, tagged, rngs):
+        self.tagged = tagged
+        self.blocks = nnx.List([NnxBlock(rngs) for _ in range(LAYERS)])
+
+    def __call__(self, h):
+        for i, block in enumerate(self.blocks):
+            h = block(h)
+            if self.tagged:
+                h = fx.tag(h, f"blocks.{i}")
+        return h
+
+
+_instances = itertools.count()
+
+
+def flax_rows(xs, repeats):
+    """Cold trace+lower, `tag_modules` vs hand-tagged, for linen and NNX."""
+    params = LinenModel().init(jax.random.key(0), xs)
+
+    def linen(tagged_by_hand):
+        def thunk():
+            model = LinenModel(tagged_by_hand, next(_instances))
+            if not tagged_by_hand:
+                model = fx.tag_modules(model, filter=LinenBlock)
+            apply = fx.handle(model.apply, fx.Tag())
+            return lambda: jax.jit(apply).lower(params, xs)
+
+        return thunk
+
+    def nnx_model(tagged_by_hand):
+        def thunk():
+            model = NnxModel(tagged_by_hand, nnx.Rngs(0))
+            if not tagged_by_hand:
+                model = fx.tag_modules(model, filter=NnxBlock)
+            run = fx.handle(lambda m, xs: m(xs), fx.Tag())
+            return lambda: jax.jit(lambda xs: run(model, xs)).lower(xs)
+
+        return thunk
+
+    rows = []
+    for label, make_thunk in (("Flax linen", linen), ("Flax NNX", nnx_model)):
+        pair = compare_cold(make_thunk(False), make_thunk(True), repeats=3 * repeats)
+        rows.append(
+            ratio_row(f"{label}: handled, cold trace+lower", pair, 1.2, "≤ 1.2")
+        )
+    return rows
+
+
 def main():
     args = arguments(__doc__.splitlines()[0])
     repeats = 5 if args.quick else 11
@@ -69,12 +150,12 @@ def main():
 
     rows = [
         identical_row(
-            "unhandled: optimized HLO, `tag_modules` vs the model",
+            "Equinox: unhandled, optimized HLO, `tag_modules` vs the model",
             optimized_hlo(lambda xs: jax.vmap(auto)(xs), xs),
             optimized_hlo(lambda xs: jax.vmap(plain)(xs), xs),
         ),
         identical_row(
-            "handled: optimized HLO, `tag_modules` vs hand-tagged",
+            "Equinox: handled, optimized HLO, `tag_modules` vs hand-tagged",
             optimized_hlo(lambda xs: handled(auto)(auto, xs), xs),
             optimized_hlo(lambda xs: handled(by_hand)(by_hand, xs), xs),
         ),
@@ -86,7 +167,7 @@ def main():
         number=4,
         warmup=3,
     )
-    rows.append(ratio_row("handled: run time", pair, 1.02, "≤ 1.02 †"))
+    rows.append(ratio_row("Equinox: handled, run time", pair, 1.02, "≤ 1.02 †"))
 
     def cold(make_model):
         def thunk():
@@ -100,14 +181,11 @@ def main():
         cold(lambda: make(True)),
         repeats=3 * repeats,
     )
-    rows.append(
-        ratio_row(
-            "handled: cold trace+lower (model made each round, untimed)", pair, 1.2
-        )
-    )
+    rows.append(ratio_row("Equinox: handled, cold trace+lower", pair, 1.2))
+    rows += flax_rows(xs, repeats)
     emit(
         table(
-            f"8. `tag_modules`, Equinox, {LAYERS} layers: `tag_modules` (A) vs B",
+            f"8. `tag_modules`, {LAYERS} layers: `tag_modules` (A) vs B",
             ("A", "B"),
             rows,
         ),

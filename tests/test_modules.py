@@ -627,3 +627,55 @@ def test_nnx_unhandled_compiles_to_the_models_program():
     assert optimized_hlo(lambda x: tagged(x), batch) == optimized_hlo(
         lambda x: model(x), batch
     )
+
+
+class HandTaggedCNN(nn.Module):
+    """`CNN` with the `fx.tag` calls `tag_modules(filter=nn.Dense)` makes."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(features=4, kernel_size=(3, 3))(x)
+        x = nn.relu(x)
+        x = x.reshape((x.shape[0], -1))
+        # Linen names modules as they are made: `dense` first.
+        dense = nn.Dense(8, name="Dense_0")
+        x = dense(fx.tag(nn.Dense(8, name="Dense_1")(x), "Dense_1"))
+        x = fx.tag(x, "Dense_0")
+        x = fx.tag(dense(nn.relu(x)), "Dense_0")
+        return nn.log_softmax(fx.tag(nn.Dense(2, name="Dense_2")(x), "Dense_2"))
+
+
+def test_linen_handled_compiles_to_the_hand_tagged_program():
+    x = jnp.linspace(0.0, 1.0, 2 * 5 * 5).reshape(2, 5, 5, 1)
+    variables = CNN().init(jax.random.key(0), x)
+    tagged = fx.tag_modules(CNN(), filter=nn.Dense)
+    by_hand = HandTaggedCNN()
+    assert jax.tree.structure(by_hand.init(jax.random.key(0), x)) == jax.tree.structure(
+        variables
+    )
+    got = fx.handle(tagged.apply, fx.Tag())
+    want = fx.handle(by_hand.apply, fx.Tag())
+    assert_trees_close(got(variables, x), want(variables, x))
+    assert optimized_hlo(got, variables, x) == optimized_hlo(want, variables, x)
+
+
+class HandTaggedNnxNet(NnxNet):
+    """`NnxNet` with the `fx.tag` calls `tag_modules` makes."""
+
+    def __call__(self, x):
+        for i, layer in enumerate(self.layers):
+            x = jnp.tanh(fx.tag(layer(x), f"layers.{i}"))
+        return fx.tag(self.bn(x), "bn")
+
+
+def test_nnx_handled_compiles_to_the_hand_tagged_program():
+    batch = jnp.stack([X, 2 * X])
+    model, by_hand = NnxNet(nnx.Rngs(0)), HandTaggedNnxNet(nnx.Rngs(0))
+    model.eval()
+    by_hand.eval()
+    tagged = fx.tag_modules(model)
+    got = fx.handle(lambda m, x: m(x), fx.Tag())
+    assert_trees_close(got(tagged, batch), got(by_hand, batch))
+    assert optimized_hlo(lambda x: got(tagged, x), batch) == optimized_hlo(
+        lambda x: got(by_hand, x), batch
+    )
