@@ -287,14 +287,18 @@ def test_bad_arguments_say_what_to_pass():
 nn = pytest.importorskip("flax.linen")
 
 
+def _features(x):
+    """The CNN's convolution, called inside a compact method (which owns it)."""
+    x = nn.relu(nn.Conv(features=4, kernel_size=(3, 3))(x))
+    return x.reshape((x.shape[0], -1))
+
+
 class CNN(nn.Module):
     """The seed guide's CNN, smaller: one Dense called twice."""
 
     @nn.compact
     def __call__(self, x):
-        x = nn.Conv(features=4, kernel_size=(3, 3))(x)
-        x = nn.relu(x)
-        x = x.reshape((x.shape[0], -1))
+        x = _features(x)
         dense = nn.Dense(8)
         x = dense(nn.Dense(8)(x))
         x = dense(nn.relu(x))
@@ -634,9 +638,7 @@ class HandTaggedCNN(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        x = nn.Conv(features=4, kernel_size=(3, 3))(x)
-        x = nn.relu(x)
-        x = x.reshape((x.shape[0], -1))
+        x = _features(x)
         # Linen names modules as they are made: `dense` first.
         dense = nn.Dense(8, name="Dense_0")
         x = dense(fx.tag(nn.Dense(8, name="Dense_1")(x), "Dense_1"))
