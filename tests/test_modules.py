@@ -681,3 +681,32 @@ def test_nnx_handled_compiles_to_the_hand_tagged_program():
     assert optimized_hlo(lambda x: got(tagged, x), batch) == optimized_hlo(
         lambda x: got(by_hand, x), batch
     )
+
+
+class Raises(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def __call__(self, x):
+        y = self.lin(x)
+        if y.shape[0] == 3:  # static: raises while traced
+            raise RuntimeError("model failed")
+        return y
+
+
+def test_a_model_that_raises_leaves_nothing_behind():
+    classes = [Raises, eqx.nn.Linear, nn.Dense, CNN, NnxNet, nnx.Linear]
+    before = _class_dicts(classes)
+    tagged = fx.tag_modules(Raises(eqx.nn.Linear(3, 3, key=jax.random.key(0))))
+    with pytest.raises(RuntimeError, match="model failed"):
+        fx.handle(tagged, fx.Tag())(X)
+    images = jnp.linspace(0.0, 1.0, 2 * 5 * 5).reshape(2, 5, 5, 1)
+    variables = CNN().init(jax.random.key(0), images)
+    with pytest.raises(TypeError):  # a wrong argument, inside linen's apply
+        fx.handle(fx.tag_modules(CNN()).apply, fx.Tag())(variables, images, 1, 2)
+    assert _class_dicts(classes) == before
+    # Nothing of the failed calls is left: linen's interceptor stack is empty
+    # again, so the plain model tags nothing, and the tagged one works.
+    _, found = fx.handle(CNN().apply, fx.Tag())(variables, images)
+    assert found == {"intermediates": {}}
+    _, found = fx.handle(fx.tag_modules(CNN()).apply, fx.Tag())(variables, images)
+    assert set(found["intermediates"]) == {"Conv_0", "Dense_0", "Dense_1", "Dense_2"}
