@@ -2,6 +2,8 @@
 
 import importlib.metadata
 
+from ._debug import Stats as Stats
+from ._debug import summary as summary
 from ._handle import handle as handle
 from ._handle import intermediate_grads as intermediate_grads
 from ._handlers import (

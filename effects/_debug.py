@@ -1,0 +1,242 @@
+"""Debugging tools on the public handler protocol: `Stats`, a handler that keeps
+summary statistics of each execution of a tag instead of its value, and
+`summary`, which renders what `Tag` or `Stats` found as a table."""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._handlers import Append, Handler, Names, _check_names, _name_matches, _set_fields
+from ._handlers import _static as static_field
+
+STAT_KEYS = ("mean", "std", "min", "max", "mean_abs", "nan_count", "inf_count")
+
+
+def _leaf_stats(x, nbatch: int) -> dict[str, jax.Array]:
+    """Statistics of `x` over all but its `nbatch` leading (vmap batch) axes:
+    moments and extremes over the finite values, counts of the rest."""
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.abs(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.finfo(x.dtype).bits < 32:
+        x = x.astype(jnp.float32)
+    axes = tuple(range(nbatch, x.ndim))
+    finite = jnp.isfinite(x)
+    n = jnp.sum(finite, axes)
+    some = n > 0
+    count = jnp.maximum(n, 1).astype(x.dtype)
+    safe = jnp.where(finite, x, 0)
+    mean = jnp.sum(safe, axes) / count
+    centred = jnp.where(finite, x - jnp.expand_dims(mean, axes), 0)
+    nan = jnp.array(jnp.nan, x.dtype)
+    return {
+        "mean": jnp.where(some, mean, nan),
+        "std": jnp.where(some, jnp.sqrt(jnp.sum(centred**2, axes) / count), nan),
+        "min": jnp.where(some, jnp.min(jnp.where(finite, x, jnp.inf), axes), nan),
+        "max": jnp.where(some, jnp.max(jnp.where(finite, x, -jnp.inf), axes), nan),
+        "mean_abs": jnp.where(some, jnp.sum(jnp.abs(safe), axes) / count, nan),
+        "nan_count": jnp.sum(jnp.isnan(x), axes, dtype=jnp.int32),
+        "inf_count": jnp.sum(jnp.isinf(x), axes, dtype=jnp.int32),
+    }
+
+
+class Stats(Handler):
+    """Collects summary statistics of every execution of the matching tags,
+    computed inside the compiled program, never the values themselves.
+
+    Each entry is, per leaf of the tagged value, a dict with `mean`, `std`
+    (population), `min`, `max`, `mean_abs` over the finite values, and
+    `nan_count`, `inf_count`. Entries are laid out as `Tag()` lays out values:
+    a tuple with one entry per execution; inside a `lax.scan` each statistic is
+    stacked along the scan (shape `(length,)`), and under a `jax.vmap` inside the
+    handled function it has the batch axes first (statistics per example).
+
+    **Arguments:**
+
+    - `collection`: the collection whose tags are summarised.
+    - `names`: which names: None for all, a glob, a list of globs or a predicate.
+
+    ```python
+    out, found = fx.handle(f, fx.Stats())(x)
+    print(fx.summary(found))
+    ```
+    """
+
+    reports: ClassVar[bool] = True
+    consumes: ClassVar[bool] = True
+    collection: str = static_field()
+    names: Any = static_field()
+
+    def __init__(self, collection: str = "intermediates", *, names: Names = None):
+        if not isinstance(collection, str):
+            raise TypeError(f"Stats: collection must be a string, got {collection!r}.")
+        _set_fields(self, collection=collection, names=_check_names(names, "Stats"))
+
+    def matches(self, site):
+        return (
+            site.kind == "tag"
+            and site.collection == self.collection
+            and (self.names is None or _name_matches(self.names, site.name))
+        )
+
+    def output_mode(self):
+        return _APPEND
+
+    def apply(self, call, leaves):
+        value = call.site.to_front(leaves)
+        nbatch = call.site.nbatch
+        call.emit(jax.tree.map(lambda x: _leaf_stats(x, nbatch), value))
+        return leaves, True
+
+    def calls_user_code(self):
+        return False
+
+
+_APPEND = Append(label="Stats()")
+
+
+#
+# summary
+#
+
+
+class Summary:
+    """What `Tag` or `Stats` found, as a table: `str()` is plain text, and in a
+    notebook it renders as HTML. `rows` holds the table's rows as dicts."""
+
+    columns = ("name", "call", "index", "shape", "dtype", *STAT_KEYS, "finite")
+
+    def __init__(self, rows: list[dict[str, Any]]):
+        self.rows = rows
+
+    @property
+    def nonfinite(self) -> list[dict[str, Any]]:
+        """The rows whose values hold a NaN or an Inf."""
+        return [r for r in self.rows if not r["finite"]]
+
+    def _cells(self) -> list[list[str]]:
+        return [[_cell(r[c]) for c in self.columns] for r in self.rows]
+
+    def __str__(self) -> str:
+        cells = [list(self.columns), *self._cells()]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(self.columns))]
+        lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(line.rstrip() for line in lines)
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.columns)
+        body = []
+        for row, cells in zip(self.rows, self._cells()):
+            style = "" if row["finite"] else ' style="background:#fdd"'
+            tds = "".join(f"<td>{html.escape(c)}</td>" for c in cells)
+            body.append(f"<tr{style}>{tds}</tr>")
+        return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def _cell(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else f"{v:.4g}"
+    if isinstance(v, tuple) and all(isinstance(i, int) for i in v):
+        return ",".join(map(str, v))  # an index along stacked axes
+    return str(v)
+
+
+def summary(found: Mapping[str, Mapping[str, Any]]) -> Summary:
+    """Renders what `fx.Tag()` or `fx.Stats()` found as a table.
+
+    One row per execution of each name (and, for `Stats` entries stacked along
+    a scan or a vmap, one per index along those axes; for a pytree value, one
+    per leaf), in program order: the name (with the collection and the leaf's
+    path where there are several), the execution's index, its shape and dtype
+    (`Tag` values), the statistics, and whether it is finite.
+
+    ```python
+    _, found = fx.handle(f, fx.Tag())(x)
+    print(fx.summary(found))
+    ```
+    """
+    many = len(found) > 1
+    rows = []
+    for collection, names in found.items():
+        for name, entries in names.items():
+            label = f"{collection}/{name}" if many else name
+            if not isinstance(entries, tuple):  # one entry (a "strict" Tag)
+                entries = (entries,)
+            for call, entry in enumerate(entries):
+                rows.extend(_rows(label, call, entry))
+    return Summary(rows)
+
+
+def _is_stats(x) -> bool:
+    return isinstance(x, dict) and set(x) == set(STAT_KEYS)
+
+
+def _rows(label: str, call: int, entry) -> list[dict[str, Any]]:
+    leaves = jax.tree_util.tree_flatten_with_path(entry, is_leaf=_is_stats)[0]
+    rows = []
+    for path, leaf in leaves:
+        name = label + (jax.tree_util.keystr(path) if len(leaves) > 1 else "")
+        if _is_stats(leaf):
+            stats = {k: np.asarray(v) for k, v in leaf.items()}
+            for index in np.ndindex(stats["mean"].shape):
+                row = {k: v[index].item() for k, v in stats.items()}
+                finite = row["nan_count"] == 0 and row["inf_count"] == 0
+                rows.append(
+                    dict(
+                        name=name,
+                        call=call,
+                        index=index if index else None,
+                        shape=None,
+                        dtype=None,
+                        finite=finite,
+                        **row,
+                    )
+                )
+        else:
+            x = np.asarray(leaf)
+            stats = _numpy_stats(x)
+            finite = stats["nan_count"] == 0 and stats["inf_count"] == 0
+            rows.append(
+                dict(
+                    name=name,
+                    call=call,
+                    index=None,
+                    shape=x.shape,
+                    dtype=str(x.dtype),
+                    finite=finite,
+                    **stats,
+                )
+            )
+    return rows
+
+
+def _numpy_stats(x: np.ndarray) -> dict[str, Any]:
+    if np.iscomplexobj(x):
+        x = np.abs(x)
+    x = x.astype(np.float64)
+    finite = x[np.isfinite(x)]
+    nan = float("nan")
+    some = finite.size > 0
+    return {
+        "mean": float(finite.mean()) if some else nan,
+        "std": float(finite.std()) if some else nan,
+        "min": float(finite.min()) if some else nan,
+        "max": float(finite.max()) if some else nan,
+        "mean_abs": float(np.abs(finite).mean()) if some else nan,
+        "nan_count": int(np.isnan(x).sum()),
+        "inf_count": int(np.isinf(x).sum()),
+    }

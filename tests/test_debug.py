@@ -1,0 +1,139 @@
+"""`Stats` and `summary`, against statistics computed with NumPy from the values
+`Tag` collects, with NaNs and Infs placed by hand."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_trees_close
+
+import effects as fx
+
+STATS = ("mean", "std", "min", "max", "mean_abs", "nan_count", "inf_count")
+
+
+def numpy_stats(x) -> dict:
+    x = np.asarray(x, np.float64)
+    finite = x[np.isfinite(x)]
+    some = finite.size > 0
+    return {
+        "mean": finite.mean() if some else np.nan,
+        "std": finite.std() if some else np.nan,
+        "min": finite.min() if some else np.nan,
+        "max": finite.max() if some else np.nan,
+        "mean_abs": np.abs(finite).mean() if some else np.nan,
+        "nan_count": np.isnan(x).sum(),
+        "inf_count": np.isinf(x).sum(),
+    }
+
+
+def assert_stats(got: dict, x):
+    want = numpy_stats(x)
+    for k in STATS:
+        np.testing.assert_allclose(
+            np.asarray(got[k], np.float64), want[k], rtol=1e-5, atol=1e-6, err_msg=k
+        )
+
+
+def f(x):
+    h = fx.tag(jnp.sin(x), "h")
+
+    def body(c, r):
+        return fx.tag(c * r, "c"), None
+
+    c, _ = jax.lax.scan(body, jnp.ones(2), x.reshape(-1, 2))
+    fx.tag(jnp.log(x), "log")  # a NaN for each negative entry
+    fx.tag(1.0 / (x - x[0]), "inv")  # an Inf, and a NaN (0/0) at index 0
+    fx.tag(jnp.full(3, jnp.nan), "nothing_finite")
+    return jnp.sum(h) + jnp.sum(c)
+
+
+X = jnp.array([0.5, -1.0, 2.0, 3.0, -0.25, 4.0])
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_stats_match_numpy_on_the_values_tag_collects(jit):
+    run = fx.handle(f, fx.Stats())
+    out, found = (jax.jit(run) if jit else run)(X)
+    plain, values = fx.handle(f, fx.Tag())(X)
+    assert_trees_close(out, plain)
+    stats, values = found["intermediates"], values["intermediates"]
+    names = ["h", "c", "log", "inv", "nothing_finite"]
+    assert list(values) == names
+    # (Under an outer jax.jit, a dict comes back with its keys sorted.)
+    assert (sorted(stats) if jit else list(stats)) == (sorted(names) if jit else names)
+    for name in ("h", "log", "inv", "nothing_finite"):
+        (entry,) = stats[name]
+        assert_stats(entry, values[name][0])
+    # Inside the scan: one statistic per iteration, stacked along it.
+    (entry,) = stats["c"]
+    assert entry["mean"].shape == (3,)
+    for i in range(3):
+        assert_stats({k: v[i] for k, v in entry.items()}, values["c"][0][i])
+    assert int(stats["log"][0]["nan_count"]) == 2
+
+
+def test_stats_per_example_under_vmap_in_either_order():
+    xs = jnp.stack([X, -X, 2 * X])
+    inside = fx.handle(jax.vmap(f), fx.Stats())(xs)[1]
+    outside = jax.vmap(fx.handle(f, fx.Stats()))(xs)[1]
+    assert_trees_close(inside, outside)
+    values = fx.handle(jax.vmap(f), fx.Tag())(xs)[1]["intermediates"]
+    for b in range(3):
+        entry = {k: v[b] for k, v in inside["intermediates"]["h"][0].items()}
+        assert_stats(entry, values["h"][0][b])
+
+
+def test_stats_of_integers_low_precision_and_pytrees():
+    def g(x):
+        fx.tag(jnp.arange(5), "ints")
+        fx.tag(x.astype(jnp.bfloat16), "bf16")
+        fx.tag({"a": x, "b": (2 * x, x[:2])}, "tree")
+        return x
+
+    _, found = fx.handle(g, fx.Stats())(X)
+    stats = found["intermediates"]
+    assert_stats(stats["ints"][0], np.arange(5))
+    assert stats["bf16"][0]["mean"].dtype == jnp.float32
+    np.testing.assert_allclose(
+        stats["bf16"][0]["mean"],
+        np.asarray(X.astype(jnp.bfloat16), np.float64).mean(),
+        rtol=1e-6,
+    )
+    tree = stats["tree"][0]
+    assert_stats(tree["a"], X)
+    assert_stats(tree["b"][0], 2 * X)
+    assert_stats(tree["b"][1], X[:2])
+
+
+def test_stats_names_and_errors():
+    _, found = fx.handle(f, fx.Stats(names="l*"))(X)
+    assert list(found["intermediates"]) == ["log"]
+    with pytest.raises(TypeError, match="Stats: collection must be a string"):
+        fx.Stats(collection=1)  # pyright: ignore[reportArgumentType]
+
+
+def test_summary_of_stats_and_of_tag():
+    _, stats = fx.handle(f, fx.Stats())(X)
+    _, values = fx.handle(f, fx.Tag())(X)
+    for found in (stats, values):
+        table = fx.summary(found)
+        text = str(table)
+        assert text.splitlines()[0].split()[:3] == ["name", "call", "index"]
+        bad = {r["name"] for r in table.nonfinite}
+        assert bad == {"log", "inv", "nothing_finite"}
+        assert "<table>" in table._repr_html_() and "#fdd" in table._repr_html_()
+        rows = {(r["name"], r["index"]): r for r in table.rows}
+        np.testing.assert_allclose(
+            rows[("h", None)]["mean"],
+            numpy_stats(values["intermediates"]["h"][0])["mean"],
+            rtol=1e-5,
+        )
+    # Stats' stacked entries: one row per scan iteration; Tag's: one per call.
+    assert len([r for r in fx.summary(stats).rows if r["name"] == "c"]) == 3
+    assert len([r for r in fx.summary(values).rows if r["name"] == "c"]) == 1
+    # Several collections: names carry their collection.
+    two = {"a": {"x": (jnp.ones(2),)}, "b": {"x": (jnp.zeros(2),)}}
+    assert [r["name"] for r in fx.summary(two).rows] == ["a/x", "b/x"]
