@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._handlers import Append, Handler, Names, _check_names, _name_matches, _set_fields
+from ._handlers import Append, Handler, Names, _check_names, _set_fields, matches_tag
 from ._handlers import _static as static_field
 
 STAT_KEYS = ("mean", "std", "min", "max", "mean_abs", "nan_count", "inf_count")
@@ -79,11 +79,7 @@ class Stats(Handler):
         _set_fields(self, collection=collection, names=_check_names(names, "Stats"))
 
     def matches(self, site):
-        return (
-            site.kind == "tag"
-            and site.collection == self.collection
-            and (self.names is None or _name_matches(self.names, site.name))
-        )
+        return matches_tag(self, site)
 
     def output_mode(self):
         return _APPEND

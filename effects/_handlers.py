@@ -308,6 +308,17 @@ class Handler:
         return True
 
 
+def matches_tag(handler, site) -> bool:
+    """Whether a handler with `collection` and `names` fields acts at `site`, a
+    tag. (Handler.matches, and the name filter, spelt out: this runs at every
+    site.)"""
+    return (
+        site.kind == "tag"
+        and site.collection == handler.collection
+        and (handler.names is None or _name_matches(handler.names, site.name))
+    )
+
+
 class Tag(Handler):
     """Collects tagged values.
 
@@ -348,12 +359,7 @@ class Tag(Handler):
         )
 
     def matches(self, site):
-        # (Handler.matches, and the name filter, spelt out: this runs at every site)
-        return (
-            site.kind == "tag"
-            and site.collection == self.collection
-            and (self.names is None or _name_matches(self.names, site.name))
-        )
+        return matches_tag(self, site)
 
     def output_mode(self):
         return _MODES[self.mode] if isinstance(self.mode, str) else self.mode
