@@ -26,6 +26,7 @@ SCRIPTS = [
     "bench_perturb.py",
     "bench_custom_vjp.py",
     "bench_modules.py",
+    "bench_stats.py",
 ]
 
 TITLE = (
