@@ -2,7 +2,10 @@
 
 import importlib.metadata
 
+from ._debug import SiteInfo as SiteInfo
+from ._debug import Sites as Sites
 from ._debug import Stats as Stats
+from ._debug import sites as sites
 from ._debug import summary as summary
 from ._handle import handle as handle
 from ._handle import intermediate_grads as intermediate_grads

@@ -1,20 +1,26 @@
-"""Debugging tools on the public handler protocol: `Stats`, a handler that keeps
-summary statistics of each execution of a tag instead of its value, and
-`summary`, which renders what `Tag` or `Stats` found as a table."""
+"""Debugging tools: `Stats`, a handler (on the public handler protocol) that keeps
+summary statistics of each execution of a tag instead of its value; `summary`,
+which renders what `Tag` or `Stats` found as a table; and `sites`, which lists
+every tag and perturb call of a program without running it."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import html
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _compat
 from ._handlers import Append, Handler, Names, _check_names, _set_fields, matches_tag
 from ._handlers import _static as static_field
+from ._primitives import handling, site_p
+from ._site import Site, describe
 
 STAT_KEYS = ("mean", "std", "min", "max", "mean_abs", "nan_count", "inf_count")
 
@@ -236,3 +242,105 @@ def _numpy_stats(x: np.ndarray) -> dict[str, Any]:
         "nan_count": int(np.isnan(x).sum()),
         "inf_count": int(np.isinf(x).sum()),
     }
+
+
+#
+# sites
+#
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteInfo:
+    """One `tag` or `perturb` call in a program (not one execution).
+
+    - `kind`: `"tag"` or `"perturb"`.
+    - `collection`, `name`: as passed to it.
+    - `value`: the value of one execution, as `jax.ShapeDtypeStruct`s, in the
+      layout handlers report (the batch axes of a `jax.vmap` inside the
+      function first).
+    - `where`: the control flow around it, outermost first, such as
+      `"scan(length=12) > cond branch 1"`; `""` at the top level.
+    """
+
+    kind: str
+    collection: str
+    name: str
+    value: Any
+    where: str
+
+
+class Sites(dict):
+    """`collection -> name -> [SiteInfo, ...]`, in program order; `str()` is a
+    table."""
+
+    def __str__(self) -> str:
+        rows = [("collection", "name", "kind", "value", "where")]
+        for infos in (i for names in self.values() for i in names.values()):
+            rows.extend(
+                (i.collection, i.name, i.kind, describe(i.value), i.where)
+                for i in infos
+            )
+        widths = [max(len(r[c]) for r in rows) for c in range(5)]
+        lines = [
+            "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows
+        ]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def sites(fn: Callable) -> Callable[..., Sites]:
+    """Lists every `tag` and `perturb` call `fn` would execute, without running
+    anything: `fn` is only traced, so arguments may be `jax.ShapeDtypeStruct`s.
+
+    **Returns:**
+
+    `lister(*args, **kwargs) -> Sites`: a dict `collection -> name -> [SiteInfo,
+    ...]`, one `SiteInfo` per call in the program, in program order.
+
+    ```python
+    print(fx.sites(fx.tag_modules(model))(x))   # every layer, with its shape
+    ```
+    """
+
+    def lister(*args, **kwargs) -> Sites:
+        found = Sites()
+        with handling(True):
+            jaxpr = jax.make_jaxpr(fn)(*args, **kwargs).jaxpr
+        for eqn, where in _walk(jaxpr, ()):
+            site = Site.from_eqn(eqn.params, [v.aval for v in eqn.invars])
+            info = SiteInfo(
+                site.kind, site.collection, site.name, site.front_avals(), where
+            )
+            found.setdefault(site.collection, {}).setdefault(site.name, []).append(info)
+        return found
+
+    functools.update_wrapper(lister, fn, updated=())
+    return lister
+
+
+def _walk(jaxpr, around: tuple[str, ...]):
+    """Every site equation of `jaxpr` and its sub-jaxprs, in program order, with
+    the control flow around it."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is site_p:
+            yield eqn, " > ".join(around)
+            continue
+        for label, sub in _labelled_jaxprs(eqn):
+            yield from _walk(sub, (*around, label))
+
+
+def _labelled_jaxprs(eqn):
+    p, name = eqn.params, eqn.primitive.name
+    if eqn.primitive is _compat.scan_p:
+        reverse = ", reverse" if p.get("reverse") else ""
+        return [(f"scan(length={p['length']}{reverse})", p["jaxpr"].jaxpr)]
+    if eqn.primitive is _compat.cond_p:
+        return [(f"cond branch {i}", b.jaxpr) for i, b in enumerate(p["branches"])]
+    if eqn.primitive is _compat.while_p:
+        return [
+            ("while_loop cond", p["cond_jaxpr"].jaxpr),
+            ("while_loop body", p["body_jaxpr"].jaxpr),
+        ]
+    name = "jit" if name == "pjit" else name  # jax 0.7-0.9 call it `pjit`
+    label = f"{name}({p['name']})" if isinstance(p.get("name"), str) else name
+    return [(label, sub) for sub in _compat.open_jaxprs_in_params(p)]

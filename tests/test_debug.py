@@ -137,3 +137,80 @@ def test_summary_of_stats_and_of_tag():
     # Several collections: names carry their collection.
     two = {"a": {"x": (jnp.ones(2),)}, "b": {"x": (jnp.zeros(2),)}}
     assert [r["name"] for r in fx.summary(two).rows] == ["a/x", "b/x"]
+
+
+def program(x):
+    h = fx.tag(jnp.sin(x), "h")
+
+    def body(c, r):
+        c = jax.lax.cond(r[0] > 0, lambda c: c, lambda c: fx.tag(c * 2, "neg"), c)
+        return fx.perturb(c, "c"), None
+
+    c, _ = jax.lax.scan(body, h, x[:, None] * jnp.ones((3, 3)), reverse=True)
+
+    def loop_body(s):
+        jax.debug.callback(lambda: CALLS.append(None))  # would show a run
+        return s[0] + 1, fx.tag(s[1] * 2, "w")
+
+    w = jax.lax.while_loop(lambda s: fx.tag(s[0], "i") < 3, loop_body, (0, c))
+
+    @jax.jit
+    def tree(y):
+        return fx.tag({"a": y, "b": y[0]}, "tree")
+
+    return tree(w[1])
+
+
+CALLS: list = []
+
+
+def test_sites_lists_every_call_with_its_value_and_control_flow_without_running():
+    sds = jax.ShapeDtypeStruct
+    f32 = jnp.float32
+    found = fx.sites(program)(sds((3,), f32))
+    assert CALLS == []
+    got = {
+        (c, n): [(i.kind, i.value, i.where) for i in infos]
+        for c, names in found.items()
+        for n, infos in names.items()
+    }
+    assert got == {
+        ("intermediates", "h"): [("tag", sds((3,), f32), "")],
+        ("intermediates", "neg"): [
+            ("tag", sds((3,), f32), "scan(length=3, reverse) > cond branch 0")
+        ],
+        ("intermediates", "i"): [("tag", sds((), jnp.int32), "while_loop cond")],
+        ("intermediates", "w"): [("tag", sds((3,), f32), "while_loop body")],
+        ("intermediates", "tree"): [
+            ("tag", {"a": sds((3,), f32), "b": sds((), f32)}, "jit(tree)")
+        ],
+        ("perturbations", "c"): [
+            ("perturb", sds((3,), f32), "scan(length=3, reverse)")
+        ],
+    }
+    text = str(found)
+    assert text.splitlines()[0].split() == [
+        "collection",
+        "name",
+        "kind",
+        "value",
+        "where",
+    ]
+    assert "scan(length=3, reverse) > cond branch 0" in text
+
+
+def test_sites_of_a_model_tagged_by_tag_modules_and_under_vmap():
+    import equinox as eqx
+
+    model = eqx.nn.MLP(3, 2, 4, 2, key=jax.random.key(0))
+    found = fx.sites(jax.vmap(fx.tag_modules(model)))(jnp.ones((5, 3)))
+    layers = found["intermediates"]
+    assert list(layers) == ["layers.0", "layers.1", "layers.2"]
+    assert [i.value.shape for i in layers.values() for i in i] == [
+        (5, 4),
+        (5, 4),
+        (5, 2),
+    ]
+    # A tag called twice in the program is two entries.
+    twice = fx.sites(lambda x: fx.tag(x, "t") + fx.tag(2 * x, "t"))(jnp.ones(2))
+    assert len(twice["intermediates"]["t"]) == 2
