@@ -126,11 +126,7 @@ class Summary:
         return [[_cell(r[c]) for c in self.columns] for r in self.rows]
 
     def __str__(self) -> str:
-        cells = [list(self.columns), *self._cells()]
-        widths = [max(len(row[i]) for row in cells) for i in range(len(self.columns))]
-        lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(line.rstrip() for line in lines)
+        return _text_table([list(self.columns), *self._cells()])
 
     def __repr__(self) -> str:
         return str(self)
@@ -143,6 +139,14 @@ class Summary:
             tds = "".join(f"<td>{html.escape(c)}</td>" for c in cells)
             body.append(f"<tr{style}>{tds}</tr>")
         return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def _text_table(rows) -> str:
+    """Rows of strings, the first a header, as aligned plain-text columns."""
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 def _cell(v) -> str:
@@ -280,12 +284,7 @@ class Sites(dict):
                 (i.collection, i.name, i.kind, describe(i.value), i.where)
                 for i in infos
             )
-        widths = [max(len(r[c]) for r in rows) for c in range(5)]
-        lines = [
-            "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows
-        ]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        return _text_table(rows)
 
 
 def sites(fn: Callable) -> Callable[..., Sites]:
