@@ -2,9 +2,11 @@
 
 import importlib.metadata
 
+from ._debug import BadSite as BadSite
 from ._debug import SiteInfo as SiteInfo
 from ._debug import Sites as Sites
 from ._debug import Stats as Stats
+from ._debug import find_nonfinite as find_nonfinite
 from ._debug import sites as sites
 from ._debug import summary as summary
 from ._handle import handle as handle

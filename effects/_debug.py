@@ -15,9 +15,20 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 from . import _compat
-from ._handlers import Append, Handler, Names, _check_names, _set_fields, matches_tag
+from ._handle import handle
+from ._handlers import (
+    Append,
+    Handler,
+    Names,
+    Reduce,
+    Tag,
+    _check_names,
+    _set_fields,
+    matches_tag,
+)
 from ._handlers import _static as static_field
 from ._primitives import handling, site_p
 from ._site import Site, describe
@@ -271,6 +282,9 @@ class SiteInfo:
     name: str
     value: Any
     where: str
+    # Per enclosing region, outermost first: a scan's length, "while",
+    # "branch", "other", or None (a jit).
+    loops: tuple = dataclasses.field(default=(), repr=False, compare=False)
 
 
 class Sites(dict):
@@ -305,10 +319,15 @@ def sites(fn: Callable) -> Callable[..., Sites]:
         found = Sites()
         with handling(True):
             jaxpr = jax.make_jaxpr(fn)(*args, **kwargs).jaxpr
-        for eqn, where in _walk(jaxpr, ()):
+        for eqn, around in _walk(jaxpr, ()):
             site = Site.from_eqn(eqn.params, [v.aval for v in eqn.invars])
             info = SiteInfo(
-                site.kind, site.collection, site.name, site.front_avals(), where
+                site.kind,
+                site.collection,
+                site.name,
+                site.front_avals(),
+                " > ".join(label for label, _ in around),
+                tuple(loop for _, loop in around),
             )
             found.setdefault(site.collection, {}).setdefault(site.name, []).append(info)
         return found
@@ -317,29 +336,169 @@ def sites(fn: Callable) -> Callable[..., Sites]:
     return lister
 
 
-def _walk(jaxpr, around: tuple[str, ...]):
+def _walk(jaxpr, around: tuple):
     """Every site equation of `jaxpr` and its sub-jaxprs, in program order, with
-    the control flow around it."""
+    the control flow around it as `(label, loop)` pairs, outermost first: `loop`
+    is a scan's length, `"while"`, `"branch"` for a cond, or None."""
     for eqn in jaxpr.eqns:
         if eqn.primitive is site_p:
-            yield eqn, " > ".join(around)
+            yield eqn, around
             continue
-        for label, sub in _labelled_jaxprs(eqn):
-            yield from _walk(sub, (*around, label))
+        for label, loop, sub in _labelled_jaxprs(eqn):
+            yield from _walk(sub, (*around, (label, loop)))
 
 
 def _labelled_jaxprs(eqn):
     p, name = eqn.params, eqn.primitive.name
     if eqn.primitive is _compat.scan_p:
         reverse = ", reverse" if p.get("reverse") else ""
-        return [(f"scan(length={p['length']}{reverse})", p["jaxpr"].jaxpr)]
+        label = f"scan(length={p['length']}{reverse})"
+        return [(label, p["length"], p["jaxpr"].jaxpr)]
     if eqn.primitive is _compat.cond_p:
-        return [(f"cond branch {i}", b.jaxpr) for i, b in enumerate(p["branches"])]
+        return [
+            (f"cond branch {i}", "branch", b.jaxpr) for i, b in enumerate(p["branches"])
+        ]
     if eqn.primitive is _compat.while_p:
         return [
-            ("while_loop cond", p["cond_jaxpr"].jaxpr),
-            ("while_loop body", p["body_jaxpr"].jaxpr),
+            ("while_loop cond", "while", p["cond_jaxpr"].jaxpr),
+            ("while_loop body", "while", p["body_jaxpr"].jaxpr),
         ]
     name = "jit" if name == "pjit" else name  # jax 0.7-0.9 call it `pjit`
     label = f"{name}({p['name']})" if isinstance(p.get("name"), str) else name
-    return [(label, sub) for sub in _compat.open_jaxprs_in_params(p)]
+    loop = None if name == "jit" else "other"
+    return [(label, loop, sub) for sub in _compat.open_jaxprs_in_params(p)]
+
+
+#
+# find_nonfinite
+#
+
+
+@dataclasses.dataclass(frozen=True)
+class BadSite:
+    """The first tag, in execution order, whose value held a NaN or an Inf.
+
+    - `name`, `collection`: the tag's.
+    - `call`: the index of that execution among the name's executions, counting
+      a scan's iterations as one call when the tag sits in scans only (then
+      `iteration` says which); else counting every execution.
+    - `iteration`: the scan iteration (a tuple for nested scans, outermost
+      first), or None.
+    """
+
+    name: str
+    collection: str
+    call: int
+    iteration: int | tuple[int, ...] | None
+
+    def __str__(self) -> str:
+        where = f"call {self.call}"
+        if self.iteration is not None:
+            where += f", scan iteration {self.iteration}"
+        return (
+            f"The tag {self.name!r} (collection {self.collection!r}) is the first "
+            f"value with a NaN or an Inf, at its {where}."
+        )
+
+
+class _Check(Handler):
+    """At every tag: a `checkify` check that its value is finite (the first
+    failing check in execution order is the one reported)."""
+
+    codes: Any = static_field()  # {(collection, name): code}
+    collection: str = static_field()
+
+    def __init__(self, codes):
+        _set_fields(self, codes=codes, collection="")
+
+    def matches(self, site):
+        return site.kind == "tag"
+
+    def apply(self, call, leaves):
+        code = self.codes[(call.site.collection, call.site.name)]
+        checkify.check(_finite(leaves), f"{_CODE}{code}")
+        return leaves, False
+
+    def calls_user_code(self):
+        return False
+
+
+_CODE = "effects-nonfinite-site:"
+
+
+def _finite(leaves) -> jax.Array:
+    ok = jnp.array(True)
+    for x in leaves:
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            ok = ok & jnp.all(jnp.isfinite(x))
+    return ok
+
+
+def _count(acc, x):
+    n, first = acc
+    bad = ~_finite(jax.tree.leaves(x))
+    return n + 1, jnp.where((first < 0) & bad, n, first)
+
+
+def _count_init(z):
+    del z
+    return jnp.int32(0), jnp.int32(-1)
+
+
+_COUNTER = Reduce(_count, _count_init)
+
+
+def find_nonfinite(fn: Callable, *args, **kwargs) -> BadSite | None:
+    """Runs `fn(*args, **kwargs)` once, compiled, with every tag checked, and
+    returns the first tag in execution order whose value holds a NaN or an Inf,
+    or None. A tag that is non-finite only because an earlier one was is never
+    the one reported. Works through `jit`, `scan`, `cond` and `while_loop`;
+    pass `fx.tag_modules(model)` to check every layer of a model.
+
+    ```python
+    bad = fx.find_nonfinite(loss_fn, params, batch)
+    if bad is not None:
+        print(bad)  # The tag 'layers.3' (collection 'intermediates') is the first ...
+    ```
+    """
+    listed = sites(fn)(*args, **kwargs)
+    keys = [(c, n) for c, names in listed.items() for n in names]
+    if not keys:
+        return None
+    codes = {key: i for i, key in enumerate(keys)}
+    handlers = (
+        _Check(codes),
+        *(Tag(c, mode=_COUNTER) for c in listed),
+    )
+    checked = checkify.checkify(handle(fn, *handlers), errors=checkify.user_checks)
+    err, (_, found) = jax.jit(checked)(*args, **kwargs)
+    message = err.get()
+    if message is None or _CODE not in message:
+        return None
+    collection, name = keys[int(message.split(_CODE)[1].split()[0])]
+    _, first = found[collection][name]
+    first = np.asarray(first)
+    k = int(first[first >= 0].min())
+    lengths = _scan_lengths(listed[collection][name])
+    if lengths is None:
+        return BadSite(name, collection, k, None)
+    per_call = math.prod(lengths)
+    index = tuple(int(i) for i in np.unravel_index(k % per_call, lengths))
+    return BadSite(
+        name, collection, k // per_call, index[0] if len(index) == 1 else index
+    )
+
+
+def _scan_lengths(infos) -> tuple[int, ...] | None:
+    """The lengths of the scans around a name's only site, when scans (and
+    jits) are all there is around it: then each call executes it the product
+    of the lengths times."""
+    if len(infos) != 1:
+        return None
+    loops = infos[0].loops
+    if not loops or any(
+        not isinstance(loop, int) for loop in loops if loop is not None
+    ):
+        return None
+    lengths = tuple(loop for loop in loops if loop is not None)
+    return lengths or None

@@ -214,3 +214,86 @@ def test_sites_of_a_model_tagged_by_tag_modules_and_under_vmap():
     # A tag called twice in the program is two entries.
     twice = fx.sites(lambda x: fx.tag(x, "t") + fx.tag(2 * x, "t"))(jnp.ones(2))
     assert len(twice["intermediates"]["t"]) == 2
+
+
+def nan_program(x):
+    h = fx.tag(jnp.sin(x), "h")
+
+    def body(c, r):
+        c = fx.tag(jnp.sqrt(c - r), "s")
+        return fx.tag(c * 1.0, "after"), None  # NaN whenever "s" is
+
+    c, _ = jax.lax.scan(body, h, jnp.arange(4.0) * 0.1)
+
+    def loop_body(s):
+        i, v = s
+        v = jax.lax.cond(i == 1, lambda v: fx.tag(v + 0.0, "branch"), lambda v: v, v)
+        return i + 1, fx.tag(jnp.log(v - 0.5), "w")
+
+    _, w = jax.lax.while_loop(lambda s: s[0] < 3, loop_body, (0, c))
+    return jax.jit(lambda w: fx.tag(1.0 / w, "inv"))(w)
+
+
+def nan_reference(x):
+    """`nan_program` step by step in NumPy: the executions in order, as (name,
+    call, iteration, finite), and the first non-finite one."""
+    x = np.asarray(x, np.float64)
+    log = []
+
+    def tag(v, name, call, iteration=None):
+        log.append((name, call, iteration, bool(np.all(np.isfinite(v)))))
+        return v
+
+    with np.errstate(all="ignore"):
+        c = tag(np.sin(x), "h", 0)
+        for i, r in enumerate(np.arange(4.0) * 0.1):
+            c = tag(np.sqrt(c - r), "s", 0, i)
+            c = tag(c * 1.0, "after", 0, i)
+        v = c
+        for i in range(3):
+            if i == 1:
+                v = tag(v + 0.0, "branch", 0)
+            v = tag(np.log(v - 0.5), "w", i)
+        tag(1.0 / v, "inv", 0)
+    first = next(((n, c, it) for n, c, it, ok in log if not ok), None)
+    return first
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        [1.2, 1.5],  # the while loop's second call: log of a negative
+        [-0.5, 1.5],  # the scan's first iteration
+        [0.01, 1.5],  # the scan's second iteration ("after" only follows it)
+        [0.9, 0.9],  # the while loop's second call, past the cond's branch
+        [np.pi, 1.5],  # sin(pi) is -8.7e-8 in float32: the first iteration
+    ],
+)
+def test_find_nonfinite_reports_the_first_bad_execution(x):
+    x = jnp.asarray(x, jnp.float32)
+    want = nan_reference(x)
+    got = fx.find_nonfinite(nan_program, x)
+    if want is None:
+        assert got is None
+    else:
+        name, call, iteration = want
+        assert got == fx.BadSite(name, "intermediates", call, iteration)
+        assert f"'{name}'" in str(got) and "first" in str(got)
+
+
+def test_find_nonfinite_nested_scans_and_other_collections():
+    def g(x):
+        def outer(c, i):
+            def inner(c, j):
+                v = fx.tag(jnp.log(c - 0.1 * (i * 3 + j)), "v", collection="logs")
+                return c, v
+
+            return jax.lax.scan(inner, c, jnp.arange(3.0))
+
+        return jax.lax.scan(outer, x, jnp.arange(2.0))
+
+    # log(0.45 - 0.1 k) is first NaN at k = 5: outer 1, inner 2.
+    got = fx.find_nonfinite(g, jnp.float32(0.45))
+    assert got == fx.BadSite("v", "logs", 0, (1, 2))
+    assert fx.find_nonfinite(g, jnp.float32(5.0)) is None
+    assert fx.find_nonfinite(lambda x: x, jnp.float32(jnp.nan)) is None  # no tags
