@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
 from . import _compat
 from ._handle import handle
@@ -415,6 +414,8 @@ class _Check(Handler):
         return site.kind == "tag"
 
     def apply(self, call, leaves):
+        from jax.experimental import checkify
+
         code = self.codes[(call.site.collection, call.site.name)]
         checkify.check(_finite(leaves), f"{_CODE}{code}")
         return leaves, False
@@ -461,6 +462,10 @@ def find_nonfinite(fn: Callable, *args, **kwargs) -> BadSite | None:
         print(bad)  # The tag 'layers.3' (collection 'intermediates') is the first ...
     ```
     """
+    # Imported here: on jax 0.7-0.9 importing it registers checkify's rules in
+    # JAX's tables, which `import effects` alone must not do.
+    from jax.experimental import checkify
+
     listed = sites(fn)(*args, **kwargs)
     keys = [(c, n) for c, names in listed.items() for n in names]
     if not keys:
