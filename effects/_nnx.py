@@ -58,10 +58,12 @@ def _module():
 def is_node(x) -> bool:
     """Whether `x` is an NNX object, or a method bound to one."""
     nnx = _module()
-    if nnx is None:
-        return False
     if isinstance(x, types.MethodType):
         x = x.__self__
+    return nnx is not None and _is_object(nnx, x)
+
+
+def _is_object(nnx, x) -> bool:
     return isinstance(x, (nnx.Pytree, nnx.Variable))
 
 
@@ -74,18 +76,18 @@ def functional(fn, args, kwargs) -> tuple[Callable, tuple, Callable] | None:
     if nnx is None or fn is _pure or getattr(fn, "__wrapped__", None) is _pure:
         return None  # `handle` calling itself with the state split off
 
-    def is_node(x) -> bool:
-        return isinstance(x, (nnx.Pytree, nnx.Variable))
+    def is_object(x) -> bool:
+        return _is_object(nnx, x)
 
     owner = None
-    if isinstance(fn, types.MethodType) and is_node(fn.__self__):
+    if isinstance(fn, types.MethodType) and is_object(fn.__self__):
         fn, owner = fn.__func__, fn.__self__
-    leaves, treedef = jax.tree.flatten((fn, owner, args, kwargs), is_leaf=is_node)
-    nodes = [x for x in leaves if is_node(x)]
+    leaves, treedef = jax.tree.flatten((fn, owner, args, kwargs), is_leaf=is_object)
+    nodes = [x for x in leaves if is_object(x)]
     if not nodes:
         return None
     graphdef, state = nnx.split(nodes)
-    rest = tuple(_HOLE if is_node(x) else x for x in leaves)
+    rest = tuple(_HOLE if is_object(x) else x for x in leaves)
     variables = _variables(nnx, state)  # the caller's own Variable objects
 
     def finish(updates) -> None:

@@ -55,8 +55,8 @@ class _SitePrimitive(Primitive):
     # `handle` never carries the effect.
     def bind(self, *args, **params):
         effect: bool | str = bool(handling.value)
-        probe = probing.value
-        if effect and probe:
+        probe = probing.value if effect else None
+        if probe:
             key = (params["kind"], params["collection"], params["name"])
             if key in probe[0] and (*key, _compat.current_call_path()) in probe[1]:
                 effect = "probe"

@@ -5,6 +5,7 @@ and against Flax's own `capture_intermediates`."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -358,10 +359,12 @@ class ScanCell(nn.Module):
 
 
 class ScanModel(nn.Module):
+    cell: Any = ScanCell
+
     @nn.compact
     def __call__(self, xs):
         scan = nn.scan(
-            ScanCell, variable_broadcast="params", split_rngs={"params": False}
+            self.cell, variable_broadcast="params", split_rngs={"params": False}
         )
         return scan()(jnp.zeros(3), xs)
 
@@ -374,15 +377,6 @@ class _EffectCell(nn.Module):
         return h, h
 
 
-class _EffectScan(nn.Module):
-    @nn.compact
-    def __call__(self, xs):
-        scan = nn.scan(
-            _EffectCell, variable_broadcast="params", split_rngs={"params": False}
-        )
-        return scan()(jnp.zeros(3), xs)
-
-
 def _flax_scan_refuses_effects() -> bool:
     """Whether this Flax's `nn.scan` refuses any effect in a body with
     broadcast variables, with Flax and JAX alone (a `jax.debug.callback`
@@ -393,7 +387,7 @@ def _flax_scan_refuses_effects() -> bool:
         # Flax 0.12.8's check meets JAX's leak checker false report (see
         # `jax_leak_check_false_report` in conftest.py).
         with no_leak_checks():
-            _EffectScan().init(jax.random.key(0), jnp.ones((2, 3)))
+            ScanModel(_EffectCell).init(jax.random.key(0), jnp.ones((2, 3)))
     except ValueError as e:
         return "data dependency on the scan body" in str(e)
     return False
