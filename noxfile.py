@@ -110,7 +110,7 @@ def cuda(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check."""
-    session.install("-e", ".[lint]")
+    session.install("-e", ".[lint,flax]")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
@@ -118,7 +118,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def typecheck(session: nox.Session) -> None:
     """pyright on effects/."""
-    session.install("-e", ".[lint]")
+    session.install("-e", ".[lint,flax]")
     session.run("pyright", "--pythonpath", f"{session.virtualenv.location}/bin/python")
 
 
