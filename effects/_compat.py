@@ -284,6 +284,12 @@ if hasattr(_prims, "remat_p"):
 else:
     from jax._src.ad_checkpoint import remat_p as remat_p  # noqa: E402
 closed_call_p = _prims.closed_call_p
+# `jax.ad_checkpoint.checkpoint_name`'s primitive; jax 0.7 exports it only from
+# `jax._src.ad_checkpoint`.
+if hasattr(_prims, "name_p"):
+    name_p = _prims.name_p
+else:
+    from jax._src.ad_checkpoint import name_p as name_p  # noqa: E402
 custom_jvp_call_p = _prims.custom_jvp_call_p
 custom_vjp_call_p = _prims.custom_vjp_call_p
 

@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,8 +30,9 @@ from ._handlers import (
     matches_tag,
 )
 from ._handlers import _static as static_field
-from ._primitives import handling, site_p
-from ._site import Site, describe
+from ._primitives import handling
+from ._rewrite import recomputes, site_of
+from ._site import CHECKPOINT_NAME, describe, shape_dtype
 
 STAT_KEYS = ("mean", "std", "min", "max", "mean_abs", "nan_count", "inf_count")
 
@@ -318,8 +320,7 @@ def sites(fn: Callable) -> Callable[..., Sites]:
         found = Sites()
         with handling(True):
             jaxpr = jax.make_jaxpr(fn)(*args, **kwargs).jaxpr
-        for eqn, around in _walk(jaxpr, ()):
-            site = Site.from_eqn(eqn.params, [v.aval for v in eqn.invars])
+        for site, around in _walk(jaxpr, ()):
             info = SiteInfo(
                 site.kind,
                 site.collection,
@@ -335,16 +336,20 @@ def sites(fn: Callable) -> Callable[..., Sites]:
     return lister
 
 
-def _walk(jaxpr, around: tuple):
-    """Every site equation of `jaxpr` and its sub-jaxprs, in program order, with
-    the control flow around it as `(label, loop)` pairs, outermost first: `loop`
-    is a scan's length, `"while"`, `"branch"` for a cond, or None."""
+def _walk(jaxpr, around: tuple, recomputed: bool = False):
+    """Every site of `jaxpr` and its sub-jaxprs, in program order, with the
+    control flow around it as `(label, loop)` pairs, outermost first: `loop` is
+    a scan's length, `"while"`, `"branch"` for a cond, or None. `checkpoint_name`s
+    that a backward pass recomputes are not sites of their own."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive is site_p:
-            yield eqn, around
+        site = site_of(eqn)
+        if site is not None:
+            if not (recomputed and site.collection == CHECKPOINT_NAME):
+                yield site, around
             continue
         for label, loop, sub in _labelled_jaxprs(eqn):
-            yield from _walk(sub, (*around, (label, loop)))
+            inner = recomputed or recomputes(eqn)
+            yield from _walk(sub, (*around, (label, loop)), inner)
 
 
 def _labelled_jaxprs(eqn):
@@ -375,7 +380,8 @@ def _labelled_jaxprs(eqn):
 
 @dataclasses.dataclass(frozen=True)
 class BadSite:
-    """The first tag, in execution order, whose value held a NaN or an Inf.
+    """The first tag whose value (or, from `backward=True`, whose cotangent)
+    held a NaN or an Inf.
 
     - `name`, `collection`: the tag's.
     - `call`: the index of that execution among the name's executions, counting
@@ -383,45 +389,28 @@ class BadSite:
       `iteration` says which); else counting every execution.
     - `iteration`: the scan iteration (a tuple for nested scans, outermost
       first), or None.
+    - `backward`: whether it is the cotangent that went bad.
     """
 
     name: str
     collection: str
     call: int
     iteration: int | tuple[int, ...] | None
+    backward: bool = False
 
     def __str__(self) -> str:
         where = f"call {self.call}"
         if self.iteration is not None:
             where += f", scan iteration {self.iteration}"
-        return (
-            f"The tag {self.name!r} (collection {self.collection!r}) is the first "
-            f"value with a NaN or an Inf, at its {where}."
+        what = (
+            "the first, in the backward pass, whose cotangent holds"
+            if self.backward
+            else "the first value with"
         )
-
-
-class _Check(Handler):
-    """At every tag: a `checkify` check that its value is finite (the first
-    failing check in execution order is the one reported)."""
-
-    codes: Any = static_field()  # {(collection, name): code}
-    collection: str = static_field()
-
-    def __init__(self, codes):
-        _set_fields(self, codes=codes, collection="")
-
-    def matches(self, site):
-        return site.kind == "tag"
-
-    def apply(self, call, leaves):
-        from jax.experimental import checkify
-
-        code = self.codes[(call.site.collection, call.site.name)]
-        checkify.check(_finite(leaves), f"{_CODE}{code}")
-        return leaves, False
-
-    def calls_user_code(self):
-        return False
+        return (
+            f"The tag {self.name!r} (collection {self.collection!r}) is {what} a "
+            f"NaN or an Inf, at its {where}."
+        )
 
 
 _CODE = "effects-nonfinite-site:"
@@ -449,12 +438,91 @@ def _count_init(z):
 _COUNTER = Reduce(_count, _count_init)
 
 
-def find_nonfinite(fn: Callable, *args, **kwargs) -> BadSite | None:
+class _Check(Handler):
+    """At every tag: a `checkify` check that its value is finite, the first
+    failing check in execution order being the one reported; with `backward`,
+    an identity whose backward pass checks the cotangent instead, with the
+    execution's index among its name's (counted here) in the message."""
+
+    codes: Any = static_field()  # {(collection, name): code}
+    collection: str = static_field()
+    backward: bool = static_field()
+    # From `backward`: a zero added to every tag, that differentiating with
+    # respect to it computes the cotangent of every one.
+    zero: Any
+
+    def __init__(self, codes, zero=None):
+        _set_fields(
+            self, codes=codes, collection="", backward=zero is not None, zero=zero
+        )
+
+    def matches(self, site):
+        return site.kind == "tag"
+
+    def output_mode(self):
+        return _EXECUTIONS if self.backward else None
+
+    def apply(self, call, leaves):
+        from jax.experimental import checkify
+
+        code = self.codes[(call.site.collection, call.site.name)]
+        if not self.backward:
+            checkify.check(_finite(leaves), f"{_CODE}{code}")
+            return leaves, False
+        n = jnp.max(call.emit(jnp.int32(0))) - 1  # this execution's index
+        out = [
+            _cotangent_check(x + self.zero.astype(x.dtype), code, n)
+            if jnp.issubdtype(x.dtype, jnp.inexact)
+            else x
+            for x in leaves
+        ]
+        return out, False
+
+    def calls_user_code(self):
+        return False
+
+
+_EXECUTIONS = Reduce(lambda n, _: n + 1, lambda _: jnp.int32(0))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _cotangent_check(x, code: int, n):
+    del code, n
+    return x
+
+
+def _cotangent_check_fwd(x, code: int, n):
+    del code
+    return x, n
+
+
+def _cotangent_check_bwd(code: int, n, ct):
+    from jax.experimental import checkify
+
+    checkify.check(_finite([ct]), f"{_CODE}{code}:{{}}", n)
+    return ct, None
+
+
+_cotangent_check.defvjp(_cotangent_check_fwd, _cotangent_check_bwd)
+
+
+def find_nonfinite(
+    fn: Callable, *args, backward: bool = False, **kwargs
+) -> BadSite | None:
     """Runs `fn(*args, **kwargs)` once, compiled, with every tag checked, and
     returns the first tag in execution order whose value holds a NaN or an Inf,
     or None. A tag that is non-finite only because an earlier one was is never
     the one reported. Works through `jit`, `scan`, `cond` and `while_loop`;
-    pass `fx.tag_modules(model)` to check every layer of a model.
+    pass `fx.tag_modules(model)` to check every layer of a model. Every tag
+    counts, `jax.ad_checkpoint.checkpoint_name`s included.
+
+    With `backward=True` (`fn` returns a scalar), runs the backward pass too
+    and returns the first tag, in the order the backward pass computes
+    cotangents, whose cotangent (the gradient of the output with respect to
+    the tag's value) holds a NaN or an Inf: the site nearest the output where
+    the gradient goes bad. In `h = tag(x * 0, "h"); s = tag(jnp.sqrt(h), "s")`
+    that is `h`: the cotangent of `s` is finite, `sqrt`'s derivative at 0 is
+    not.
 
     ```python
     bad = fx.find_nonfinite(loss_fn, params, batch)
@@ -471,27 +539,57 @@ def find_nonfinite(fn: Callable, *args, **kwargs) -> BadSite | None:
     if not keys:
         return None
     codes = {key: i for i, key in enumerate(keys)}
+    if backward:
+        return _find_backward(fn, args, kwargs, listed, keys, codes)
     handlers = (
         _Check(codes),
         *(Tag(c, mode=_COUNTER) for c in listed),
     )
     checked = checkify.checkify(handle(fn, *handlers), errors=checkify.user_checks)
-    err, (_, found) = jax.jit(checked)(*args, **kwargs)
+    err, (_, found) = eqx.filter_jit(checked)(*args, **kwargs)
     message = err.get()
     if message is None or _CODE not in message:
         return None
     collection, name = keys[int(message.split(_CODE)[1].split()[0])]
     _, first = found[collection][name]
     first = np.asarray(first)
-    k = int(first[first >= 0].min())
+    return _bad_site(listed, collection, name, int(first[first >= 0].min()), False)
+
+
+def _find_backward(fn, args, kwargs, listed, keys, codes) -> BadSite | None:
+    from jax.experimental import checkify
+
+    def output(zero, args, kwargs):
+        out, _ = handle(fn, _Check(codes, zero))(*args, **kwargs)
+        if not (isinstance(out, jax.Array) and out.shape == ()):
+            raise ValueError(
+                "find_nonfinite(backward=True): the function must return a scalar "
+                f"(the loss), got {jax.tree.map(shape_dtype, out)}."
+            )
+        return out
+
+    def checked(args, kwargs):
+        return jax.grad(output)(jnp.float32(0), args, kwargs)
+
+    run = checkify.checkify(checked, errors=checkify.user_checks)
+    err, _ = eqx.filter_jit(run)(args, kwargs)
+    message = err.get()
+    if message is None or _CODE not in message:
+        return None
+    code, n = message.split(_CODE)[1].split()[0].split(":")
+    collection, name = keys[int(code)]
+    return _bad_site(listed, collection, name, int(n), True)
+
+
+def _bad_site(listed, collection, name, k: int, backward: bool) -> BadSite:
+    """The `k`-th execution of a name as a call and a scan iteration."""
     lengths = _scan_lengths(listed[collection][name])
     if lengths is None:
-        return BadSite(name, collection, k, None)
+        return BadSite(name, collection, k, None, backward)
     per_call = math.prod(lengths)
     index = tuple(int(i) for i in np.unravel_index(k % per_call, lengths))
-    return BadSite(
-        name, collection, k // per_call, index[0] if len(index) == 1 else index
-    )
+    iteration = index[0] if len(index) == 1 else index
+    return BadSite(name, collection, k // per_call, iteration, backward)
 
 
 def _scan_lengths(infos) -> tuple[int, ...] | None:

@@ -221,8 +221,9 @@ class Handler:
     - `apply(call, leaves) -> (new_leaves, consumed)`: one execution. `leaves`
       are the value's arrays in program layout; `call.site.to_front(leaves)` and
       `call.site.from_front(value, what)` convert to and from the layout
-      `found` uses; `call.emit(value)` reports a value; `call.next_input()`
-      takes the next per-execution input. A consumed site is no longer visible
+      `found` uses; `call.emit(value)` reports a value (under a `Reduce` mode it
+      returns the accumulator so far); `call.next_input()` takes the next
+      per-execution input. A consumed site is no longer visible
       to handlers further out.
     - `output_mode()`: `fx.Append()`, `fx.Append(single=True)`,
       `fx.Reduce(fn, init)`, or None if it emits nothing. Reported under

@@ -24,10 +24,12 @@ from ._handlers import Handler
 from ._primitives import bind_site, handling, site_effect, site_p
 from ._scope import Key, Scope, SiteCall, grow, types_of, zeros
 from ._site import (
+    CHECKPOINT_NAME,
     Axis,
     Lead,
     Site,
     after,
+    checkpoint_name_params,
     describe,
     from_region,
     stacked_avals,
@@ -56,9 +58,13 @@ def _analyse(jaxpr) -> tuple[frozenset, tuple[frozenset, ...]]:
             if eqn.primitive is site_p:
                 p = eqn.params
                 mine = frozenset([(p["kind"], p["collection"], p["name"])])
+            elif eqn.primitive is _compat.name_p:
+                mine = frozenset([("tag", CHECKPOINT_NAME, eqn.params["name"])])
             elif eqn.params:
                 for sub in _compat.open_jaxprs_in_params(eqn.params):
                     mine |= sites_in(sub)
+                if recomputes(eqn):
+                    mine = frozenset(s for s in mine if s[1] != CHECKPOINT_NAME)
             per_eqn.append(mine)
             acc |= mine
         found = (frozenset(acc), tuple(per_eqn))
@@ -87,6 +93,13 @@ def _plain_runs(jaxpr) -> dict[int, tuple[int, Any, list[Any]]]:
             i = stop
         _runs_cache[jaxpr] = runs
     return runs
+
+
+def recomputes(eqn) -> bool:
+    """Whether `eqn` is the backward pass's recomputation of a `jax.checkpoint`
+    region: the `checkpoint_name`s in it are executions of the forward pass's,
+    computed again, not sites of their own."""
+    return eqn.primitive is _compat.remat_p and bool(eqn.params.get("differentiated"))
 
 
 def sites_in(jaxpr) -> frozenset[tuple[str, str, str]]:
@@ -151,6 +164,8 @@ def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
             outs = _bind(eqn, invals)
         elif eqn.primitive is site_p:
             outs = _site_rule(eqn, invals, scope)
+        elif eqn.primitive is _compat.name_p:
+            outs = _checkpoint_name_rule(eqn, invals, scope)
         elif _needs_rule(eqn, sites, scope):
             rule = rules.get(eqn.primitive)
             if rule is None:
@@ -194,16 +209,44 @@ def handle_site(params, avals, invals, scope: Scope, effect=None) -> list[Any]:
     params, the avals of its leaves, their values). A site no handler consumes
     is bound again, for handlers further out (carrying the site effect if
     `effect`; by default, if the current handling state says so)."""
-    site = Site.from_eqn(params, avals)
-    leaves = list(invals)
+    leaves, consumed = _act(Site.from_eqn(params, avals), list(invals), scope)
+    if consumed:
+        return leaves
+    if effect is None:
+        return site_p.bind(*leaves, **params)
+    return bind_site(leaves, params, effect)
+
+
+def _act(site: Site, leaves: list[Any], scope: Scope) -> tuple[list[Any], bool]:
+    """The scope's handlers act, in order, on one executed site: the leaves
+    they leave, and whether one of them consumed the site."""
     for i, (handler, (matches, apply)) in enumerate(zip(scope.handlers, scope.actions)):
         if matches(handler, site):
             leaves, consumed = apply(handler, SiteCall(scope, i, site, leaves), leaves)
             if consumed:
-                return list(leaves)
-    if effect is None:
-        return site_p.bind(*leaves, **params)
-    return bind_site(leaves, params, effect)
+                return list(leaves), True
+    return leaves, False
+
+
+def site_of(eqn) -> Site | None:
+    """The site an equation is, if it is one: a `tag`/`perturb`, or a
+    `checkpoint_name` seen as a tag (see `checkpoint_name_params`)."""
+    if eqn.primitive is site_p:
+        return Site.from_eqn(eqn.params, [v.aval for v in eqn.invars])
+    if eqn.primitive is _compat.name_p:
+        params = checkpoint_name_params(eqn.params["name"])
+        return Site.from_eqn(params, [eqn.invars[0].aval])
+    return None
+
+
+def _checkpoint_name_rule(eqn, invals, scope: Scope) -> list[Any]:
+    """Handlers act on a `checkpoint_name` as on a tag, and the name stays on
+    the value they leave: remat policies that select by name keep working, and
+    handlers further out see it again."""
+    site = site_of(eqn)
+    assert site is not None
+    leaves, _ = _act(site, list(invals), scope)
+    return _bind(eqn, leaves)
 
 
 #

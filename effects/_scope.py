@@ -95,7 +95,8 @@ class Scope:
 
     # Accumulators -----------------------------------------------------------
 
-    def reduce(self, key: Key, value, reduce, site: Site) -> None:
+    def reduce(self, key: Key, value, reduce, site: Site):
+        """Folds `value` into the key's accumulator; returns the new one."""
         self.sites.setdefault(key, site)
         batch = site.batch_sizes()
         if key not in self.accs:
@@ -128,6 +129,7 @@ class Scope:
                 )
             )
         self.accs[key] = new
+        return new
 
     def _fold(self, key: Key, reduce, acc, value):
         try:
@@ -244,13 +246,15 @@ class SiteCall:
         self.key: Key = (index, site.name)
         self.site = site
 
-    def emit(self, value) -> None:
-        """Reports `value` (in handler layout) under the handler's output mode."""
+    def emit(self, value):
+        """Reports `value` (in handler layout) under the handler's output mode.
+        Under a `Reduce` mode, returns the accumulator after folding it in (what
+        the executions so far add up to); else None."""
         mode = self.scope.mode(self.key)
         if mode.reduces:
-            self.scope.reduce(self.key, value, mode, self.site)
-        else:
-            self.scope.add_entry(self.key, value, Lead(self.site.nbatch), self.site)
+            return self.scope.reduce(self.key, value, mode, self.site)
+        self.scope.add_entry(self.key, value, Lead(self.site.nbatch), self.site)
+        return None
 
     def next_input(self):
         """The next per-execution input value for this site (handler layout)."""

@@ -35,6 +35,20 @@ def describe(tree) -> str:
     )
 
 
+CHECKPOINT_NAME = "checkpoint_name"
+_LEAF = jax.tree.structure(0)
+
+
+def checkpoint_name_params(name: str) -> dict[str, Any]:
+    """The params under which handlers see a `jax.ad_checkpoint.checkpoint_name`
+    (JAX's `name` primitive, on one array): a tag named `name` in the collection
+    `"checkpoint_name"`. JAX's batching rule for it keeps no record of vmap's
+    axes, so its value is seen as the program holds it."""
+    return dict(
+        name=name, collection=CHECKPOINT_NAME, kind="tag", treedef=_LEAF, batch=((),)
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Site:
     """One binding of the site primitive: its params and the avals of its leaves

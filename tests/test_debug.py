@@ -297,3 +297,80 @@ def test_find_nonfinite_nested_scans_and_other_collections():
     assert got == fx.BadSite("v", "logs", 0, (1, 2))
     assert fx.find_nonfinite(g, jnp.float32(5.0)) is None
     assert fx.find_nonfinite(lambda x: x, jnp.float32(jnp.nan)) is None  # no tags
+
+
+def backward_program(x, r):
+    h = fx.tag(x * x, "h")
+
+    def body(c, ri):
+        s = fx.tag(jnp.sqrt(c - ri), "s")
+        return fx.tag(s * 2.0, "after"), None
+
+    c, _ = jax.lax.scan(body, h, r)
+    return jnp.sum(jax.jit(lambda c: fx.tag(jnp.log(c), "log"))(c))
+
+
+def backward_reference(x, r):
+    """The cotangents of `backward_program`'s tags by hand in NumPy, in the
+    order the backward pass computes them, and the first non-finite one."""
+    x, r = np.asarray(x, np.float64), np.asarray(r, np.float64)
+    log = []
+
+    def ct(name, value, iteration=None):
+        log.append((name, 0, iteration, bool(np.all(np.isfinite(value)))))
+
+    with np.errstate(all="ignore"):
+        c = [x * x]
+        for ri in r:
+            c.append(2 * np.sqrt(c[-1] - ri))
+        ct("log", np.ones_like(x))  # d sum(y) / d y
+        ct_c = 1 / c[-1]
+        for i in reversed(range(len(r))):
+            ct("after", ct_c, i)
+            ct_s = 2 * ct_c
+            ct("s", ct_s, i)
+            ct_c = ct_s * 0.5 / np.sqrt(c[i] - r[i])
+        ct("h", ct_c)
+    return next(((n, c, it) for n, c, it, ok in log if not ok), None)
+
+
+@pytest.mark.parametrize(
+    "x, r",
+    [
+        ([0.0, 1.0], [0.0, -1.0, -1.0]),  # sqrt'(0) at the first step: "h"
+        ([0.5, 1.0], [0.0, 1.0, -1.0]),  # sqrt'(0) at the second: "after" 0
+        ([0.15625, 1.0], [0.0, 0.25, 0.5]),  # log'(0): "after" 2, nearest the loss
+        ([0.0, 1.0], [0.0, 1.0, -1.0]),  # NaN from the forward pass: "after" 2
+        ([2.0, 1.0], [0.0, 1.0, -1.0]),  # finite
+    ],
+)
+def test_find_nonfinite_backward_reports_the_first_bad_cotangent(x, r):
+    x, r = jnp.asarray(x, jnp.float32), jnp.asarray(r, jnp.float32)
+    want = backward_reference(x, r)
+    got = fx.find_nonfinite(backward_program, x, r, backward=True)
+    if want is None:
+        assert got is None
+        assert np.all(np.isfinite(jax.grad(backward_program)(x, r)))
+    else:
+        name, call, iteration = want
+        assert got == fx.BadSite(name, "intermediates", call, iteration, True)
+        assert f"'{name}'" in str(got) and "backward pass" in str(got)
+
+
+def test_find_nonfinite_backward_the_example_of_its_docstring_and_errors():
+    def loss(x):
+        h = fx.tag(x * 0, "h")
+        s = fx.tag(jnp.sqrt(h), "s")
+        return jnp.sum(s)
+
+    x = jnp.arange(3.0)
+    assert fx.find_nonfinite(loss, x) is None  # the forward pass is finite
+    assert fx.find_nonfinite(loss, x, backward=True) == fx.BadSite(
+        "h", "intermediates", 0, None, backward=True
+    )
+    # Every tag is checked, not only those on the path from the arguments.
+    assert fx.find_nonfinite(
+        lambda x: loss(jnp.float32(0) * x[0]), x, backward=True
+    ) == fx.BadSite("h", "intermediates", 0, None, backward=True)
+    with pytest.raises(ValueError, match="must return a scalar"):
+        fx.find_nonfinite(lambda x: fx.tag(x, "t"), x, backward=True)

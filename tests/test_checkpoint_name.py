@@ -1,0 +1,191 @@
+"""`jax.ad_checkpoint.checkpoint_name` sites: every handler sees them as tags in
+the collection "checkpoint_name", and the name stays in the program for remat
+policies."""
+
+import contextlib
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
+
+import effects as fx
+
+CN = "checkpoint_name"
+
+
+def f(x):
+    h = checkpoint_name(jnp.sin(x), "h")
+
+    def body(c, xi):
+        y = checkpoint_name(jnp.tanh(c * xi), "y")
+        return c + y, None
+
+    c, _ = jax.lax.scan(body, h, jnp.array([0.5, 1.0, 1.5]))
+    c = jax.lax.cond(
+        c[0] > 0, lambda c: checkpoint_name(c * 2, "pos"), lambda c: c - 1, c
+    )
+    return jax.jit(lambda c: jnp.sum(checkpoint_name(jnp.exp(c), "e")))(c)
+
+
+def f_reference(x):
+    """`f` by hand in NumPy: its output and every named value, in order."""
+    x = np.asarray(x, np.float64)
+    h = np.sin(x)
+    c, ys = h, []
+    for xi in (0.5, 1.0, 1.5):
+        ys.append(np.tanh(c * xi))
+        c = c + ys[-1]
+    named = {"h": (h,), "y": (np.stack(ys),)}
+    if c[0] > 0:
+        c = c * 2
+        named["pos"] = (c,)
+    else:  # a name the branch that ran did not tag is reported as zeros
+        c = c - 1
+        named["pos"] = (np.zeros_like(c),)
+    named["e"] = (np.exp(c),)
+    return np.sum(np.exp(c)), named
+
+
+def assert_found(found, want):
+    assert list(found) == list(want)
+    for name in want:
+        assert len(found[name]) == len(want[name]), name
+        for got, ref in zip(found[name], want[name]):
+            np.testing.assert_allclose(got, ref, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("x", [[0.3, -0.2], [-0.8, 0.4]])  # cond: both branches
+@pytest.mark.parametrize("jit", [False, True])
+def test_tag_collects_checkpoint_names_through_scan_cond_and_jit(x, jit):
+    x = jnp.asarray(x, jnp.float32)
+    handled = fx.handle(f, fx.Tag(CN))
+    out, found = (jax.jit(handled) if jit else handled)(x)
+    want_out, want = f_reference(x)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5)
+    assert list(found) == [CN]
+    # Under an outer jit the names come back as JAX's dict pytree sorts them.
+    assert_found(found[CN], want if not jit else dict(sorted(want.items())))
+
+
+def test_substitute_patches_a_checkpoint_name_and_tag_sees_the_new_value():
+    x = jnp.array([0.3, -0.2])
+    new = jnp.array([2.0, -3.0])
+    out, found = fx.handle(
+        f, fx.Substitute({"h": new}, collection=CN), fx.Tag(CN, names="y")
+    )(x)
+
+    def patched(x):  # f with h replaced by hand
+        del x
+        c = new
+        for xi in (0.5, 1.0, 1.5):
+            c = c + jnp.tanh(c * xi)
+        c = c * 2 if c[0] > 0 else c - 1
+        return jnp.sum(jnp.exp(c))
+
+    np.testing.assert_allclose(out, patched(x), rtol=1e-5)
+    assert found[CN]["y"][0][0] == pytest.approx(np.tanh(new * 0.5), rel=1e-5)
+
+
+def test_sites_lists_checkpoint_names_with_their_control_flow():
+    listed = fx.sites(f)(jnp.zeros(2))
+    assert list(listed[CN]) == ["h", "y", "pos", "e"]
+    (y,) = listed[CN]["y"]
+    assert (y.kind, y.where, y.value.shape) == ("tag", "scan(length=3)", (2,))
+    assert listed[CN]["pos"][0].where == "cond branch 1"
+    assert listed[CN]["e"][0].where.startswith("jit(")
+
+
+def g(x):
+    h = checkpoint_name(jnp.sin(x), "h")
+    g = checkpoint_name(jnp.cos(h) * 2, "g")
+    return jnp.sum(jnp.exp(g) ** 2)
+
+
+def saved(fn, x) -> list[str]:
+    """What `print_saved_residuals` says `fn` keeps for its backward pass,
+    without the source lines."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(fn, x)
+    return sorted(line.split(" from ")[0] for line in out.getvalue().splitlines())
+
+
+@pytest.mark.parametrize("keep", [("h",), ("g",), ("h", "g"), ()])
+@pytest.mark.parametrize("handler", [fx.Tag(CN), fx.Stats(CN)], ids=["Tag", "Stats"])
+def test_handled_names_still_select_what_a_remat_policy_saves(keep, handler):
+    x = jnp.array([0.1, 0.7, 1.3])
+    policy = jax.checkpoint_policies.save_only_these_names(*keep)
+    plain = jax.checkpoint(g, policy=policy)
+    handled = fx.handle(plain, handler)
+    want = saved(plain, x)
+    assert [s for s in want if "named" in s] == [
+        f"f32[3] named {n!r}" for n in sorted(keep)
+    ]
+    assert saved(lambda x: handled(x)[0], x) == want
+    np.testing.assert_allclose(
+        jax.grad(lambda x: handled(x)[0])(x), jax.grad(g)(x), rtol=1e-5
+    )
+
+
+def test_a_substituted_value_keeps_the_name():
+    x = jnp.array([0.1, 0.7, 1.3])
+    handled = fx.handle(g, fx.Substitute({"g": jnp.ones(3)}, collection=CN))
+    assert "name[name=g]" in str(jax.make_jaxpr(handled)(x))
+    np.testing.assert_allclose(handled(x)[0], jnp.sum(jnp.exp(jnp.ones(3)) ** 2))
+
+
+@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.nothing_saveable])
+def test_a_backward_pass_recomputing_a_name_adds_no_execution(policy):
+    x = jnp.array([0.1, 0.7, 1.3])
+    _, want = fx.handle(g, fx.Tag(CN))(x)
+    grad, found = fx.handle(jax.grad(jax.checkpoint(g, policy=policy)), fx.Tag(CN))(x)
+    np.testing.assert_allclose(grad, jax.grad(g)(x), rtol=1e-5)
+    assert_found(found[CN], want[CN])
+    listed = fx.sites(jax.grad(jax.checkpoint(g, policy=policy)))(x)
+    assert {n: len(v) for n, v in listed[CN].items()} == {"h": 1, "g": 1}
+
+    def scanned(x):  # the scan's backward pass recomputes each iteration
+        def body(c, _):
+            return jnp.sin(checkpoint_name(c * 1.5, "z")), None
+
+        return jnp.sum(jax.lax.scan(jax.checkpoint(body, policy=policy), x, None, 4)[0])
+
+    _, want = fx.handle(scanned, fx.Tag(CN))(x)
+    _, found = fx.handle(jax.grad(scanned), fx.Tag(CN))(x)
+    assert found[CN]["z"][0].shape == (4, 3)
+    assert_found(found[CN], want[CN])
+
+
+def test_nested_handlers_each_see_the_name_it_keeps():
+    x = jnp.array([0.1, 0.7, 1.3])
+    inner = fx.handle(g, fx.Tag(CN, names="h"))
+    (_, found_inner), found_outer = fx.handle(inner, fx.Tag(CN, names="h"))(x)
+    np.testing.assert_allclose(found_inner[CN]["h"][0], jnp.sin(x))
+    np.testing.assert_allclose(found_outer[CN]["h"][0], jnp.sin(x))
+
+
+def test_under_vmap_inside_handle_the_value_is_as_the_program_holds_it():
+    xs = jnp.arange(6.0).reshape(2, 3)
+    _, found = fx.handle(jax.vmap(g), fx.Tag(CN))(xs)
+    np.testing.assert_allclose(found[CN]["h"][0], jnp.sin(xs))
+    _, found = jax.vmap(fx.handle(g, fx.Tag(CN)))(xs)
+    np.testing.assert_allclose(found[CN]["h"][0], jnp.sin(xs))
+
+
+def test_find_nonfinite_checks_checkpoint_names_forward_and_backward():
+    def loss(x):
+        h = checkpoint_name(x * 0, "h")
+        s = checkpoint_name(jnp.sqrt(h), "s")
+        return jnp.sum(jnp.log(s + 1))
+
+    x = jnp.array([1.0, 2.0])
+    assert fx.find_nonfinite(loss, x) is None
+    assert fx.find_nonfinite(loss, x, backward=True) == fx.BadSite(
+        "h", CN, 0, None, backward=True
+    )
+    assert fx.find_nonfinite(lambda x: loss(jnp.log(x - 1)), x) == fx.BadSite(
+        "h", CN, 0, None
+    )
