@@ -684,13 +684,19 @@ def handle(fn: Callable, *handlers: Handler) -> Callable:
     return _memoized(fn, handlers)
 
 
-def intermediate_grads(fn: Callable, *, collection: str = "perturbations") -> Callable:
-    """Gradients of a scalar function with respect to its `perturb` sites.
+def intermediate_grads(
+    fn: Callable, *, collection: str | None = None, kind: str = "perturb"
+) -> Callable:
+    """Gradients of a scalar function with respect to its `perturb` sites (or,
+    with `kind="tag"`, its tags).
 
     **Arguments:**
 
     - `fn`: a function returning a scalar, with `fx.perturb` sites.
-    - `collection`: the collection of the sites.
+    - `collection`: the collection of the sites; by default `"perturbations"`
+      (`"intermediates"` with `kind="tag"`).
+    - `kind`: `"perturb"`, or `"tag"` for the gradients with respect to tagged
+      values, such as every layer `fx.tag_modules` tags.
 
     **Returns:**
 
@@ -710,17 +716,15 @@ def intermediate_grads(fn: Callable, *, collection: str = "perturbations") -> Ca
         pure, kwargs = (fn, kwargs) if nnx_call is None else (nnx_call[0], {})
         if nnx_call is not None:
             args = nnx_call[1]
-        _, shapes = eqx.filter_eval_shape(
-            handle(pure, Perturb(collection=collection)), *args, **kwargs
-        )
+        probe = Perturb(collection=collection, kind=kind)
+        _, shapes = eqx.filter_eval_shape(handle(pure, probe), *args, **kwargs)
         zeros = jax.tree.map(
-            lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes[collection]
+            lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes[probe.collection]
         )
 
         def loss(deltas):
-            out, _ = handle(pure, Perturb(deltas, collection=collection))(
-                *args, **kwargs
-            )
+            perturb = Perturb(deltas, collection=collection, kind=kind)
+            out, _ = handle(pure, perturb)(*args, **kwargs)
             return out  # with NNX objects: (value, their state)
 
         if nnx_call is None:

@@ -395,8 +395,12 @@ class Perturb(Handler):
     - `deltas`: None, or a dict from name to a tuple with one delta per execution
       (stacked over scan iterations), as `Perturb()` reports. Names absent from
       `deltas` are left alone.
-    - `collection`: the collection of the `perturb` sites.
+    - `collection`: the collection of the sites; by default `"perturbations"`
+      (`"intermediates"` with `kind="tag"`).
     - `names`: which names (None, glob, list of globs, predicate).
+    - `kind`: `"perturb"`, or `"tag"` to add the deltas at tags instead: the
+      gradient with respect to a tagged value, e.g. every layer tagged by
+      `fx.tag_modules`.
 
     ```python
     _, found = fx.handle(loss, fx.Perturb())(x)
@@ -405,7 +409,7 @@ class Perturb(Handler):
     ```
     """
 
-    kind: ClassVar[str] = "perturb"
+    kind: str = _static()  # type: ignore[misc]
     consumes: ClassVar[bool] = True
     collection: str = _static()
     deltas: Any
@@ -415,16 +419,22 @@ class Perturb(Handler):
         self,
         deltas: Mapping[str, Any] | None = None,
         *,
-        collection: str = "perturbations",
+        collection: str | None = None,
         names: Names = None,
+        kind: str = "perturb",
     ):
         if deltas is not None and not isinstance(deltas, Mapping):
             raise TypeError(
                 f"Perturb: deltas must be a dict from name to a tuple of deltas, got "
                 f"{type(deltas).__name__}."
             )
+        if kind not in ("perturb", "tag"):
+            raise ValueError(f"Perturb: kind must be 'perturb' or 'tag', got {kind!r}.")
+        if collection is None:
+            collection = "perturbations" if kind == "perturb" else "intermediates"
         _set_fields(
             self,
+            kind=kind,
             collection=collection,
             deltas=None if deltas is None else _per_call_dict(deltas, "Perturb"),
             names=_check_names(names, "Perturb"),

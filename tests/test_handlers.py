@@ -494,6 +494,27 @@ def test_intermediate_grads():
     assert_trees_close(grads, {"h": (gh,), "c": (gc,)}, rtol=1e-4, atol=1e-5)
 
 
+def test_intermediate_grads_and_perturb_at_tags():
+    def loss(x):  # `ploss` with tags where it has perturb sites
+        return jnp.sum(model(x) ** 2)
+
+    loss_value, grads = evaluate(fx.intermediate_grads(loss, kind="tag"), X)
+    assert_trees_close(loss_value, evaluate(ploss_ref, X, ZH, ZC))
+    gh, gc = evaluate(jax.grad(ploss_ref, argnums=(1, 2)), X, ZH, ZC)
+    assert_trees_close(grads, {"h": (gh,), "c": (gc,)}, rtol=1e-4, atol=1e-5)
+    # The handler itself: zeros reported for tags, deltas added at them.
+    _, found = fx.handle(model, fx.Perturb(kind="tag"))(X)
+    assert_trees_close(found, {"intermediates": {"h": (ZH,), "c": (ZC,)}})
+    dh = _rng(11, (3,))
+    out, _ = fx.handle(model, fx.Perturb({"h": (dh,)}, kind="tag"))(X)
+    assert_trees_close(out, model_ref(X, on_h=lambda h: h + dh)[0], rtol=1e-5)
+    # Perturb sites are left alone by it, and a kind it does not know is refused.
+    _, found = fx.handle(pmodel, fx.Perturb(kind="tag"))(X)
+    assert found == {"intermediates": {}}
+    with pytest.raises(ValueError, match="kind must be 'perturb' or 'tag'"):
+        fx.Perturb(kind="tags")
+
+
 def test_intermediate_grads_eager_repeated_site():
     def loss(x):
         a = fx.perturb(jnp.sin(x), "a")
