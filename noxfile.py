@@ -142,7 +142,7 @@ def docs(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def examples(session: nox.Session) -> None:
     """Run every script in examples/."""
-    session.install("-e", ".[test]")
+    session.install("-e", ".[test,plot]")
     scripts = sorted(p for p in _glob("examples/*.py"))
     if not scripts:
         session.error("no scripts in examples/")

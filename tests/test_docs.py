@@ -6,7 +6,9 @@ the class `.no-test` (```` ```python {.no-test} ````): that marks code which
 cannot run here, such as another library's API shown for comparison. A block
 with `requires="flax>=0.12.6"` runs only where that requirement holds: the docs
 show the current release of a library, and the JAX-version matrix also runs
-older ones (the newest versions run every block). Blocks in any other language
+older ones (the newest versions run every block). A block that is one snippet
+include, `--8<-- "examples/x.py:section"` (pymdownx.snippets), runs that section
+of the file, with tracebacks pointing into the file. Blocks in any other language
 (`bash`, `text`, ...) are not run. A failing block is reported with its page and
 line, and the traceback points into the page."""
 
@@ -27,9 +29,13 @@ PAGES = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 
 
-def code_blocks(path: Path) -> list[tuple[int, str, str]]:
+_SNIPPET = re.compile(r'^--8<-- "(?P<path>[^":]+)(?::(?P<section>[\w-]+))?"$')
+
+
+def code_blocks(path: Path) -> list[tuple[int, str, str, Path]]:
     """The runnable blocks of a Markdown page, as (line of the first code line,
-    code, unmet requirement or ""). Fences may be indented (inside admonitions,
+    code, unmet requirement or "", the file the code is in: the page, or the
+    file a snippet include names). Fences may be indented (inside admonitions,
     tabs, lists)."""
     blocks = []
     lines = path.read_text(encoding="utf-8").splitlines()
@@ -56,8 +62,25 @@ def code_blocks(path: Path) -> list[tuple[int, str, str]]:
             i += 1
         i += 1
         if _runs(info):
-            blocks.append((start, "\n".join(body) + "\n", _unmet(info)))
+            snippet = _SNIPPET.match("\n".join(body).strip())
+            if snippet:
+                source = ROOT / snippet["path"]
+                start, code = _section(source, snippet["section"])
+                blocks.append((start, code, _unmet(info), source))
+            else:
+                blocks.append((start, "\n".join(body) + "\n", _unmet(info), path))
     return blocks
+
+
+def _section(path: Path, name: str | None) -> tuple[int, str]:
+    """A file's lines between `# --8<-- [start:name]` and `# --8<-- [end:name]`
+    (the whole file without a name), as (its first line, the code)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if name is None:
+        return 1, "\n".join(lines) + "\n"
+    first = lines.index(f"# --8<-- [start:{name}]") + 1
+    last = lines.index(f"# --8<-- [end:{name}]", first)
+    return first + 1, "\n".join(lines[first:last]) + "\n"
 
 
 def _runs(info: str) -> bool:
@@ -90,13 +113,13 @@ def test_page(page: Path):
     sys.modules[name] = module
     unmet = []
     try:
-        for line, code, requirement in code_blocks(page):
+        for line, code, requirement, source in code_blocks(page):
             if requirement:
                 unmet.append(f"{_id(page)}:{line} needs {requirement}")
                 continue
             # Padding puts the code on its own lines of the page, so tracebacks
             # show the page's source.
-            compiled = compile("\n" * (line - 1) + code, str(page), "exec")
+            compiled = compile("\n" * (line - 1) + code, str(source), "exec")
             try:
                 exec(compiled, module.__dict__)
             except Exception as e:
@@ -116,3 +139,7 @@ def test_blocks_are_found():
     assert not _runs("python {.no-test}") and not _runs("bash")
     assert _unmet('python {requires="pytest>=1"}') == ""
     assert "installed" in _unmet('python {requires="pytest<1"}')
+    # A snippet include runs the section it names, from the named file.
+    page = ROOT / "docs/guides/interpretability.md"
+    sources = {source for _, _, _, source in code_blocks(page)}
+    assert sources == {ROOT / "examples/interpretability.py"}
