@@ -367,7 +367,8 @@ def _labelled_jaxprs(eqn):
             ("while_loop cond", "while", p["cond_jaxpr"].jaxpr),
             ("while_loop body", "while", p["body_jaxpr"].jaxpr),
         ]
-    name = "jit" if name == "pjit" else name  # jax 0.7-0.9 call it `pjit`
+    # As users write them: jax 0.7-0.9 call jit `pjit`; `jax.checkpoint` is `remat2`.
+    name = {"pjit": "jit", "remat2": "checkpoint"}.get(name, name)
     label = f"{name}({p['name']})" if isinstance(p.get("name"), str) else name
     loop = None if name == "jit" else "other"
     return [(label, loop, sub) for sub in _compat.open_jaxprs_in_params(p)]

@@ -96,6 +96,8 @@ def test_sites_lists_checkpoint_names_with_their_control_flow():
     assert (y.kind, y.where, y.value.shape) == ("tag", "scan(length=3)", (2,))
     assert listed[CN]["pos"][0].where == "cond branch 1"
     assert listed[CN]["e"][0].where.startswith("jit(")
+    under_remat = fx.sites(jax.checkpoint(f))(jnp.zeros(2))[CN]["y"][0].where
+    assert under_remat == "checkpoint > scan(length=3)"
 
 
 def g(x):
