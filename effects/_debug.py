@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat
+from . import _compat, _nnx
 from ._handle import handle
 from ._handlers import (
     Append,
@@ -305,6 +305,8 @@ class Sites(dict):
 def sites(fn: Callable) -> Callable[..., Sites]:
     """Lists every `tag` and `perturb` call `fn` would execute, without running
     anything: `fn` is only traced, so arguments may be `jax.ShapeDtypeStruct`s.
+    Other leaves that are not arrays (an Equinox module's functions) are held
+    static, and Flax NNX objects are traced through their state, left as it was.
 
     **Returns:**
 
@@ -318,8 +320,9 @@ def sites(fn: Callable) -> Callable[..., Sites]:
 
     def lister(*args, **kwargs) -> Sites:
         found = Sites()
+        call, dynamic = _traced_arguments(fn, args, kwargs)
         with handling(True):
-            jaxpr = jax.make_jaxpr(fn)(*args, **kwargs).jaxpr
+            jaxpr = jax.make_jaxpr(call)(dynamic).jaxpr
         for site, around in _walk(jaxpr, ()):
             info = SiteInfo(
                 site.kind,
@@ -334,6 +337,29 @@ def sites(fn: Callable) -> Callable[..., Sites]:
 
     functools.update_wrapper(lister, fn, updated=())
     return lister
+
+
+def _traced_arguments(fn, args, kwargs):
+    """`fn` as a function of the arrays (and `jax.ShapeDtypeStruct`s) among its
+    arguments, with every other leaf (an Equinox module's functions, Python
+    numbers) held static as `eqx.filter_jit` holds it; and those arrays. Flax
+    NNX objects go in as their state, and the state they end with is dropped:
+    looking at a model leaves it as it was."""
+    nnx_call = _nnx.functional(fn, args, kwargs)
+    if nnx_call is not None:
+        pure, args, kwargs = nnx_call[0], nnx_call[1], {}
+        fn = lambda *args: pure(*args)[0]  # noqa: E731
+    dynamic, static = eqx.partition((args, kwargs), _is_traced)
+
+    def call(dynamic):
+        args, kwargs = eqx.combine(dynamic, static)
+        return fn(*args, **kwargs)
+
+    return call, dynamic
+
+
+def _is_traced(x) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 def _walk(jaxpr, around: tuple, recomputed: bool = False):
@@ -515,7 +541,9 @@ def find_nonfinite(
     or None. A tag that is non-finite only because an earlier one was is never
     the one reported. Works through `jit`, `scan`, `cond` and `while_loop`;
     pass `fx.tag_modules(model)` to check every layer of a model. Every tag
-    counts, `jax.ad_checkpoint.checkpoint_name`s included.
+    counts, `jax.ad_checkpoint.checkpoint_name`s included. Arguments are
+    treated as `eqx.filter_jit` treats them (arrays traced, other leaves
+    static); Flax NNX objects are run on their state, which is left as it was.
 
     With `backward=True` (`fn` returns a scalar), runs the backward pass too
     and returns the first tag, in the order the backward pass computes
@@ -535,19 +563,20 @@ def find_nonfinite(
     # JAX's tables, which `import effects` alone must not do.
     from jax.experimental import checkify
 
-    listed = sites(fn)(*args, **kwargs)
+    fn, dynamic = _traced_arguments(fn, args, kwargs)
+    listed = sites(fn)(dynamic)
     keys = [(c, n) for c, names in listed.items() for n in names]
     if not keys:
         return None
     codes = {key: i for i, key in enumerate(keys)}
     if backward:
-        return _find_backward(fn, args, kwargs, listed, keys, codes)
+        return _find_backward(fn, dynamic, listed, keys, codes)
     handlers = (
         _Check(codes),
         *(Tag(c, mode=_COUNTER) for c in listed),
     )
     checked = checkify.checkify(handle(fn, *handlers), errors=checkify.user_checks)
-    err, (_, found) = eqx.filter_jit(checked)(*args, **kwargs)
+    err, (_, found) = jax.jit(checked)(dynamic)
     message = err.get()
     if message is None or _CODE not in message:
         return None
@@ -557,11 +586,11 @@ def find_nonfinite(
     return _bad_site(listed, collection, name, int(first[first >= 0].min()), False)
 
 
-def _find_backward(fn, args, kwargs, listed, keys, codes) -> BadSite | None:
+def _find_backward(fn, dynamic, listed, keys, codes) -> BadSite | None:
     from jax.experimental import checkify
 
-    def output(zero, args, kwargs):
-        out, _ = handle(fn, _Check(codes, zero))(*args, **kwargs)
+    def output(zero, dynamic):
+        out, _ = handle(fn, _Check(codes, zero))(dynamic)
         if not (isinstance(out, jax.Array) and out.shape == ()):
             raise ValueError(
                 "find_nonfinite(backward=True): the function must return a scalar "
@@ -569,11 +598,11 @@ def _find_backward(fn, args, kwargs, listed, keys, codes) -> BadSite | None:
             )
         return out
 
-    def checked(args, kwargs):
-        return jax.grad(output)(jnp.float32(0), args, kwargs)
+    def checked(dynamic):
+        return jax.grad(output)(jnp.float32(0), dynamic)
 
     run = checkify.checkify(checked, errors=checkify.user_checks)
-    err, _ = eqx.filter_jit(run)(args, kwargs)
+    err, _ = jax.jit(run)(dynamic)
     message = err.get()
     if message is None or _CODE not in message:
         return None

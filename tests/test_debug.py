@@ -1,8 +1,10 @@
-"""`Stats` and `summary`, against statistics computed with NumPy from the values
-`Tag` collects, with NaNs and Infs placed by hand."""
+"""The debugging tools: `Stats` and `summary` against statistics computed with
+NumPy from the values `Tag` collects, `sites` against the program, and
+`find_nonfinite` forward and backward against NaNs and Infs placed by hand."""
 
 from __future__ import annotations
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -374,3 +376,41 @@ def test_find_nonfinite_backward_the_example_of_its_docstring_and_errors():
     ) == fx.BadSite("h", "intermediates", 0, None, backward=True)
     with pytest.raises(ValueError, match="must return a scalar"):
         fx.find_nonfinite(lambda x: fx.tag(x, "t"), x, backward=True)
+
+
+def test_models_as_arguments_equinox_and_nnx():
+    # An Equinox module holds functions among its leaves: they stay static.
+    mlp = fx.tag_modules(eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0)))
+
+    def loss(model, x):
+        return jnp.sum(jnp.sqrt(model(x) * 0))  # NaN gradient, finite value
+
+    x = jnp.ones(3)
+    listed = fx.sites(loss)(mlp, jax.ShapeDtypeStruct((3,), jnp.float32))
+    assert list(listed["intermediates"]) == ["layers.0", "layers.1", "layers.2"]
+    assert fx.find_nonfinite(loss, mlp, x) is None
+    # The cotangent of the last layer is 0 * inf: the layer nearest the loss.
+    want = fx.BadSite("layers.2", "intermediates", 0, None, backward=True)
+    assert fx.find_nonfinite(loss, mlp, x, backward=True) == want
+
+    # An NNX model whose call writes its state (BatchNorm in training mode):
+    # looking at it leaves the state as it was.
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.linear = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+            self.norm = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.norm(self.linear(x))
+
+    model = Model()
+    before = jax.tree.map(np.asarray, nnx.state(model))
+    tagged = fx.tag_modules(model)
+    xs = jnp.arange(6.0).reshape(2, 3)
+    assert list(fx.sites(tagged)(xs)["intermediates"]) == ["linear", "norm"]
+    assert fx.find_nonfinite(tagged, xs) is None
+    got = fx.find_nonfinite(lambda m, x: loss(m, x), tagged, xs, backward=True)
+    assert got == fx.BadSite("norm", "intermediates", 0, None, backward=True)
+    assert_trees_close(nnx.state(model), before)
