@@ -37,6 +37,6 @@ from ._primitives import perturb as perturb
 from ._primitives import tag as tag
 
 try:
-    __version__ = importlib.metadata.version("effects")
+    __version__ = importlib.metadata.version("effects-jax")
 except importlib.metadata.PackageNotFoundError:  # pragma: no cover
     __version__ = "0.0.0"

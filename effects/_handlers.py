@@ -213,7 +213,7 @@ class Handler:
     are part of its configuration (and of the key the rewritten program is
     cached under).
 
-    **The protocol** (see [Writing a handler](guides/writing-a-handler.md)):
+    **The protocol** (see [Writing a handler](../guides/writing-a-handler.md)):
 
     - `matches(site) -> bool`: whether to act at a site (`site.kind`,
       `site.collection`, `site.name`). Default: sites of the class attribute
