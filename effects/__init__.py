@@ -6,6 +6,7 @@ from ._debug import BadSite as BadSite
 from ._debug import SiteInfo as SiteInfo
 from ._debug import Sites as Sites
 from ._debug import Stats as Stats
+from ._debug import Summary as Summary
 from ._debug import find_nonfinite as find_nonfinite
 from ._debug import sites as sites
 from ._debug import summary as summary
@@ -19,6 +20,9 @@ from ._handlers import (
 )
 from ._handlers import (
     Intervene as Intervene,
+)
+from ._handlers import (
+    Names as Names,
 )
 from ._handlers import (
     Perturb as Perturb,

@@ -68,21 +68,46 @@ class Stats(Handler):
     """Collects summary statistics of every execution of the matching tags,
     computed inside the compiled program, never the values themselves.
 
-    Each entry is, per leaf of the tagged value, a dict with `mean`, `std`
-    (population), `min`, `max`, `mean_abs` over the finite values, and
-    `nan_count`, `inf_count`. Entries are laid out as `Tag()` lays out values:
-    a tuple with one entry per execution; inside a `lax.scan` each statistic is
-    stacked along the scan (shape `(length,)`), and under a `jax.vmap` inside the
-    handled function it has the batch axes first (statistics per example).
+    A handler like [`Tag`][effects.Tag], in its `"append"` layout, for when the
+    values are too large to keep: each entry is, per leaf of the tagged value,
+    a dict with `mean`, `std` (population), `min`, `max` and `mean_abs` over
+    the finite values, and `nan_count`, `inf_count`. A leaf with no finite
+    value has NaN moments; integers and 16-bit floats are summarised in
+    float32, complex numbers by their absolute values. Entries are a tuple
+    with one entry per execution; inside a `lax.scan` each statistic is
+    stacked along the scan (shape `(length,)`), and under a `jax.vmap` inside
+    the handled function it has the batch axes first (statistics per
+    example). [`fx.summary`][effects.summary] renders them as a table.
 
     **Arguments:**
 
     - `collection`: the collection whose tags are summarised.
-    - `names`: which names: None for all, a glob, a list of globs or a predicate.
+    - `names`: which names; see [`Names`][effects.Names].
+
+    **Returns:**
+
+    As a handler: in `found[collection]`, a dict from name to a tuple with one
+    entry per execution, each entry the value's pytree with a dict of
+    statistics in place of each leaf.
+
+    **Raises:**
+
+    - `TypeError`: `collection` is not a string, or `names` is not a
+      [`Names`][effects.Names].
+    - `ValueError`, from [`handle`][effects.handle]: a matched tag inside a
+      `lax.while_loop` (use a `lax.scan`, or [`Tag`][effects.Tag] with a
+      reduction).
+
+    **Example:**
 
     ```python
-    out, found = fx.handle(f, fx.Stats())(x)
-    print(fx.summary(found))
+    def f(x):
+        h = fx.tag(jnp.log(x), "h")
+        return fx.tag(2 * h, "y")
+
+    _, found = fx.handle(f, fx.Stats())(jnp.array([1.0, -1.0]))
+    print(found["intermediates"]["h"][0]["nan_count"])  # 1
+    print(fx.summary(found))  # one row for h, one for y: both NaN, "NO" finite
     ```
     """
 
@@ -121,8 +146,31 @@ _APPEND = Append(label="Stats()")
 
 
 class Summary:
-    """What `Tag` or `Stats` found, as a table: `str()` is plain text, and in a
-    notebook it renders as HTML. `rows` holds the table's rows as dicts."""
+    """What [`Tag`][effects.Tag] or [`Stats`][effects.Stats] found, as a
+    table: [`fx.summary`][effects.summary] returns one.
+
+    `str()` (and `print`) gives plain text, aligned in columns; in a Jupyter
+    notebook it renders as an HTML table, non-finite rows highlighted.
+
+    **Attributes:**
+
+    - `rows`: the table's rows, a list of dicts with the keys of `columns`:
+      `name`, `call` (the execution's index among the name's), `index` (the
+      index along stacked scan or vmap axes of a `Stats` entry, else None),
+      `shape` and `dtype` (for `Tag` values, else None), the statistics `mean`,
+      `std`, `min`, `max`, `mean_abs`, `nan_count`, `inf_count`, and `finite`
+      (a bool).
+    - `nonfinite`: the rows whose values hold a NaN or an Inf.
+    - `columns`: the column names, in order.
+
+    **Example:**
+
+    ```python
+    _, found = fx.handle(lambda x: fx.tag(jnp.log(x), "h"), fx.Tag())(-1.0)
+    table = fx.summary(found)
+    print(table.nonfinite[0]["name"], table.nonfinite[0]["nan_count"])  # h 1
+    ```
+    """
 
     columns = ("name", "call", "index", "shape", "dtype", *STAT_KEYS, "finite")
 
@@ -174,17 +222,41 @@ def _cell(v) -> str:
 
 
 def summary(found: Mapping[str, Mapping[str, Any]]) -> Summary:
-    """Renders what `fx.Tag()` or `fx.Stats()` found as a table.
+    """Renders what [`fx.Tag`][effects.Tag] or [`fx.Stats`][effects.Stats]
+    found as a table: shapes, statistics and finiteness at a glance.
 
     One row per execution of each name (and, for `Stats` entries stacked along
     a scan or a vmap, one per index along those axes; for a pytree value, one
     per leaf), in program order: the name (with the collection and the leaf's
     path where there are several), the execution's index, its shape and dtype
-    (`Tag` values), the statistics, and whether it is finite.
+    (`Tag` values), the statistics, and whether it is finite. Statistics of
+    `Tag` values are computed here, in NumPy, over the whole value.
+
+    **Arguments:**
+
+    - `found`: the `found` dict [`handle`][effects.handle] returned with
+      `Tag` (any mode) or `Stats`.
+
+    **Returns:**
+
+    A [`Summary`][effects.Summary]: print it, or read its `rows`.
+
+    **Raises:**
+
+    Nothing of its own; `found` must be a dict from collection to a dict from
+    name to value, as `handle` returns it.
+
+    **Example:**
 
     ```python
-    _, found = fx.handle(f, fx.Tag())(x)
+    def f(x):
+        h = fx.tag(jnp.log(x), "h")
+        return fx.tag(2 * h, "y")
+
+    _, found = fx.handle(f, fx.Tag())(jnp.array([1.0, -1.0]))
     print(fx.summary(found))
+    # name  call  index  shape  dtype    mean  std  min  max  mean_abs  nan_count ...
+    # h     0            2      float32  0     0    0    0    0         1         ...
     ```
     """
     many = len(found) > 1
@@ -267,15 +339,33 @@ def _numpy_stats(x: np.ndarray) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class SiteInfo:
-    """One `tag` or `perturb` call in a program (not one execution).
+    """One [`tag`][effects.tag] or [`perturb`][effects.perturb] call in a
+    program, not one execution: what [`fx.sites`][effects.sites] lists.
 
-    - `kind`: `"tag"` or `"perturb"`.
+    **Attributes:**
+
+    - `kind`: `"tag"` or `"perturb"` (a `jax.ad_checkpoint.checkpoint_name` is
+      a `"tag"` in the collection `"checkpoint_name"`).
     - `collection`, `name`: as passed to it.
     - `value`: the value of one execution, as `jax.ShapeDtypeStruct`s, in the
       layout handlers report (the batch axes of a `jax.vmap` inside the
       function first).
     - `where`: the control flow around it, outermost first, such as
       `"scan(length=12) > cond branch 1"`; `""` at the top level.
+    - `loops`: per enclosing region, outermost first: a scan's length,
+      `"while"`, `"branch"`, `"other"`, or None for a `jit`. Left out of its
+      `repr` and of comparisons.
+
+    **Example:**
+
+    ```python
+    def f(x):
+        return jax.lax.scan(lambda c, _: (fx.tag(c * 2, "h"), None), x, None, 3)[0]
+
+    (info,) = fx.sites(f)(jnp.ones(2))["intermediates"]["h"]
+    print(info.where)  # scan(length=3)
+    print(info.value)  # ShapeDtypeStruct(shape=(2,), dtype=float32)
+    ```
     """
 
     kind: str
@@ -284,13 +374,38 @@ class SiteInfo:
     value: Any
     where: str
     # Per enclosing region, outermost first: a scan's length, "while",
-    # "branch", "other", or None (a jit).
+    # "branch", "custom" (a custom_jvp/custom_vjp function), "other", or None
+    # (a jit).
     loops: tuple = dataclasses.field(default=(), repr=False, compare=False)
 
 
 class Sites(dict):
-    """`collection -> name -> [SiteInfo, ...]`, in program order; `str()` is a
-    table."""
+    """What [`fx.sites`][effects.sites] returns: a dict `collection -> name ->
+    [SiteInfo, ...]`, in program order, whose `str()` is a table.
+
+    A `dict` subclass: index it, iterate over it, or `print` it for one row per
+    site with its collection, name, kind, shape and dtype, and the control
+    flow around it.
+
+    **Attributes:**
+
+    As a dict: `sites[collection][name]` is a list of
+    [`SiteInfo`][effects.SiteInfo], one per call in the program.
+
+    **Example:**
+
+    ```python
+    def f(x):
+        h = fx.tag(jnp.sin(x), "h")
+        return fx.perturb(h, "p")
+
+    print(fx.sites(f)(jnp.ones(3)))
+    # collection     name  kind     value       where
+    # -------------  ----  -------  ----------  -----
+    # intermediates  h     tag      float32[3]
+    # perturbations  p     perturb  float32[3]
+    ```
+    """
 
     def __str__(self) -> str:
         rows = [("collection", "name", "kind", "value", "where")]
@@ -303,18 +418,49 @@ class Sites(dict):
 
 
 def sites(fn: Callable) -> Callable[..., Sites]:
-    """Lists every `tag` and `perturb` call `fn` would execute, without running
-    anything: `fn` is only traced, so arguments may be `jax.ShapeDtypeStruct`s.
-    Other leaves that are not arrays (an Equinox module's functions) are held
-    static, and Flax NNX objects are traced through their state, left as it was.
+    """Lists every [`tag`][effects.tag], [`perturb`][effects.perturb] and
+    `jax.ad_checkpoint.checkpoint_name` call `fn` would execute, without
+    running anything.
+
+    `fn` is only traced, so arguments may be `jax.ShapeDtypeStruct`s: the
+    names and shapes of every layer of a model, at no cost, before choosing
+    what to collect. One [`SiteInfo`][effects.SiteInfo] per call in the
+    program, not per execution (a tag in a `lax.scan` is listed once), with
+    the control flow around it; a `checkpoint_name` that a backward pass
+    recomputes is not listed again. Arguments are treated as `eqx.filter_jit`
+    treats them: arrays and `jax.ShapeDtypeStruct`s traced, other leaves (an
+    Equinox module's functions, Python numbers) static. Flax NNX objects are
+    traced through their state, which is left as it was.
+
+    **Arguments:**
+
+    - `fn`: the function to look into: any callable, or a model from
+      [`fx.tag_modules`][effects.tag_modules].
 
     **Returns:**
 
-    `lister(*args, **kwargs) -> Sites`: a dict `collection -> name -> [SiteInfo,
-    ...]`, one `SiteInfo` per call in the program, in program order.
+    `lister(*args, **kwargs) -> Sites`: a [`Sites`][effects.Sites], the dict
+    `collection -> name -> [SiteInfo, ...]`, in program order; `print` it for a
+    table.
+
+    **Raises:**
+
+    Nothing of its own; what tracing `fn` raises, as under `jax.jit`, such as
+    `jax.errors.TracerBoolConversionError` for Python control flow on the
+    values of arrays.
+
+    **Example:**
 
     ```python
-    print(fx.sites(fx.tag_modules(model))(x))   # every layer, with its shape
+    import equinox as eqx
+
+    model = eqx.nn.MLP(2, 2, width_size=8, depth=2, key=jax.random.key(0))
+    print(fx.sites(fx.tag_modules(model))(jax.ShapeDtypeStruct((2,), jnp.float32)))
+    # collection     name      kind  value       where
+    # -------------  --------  ----  ----------  -----
+    # intermediates  layers.0  tag   float32[8]
+    # intermediates  layers.1  tag   float32[8]
+    # intermediates  layers.2  tag   float32[2]
     ```
     """
 
@@ -396,7 +542,11 @@ def _labelled_jaxprs(eqn):
     # As users write them: jax 0.7-0.9 call jit `pjit`; `jax.checkpoint` is `remat2`.
     name = {"pjit": "jit", "remat2": "checkpoint"}.get(name, name)
     label = f"{name}({p['name']})" if isinstance(p.get("name"), str) else name
-    loop = None if name == "jit" else "other"
+    loop: str | None = "other"
+    if name == "jit":
+        loop = None
+    elif name in ("custom_jvp_call", "custom_vjp_call"):
+        loop = "custom"
     return [(label, loop, sub) for sub in _compat.open_jaxprs_in_params(p)]
 
 
@@ -407,16 +557,28 @@ def _labelled_jaxprs(eqn):
 
 @dataclasses.dataclass(frozen=True)
 class BadSite:
-    """The first tag whose value (or, from `backward=True`, whose cotangent)
-    held a NaN or an Inf.
+    """What [`fx.find_nonfinite`][effects.find_nonfinite] returns: the first
+    tag whose value (or, with `backward=True`, whose cotangent) held a NaN or
+    an Inf, and which execution of it.
+
+    `str()` says it in a sentence.
+
+    **Attributes:**
 
     - `name`, `collection`: the tag's.
-    - `call`: the index of that execution among the name's executions, counting
-      a scan's iterations as one call when the tag sits in scans only (then
-      `iteration` says which); else counting every execution.
+    - `call`: the index of that execution among the name's executions,
+      counting a scan's iterations as one call when the tag's only site sits
+      in scans (then `iteration` says which); else counting every execution.
     - `iteration`: the scan iteration (a tuple for nested scans, outermost
       first), or None.
     - `backward`: whether it is the cotangent that went bad.
+
+    **Example:**
+
+    ```python
+    bad = fx.find_nonfinite(lambda x: fx.tag(jnp.log(x), "h"), -1.0)
+    print(bad.name, bad.call, bad.iteration)  # h 0 None
+    ```
     """
 
     name: str
@@ -484,7 +646,7 @@ class _Check(Handler):
         )
 
     def matches(self, site):
-        return site.kind == "tag"
+        return site.kind == "tag" and (site.collection, site.name) in self.codes
 
     def output_mode(self):
         return _EXECUTIONS if self.backward else None
@@ -507,6 +669,9 @@ class _Check(Handler):
 
     def calls_user_code(self):
         return False
+
+    def changes_values(self):
+        return self.backward
 
 
 _EXECUTIONS = Reduce(lambda n, _: n + 1, lambda _: jnp.int32(0))
@@ -536,27 +701,66 @@ _cotangent_check.defvjp(_cotangent_check_fwd, _cotangent_check_bwd)
 def find_nonfinite(
     fn: Callable, *args, backward: bool = False, **kwargs
 ) -> BadSite | None:
-    """Runs `fn(*args, **kwargs)` once, compiled, with every tag checked, and
-    returns the first tag in execution order whose value holds a NaN or an Inf,
-    or None. A tag that is non-finite only because an earlier one was is never
-    the one reported. Works through `jit`, `scan`, `cond` and `while_loop`;
-    pass `fx.tag_modules(model)` to check every layer of a model. Every tag
-    counts, `jax.ad_checkpoint.checkpoint_name`s included. Arguments are
-    treated as `eqx.filter_jit` treats them (arrays traced, other leaves
-    static); Flax NNX objects are run on their state, which is left as it was.
+    """Finds the first tag whose value holds a NaN or an Inf: runs
+    `fn(*args, **kwargs)` once, compiled, with a check at every tag.
 
-    With `backward=True` (`fn` returns a scalar), runs the backward pass too
-    and returns the first tag, in the order the backward pass computes
+    Returns the first failing tag in execution order, so never a tag that is
+    non-finite only because an earlier one was. Works through `jit`, `scan`,
+    `cond` and `while_loop`; pass a model from
+    [`fx.tag_modules`][effects.tag_modules] to check every layer. Every tag
+    counts, whatever its collection, `jax.ad_checkpoint.checkpoint_name`s
+    included (perturb sites do not); integer values are never non-finite.
+    Arguments are treated as `eqx.filter_jit` treats them (arrays traced,
+    other leaves static); Flax NNX objects are run on their state, which is
+    left as it was.
+
+    With `backward=True` (`fn` returns a scalar), it runs the backward pass
+    too and returns the first tag, in the order the backward pass computes
     cotangents, whose cotangent (the gradient of the output with respect to
     the tag's value) holds a NaN or an Inf: the site nearest the output where
     the gradient goes bad. In `h = tag(x * 0, "h"); s = tag(jnp.sqrt(h), "s")`
     that is `h`: the cotangent of `s` is finite, `sqrt`'s derivative at 0 is
-    not.
+    not. The value `fn` returns is not checked. A tag inside a function with a
+    custom derivative (`custom_jvp`, `custom_vjp`) has no cotangent of its own
+    (the custom rule differentiates the function as a whole): the backward
+    check passes over it, and the forward check covers it.
+
+    **Arguments:**
+
+    - `fn`: the function to run.
+    - `*args`, `**kwargs`: its arguments.
+    - `backward`: whether to check the cotangents of the backward pass instead
+      of the values.
+
+    **Returns:**
+
+    A [`BadSite`][effects.BadSite] naming the tag and the execution, or None
+    when every checked value is finite (or `fn` has no tag).
+
+    **Raises:**
+
+    - `ValueError`: with `backward=True`, `fn` does not return a scalar array,
+      or a name is tagged both inside and outside a function with a custom
+      derivative. From [`handle`][effects.handle], which places the checks: a
+      tag inside a `custom_linear_solve`.
+
+    **Example:**
 
     ```python
-    bad = fx.find_nonfinite(loss_fn, params, batch)
-    if bad is not None:
-        print(bad)  # The tag 'layers.3' (collection 'intermediates') is the first ...
+    def f(x):
+        h = fx.tag(jnp.log(x), "h")  # log(-1) is NaN
+        y = fx.tag(2 * h, "y")  # NaN only because h is
+        return jnp.sum(y)
+
+    print(fx.find_nonfinite(f, jnp.array([1.0, -1.0])))
+    # The tag 'h' (collection 'intermediates') is the first value with a NaN or
+    # an Inf, at its call 0.
+
+    def g(x):
+        h = fx.tag(x * 0, "h")
+        return jnp.sum(fx.tag(jnp.sqrt(h), "s"))
+
+    print(fx.find_nonfinite(g, jnp.ones(2), backward=True).name)  # h
     ```
     """
     # Imported here: on jax 0.7-0.9 importing it registers checkify's rules in
@@ -570,6 +774,14 @@ def find_nonfinite(
         return None
     codes = {key: i for i, key in enumerate(keys)}
     if backward:
+        # A tag inside a function with a custom derivative has no cotangent of
+        # its own: the custom rule differentiates the function as a whole.
+        keys = [
+            (c, n)
+            for c, n in keys
+            if not all("custom" in info.loops for info in listed[c][n])
+        ]
+        codes = {key: i for i, key in enumerate(keys)}
         return _find_backward(fn, dynamic, listed, keys, codes)
     handlers = (
         _Check(codes),

@@ -123,8 +123,10 @@ class _LRU:
 
 # Functions whose trace may be cached: their arrays are read when traced, as
 # `jax.jit` reads them. Other callables (a Flax NNX module, an object with
-# `__call__`) may hold state that changes between calls, and are traced at
-# every call, as are functions that are unhashable or not weakly referenceable.
+# `__call__`) may hold state that changes between calls, and are traced again
+# at every `handle(obj, ...)`, as are functions that are unhashable or not
+# weakly referenceable; the handled function, kept, caches per argument
+# signature as `jax.jit(obj)` does.
 _CACHEABLE = (types.FunctionType, functools.partial, type(jax.jit(lambda: None)))
 _PER_FN_SIZE = 64
 
@@ -651,29 +653,131 @@ def _memoized(fn, handlers) -> _Handled:
 
 
 def handle(fn: Callable, *handlers: Handler) -> Callable:
-    """Returns `fn` with its tags handled: `wrapped(*args, **kwargs) -> (out, found)`.
+    """Returns `fn` with its sites handled: `wrapped(*args, **kwargs) -> (out,
+    found)`.
 
-    `fn` is traced to a jaxpr, the handlers rewrite it (through jit, scan, cond,
-    while_loop, checkpoint, custom_jvp/vjp, shard_map), and the rewritten jaxpr
-    runs as one call; the result composes with `jax.jit`, `jax.vmap` and
-    `jax.grad` in any order. Handlers act in order: the first is closest to the
-    sites, as in `handle(handle(fn, A), B)`. A collecting handler consumes the
-    sites it collects; the others stay visible further out.
+    `handle` traces `fn` to a jaxpr, lets the handlers rewrite that jaxpr (a
+    site becomes what its handlers do there), and runs the rewritten program
+    as one call. Sites inside `jax.jit`, `lax.scan`, `lax.cond`/`switch`,
+    `lax.while_loop`, `jax.checkpoint`, `custom_jvp`/`custom_vjp` and
+    `shard_map` are handled too; [Semantics](../semantics.md#what-found-holds)
+    says what `found` holds in each. The handled function composes with
+    `jax.jit`, `jax.vmap` and `jax.grad`, inside or outside it.
+
+    Handlers act in order, the first closest to the sites: `handle(fn, A, B)`
+    behaves as `handle(handle(fn, A), B)` but returns one merged `found`. A
+    collecting handler ([`Tag`][effects.Tag], [`Stats`][effects.Stats],
+    [`Perturb`][effects.Perturb]) consumes the sites it matches; the others
+    ([`Substitute`][effects.Substitute], [`Intervene`][effects.Intervene]) pass
+    the new value on as the same site, and sites no handler consumes stay
+    visible to a `handle` further out.
+
+    **Compiled, also outside `jit`.** Called outside any JAX transformation,
+    the handled call runs through a cached `jax.jit` of its own (op by op
+    only when a static argument cannot be hashed). `fn` must therefore be
+    traceable as under `jax.jit`: Python control flow on the values of array
+    arguments (`if x > 0:`) fails; use `jnp.where` or `lax.cond`. Under
+    `jax.jit`, `jax.grad` or `jax.vmap`, the rewritten program runs on that
+    transformation's trace, which differentiates or batches it as a whole.
+
+    **Arguments and caching.** Array leaves of the arguments (and of an
+    Equinox module passed as `fn`) are inputs; every other leaf, Python numbers
+    included, is static, as with `eqx.filter_jit`. The trace of `fn` is cached
+    per argument signature (the pytree structure, the static values, the
+    arrays' shapes and dtypes) and the rewritten program per handler
+    configuration (the handlers' static fields, and the shapes and dtypes of
+    their arrays): at most 64 of each per function, the least recently used
+    dropped, for as long as the function lives. So:
+
+    - a Python float that changes between calls (a step size) is a new
+      signature, traced and compiled again at every call; pass it as an array,
+      `jnp.asarray(step)`;
+    - a function built anew at every call, such as a lambda given to
+      [`Intervene`][effects.Intervene] inside a loop, is a new configuration,
+      compiled again at every call; define it once, outside the loop;
+    - arrays `fn` closes over are read when it is traced, as with `jax.jit`;
+      pass arrays that change as arguments;
+    - only functions are cached (a `def`, a lambda, a `functools.partial`, a
+      jitted function, or a method of an object hashed by value, such as a
+      Flax linen module). Other callables (a Flax NNX module, an object with
+      `__call__`) may hold state that changes between calls, and are traced at
+      every call.
+
+    `handle(fn, *handlers)` returns the same function for equal hashable
+    handlers, so `jax.jit(fx.handle(f, fx.Tag()))` written inline in a loop
+    neither traces nor compiles again. Flax NNX modules among the arguments
+    (or as `fn`) go in as their state, and the state they end with is written
+    back, as `nnx.jit` does.
 
     **Arguments:**
 
-    - `fn`: any callable on pytrees (arrays are inputs; other leaves are static,
-      as with `eqx.filter_jit`). An Equinox module's arrays are inputs too.
-    - `*handlers`: `fx.Tag`, `fx.Perturb`, `fx.Substitute`, `fx.Intervene`.
+    - `fn`: the function to handle: any callable on pytrees, or an Equinox or
+      Flax NNX module.
+    - `*handlers`: instances of [`Handler`][effects.Handler] subclasses:
+      [`Tag`][effects.Tag], [`Stats`][effects.Stats],
+      [`Perturb`][effects.Perturb], [`Substitute`][effects.Substitute],
+      [`Intervene`][effects.Intervene], or one of your own.
 
     **Returns:**
 
-    A function returning `(out, found)`, with `found` a dict from each reporting
-    handler's collection to a dict from name to value, names in the order the
-    program first executed them.
+    A function `wrapped(*args, **kwargs) -> (out, found)`, with `fn`'s
+    signature. `out` is what `fn` returns, with the values handlers changed.
+    `found` is a dict from the collection of each reporting handler (`Tag`,
+    `Stats`, `Perturb()` without deltas) to a dict from name to value, names in
+    the order the program first executed them (a `jax.jit`, `jax.vmap` or
+    `jax.grad` around `handle` returns them sorted, as JAX returns every
+    dict); a reporting handler that matched nothing gives an empty dict.
+    `Substitute`, `Intervene` and `Perturb(deltas)` report nothing. Each
+    value's layout is its handler's mode: see [`Tag`][effects.Tag]. A handled
+    function handled again returns nested pairs:
+    `fx.handle(fx.handle(f, A), B)(x)` returns
+    `((out, inner_found), outer_found)`.
+
+    **Raises:**
+
+    - `TypeError`, from `handle` itself: `fn` is not callable, or a handler is
+      not a [`Handler`][effects.Handler] instance (a class, `fx.Tag`, instead
+      of an instance, `fx.Tag()`).
+    - `ValueError`, from the first call with new arguments or handlers (while
+      tracing), naming the tag and its collection, when:
+        - a name given without glob characters (`Tag(names="h")`,
+          `Substitute({"h": ...})`, `Intervene`, `Perturb(deltas)`) is not the
+          name of any site the handler sees; the message lists the known
+          names;
+        - a value from `Substitute`, `Intervene` or `Perturb(deltas)` has
+          another structure, shape or dtype than the tagged value, or
+          per-execution entries (`Substitute(per_call=True)`,
+          `Perturb(deltas)`) are more or fewer than the executions;
+        - a mode cannot be honoured: `"strict"` for a name executed more than
+          once or inside a `lax.scan` or `lax.while_loop`; `"append"` or
+          per-execution entries inside a `lax.while_loop` (whose number of
+          iterations is unknown); a matched tag in a `while_loop`'s
+          `cond_fun`; a reduction whose accumulator changes shape or dtype;
+        - a tag has different shapes or dtypes in the branches of a `lax.cond`;
+        - `Substitute`, `Intervene` or `Perturb(deltas)` would change a value
+          inside a `custom_jvp` or `custom_vjp` function;
+        - a matched tag sits inside a higher-order primitive no rule knows
+          (`custom_linear_solve`, so `jax.scipy.sparse.linalg.cg`); the message
+          names the primitive;
+        - a handler outside a `jax.vmap` would see tags in `lax.cond` branches
+          whose predicate that vmap batches: put the handler inside the vmap,
+          `jax.vmap(fx.handle(f, ...))`.
+    - What `jax.jit` raises for `fn`, such as `jax.errors.TracerBoolConversionError`
+      (a `TypeError`) for Python control flow on the values of arrays.
+
+    **Example:**
 
     ```python
-    out, found = fx.handle(f, fx.Tag())(x)
+    def f(x):
+        h = fx.tag(jnp.sin(x), "h")
+        return 2 * h
+
+    out, found = fx.handle(f, fx.Tag())(1.0)
+    print(out)    # 1.6829419
+    print(found)  # {'intermediates': {'h': (Array(0.84147096, dtype=float32),)}}
+
+    out, found = fx.handle(f, fx.Substitute({"h": jnp.float32(0.5)}), fx.Tag())(1.0)
+    print(out, found["intermediates"]["h"])  # 1.0 (Array(0.5, dtype=float32),)
     ```
     """
     if not callable(fn):
@@ -684,28 +788,67 @@ def handle(fn: Callable, *handlers: Handler) -> Callable:
     return _memoized(fn, handlers)
 
 
+_NO_SITES = {
+    "perturb": (
+        "intermediate_grads: the function has no perturb site in the collection "
+        "{collection!r}, so there is nothing to differentiate with respect to. For "
+        "the gradients with respect to tagged values, pass kind='tag'."
+    ),
+    "tag": (
+        "intermediate_grads: the function has no tag in the collection "
+        "{collection!r}, so there is nothing to differentiate with respect to. "
+        "Check the collection, or pass kind='perturb' for perturb sites."
+    ),
+}
+
+
 def intermediate_grads(
     fn: Callable, *, collection: str | None = None, kind: str = "perturb"
 ) -> Callable:
-    """Gradients of a scalar function with respect to its `perturb` sites (or,
-    with `kind="tag"`, its tags).
+    """Returns a function computing `fn` and its gradients with respect to
+    its sites: those of [`fx.perturb`][effects.perturb], or with `kind="tag"`
+    those of [`fx.tag`][effects.tag].
+
+    The gradient with respect to an intermediate value, one per execution of
+    the site: it runs `fn` once under [`Perturb()`][effects.Perturb] to learn
+    the sites' shapes, then takes `jax.value_and_grad` with respect to deltas
+    added there by `Perturb(deltas)`. With `kind="tag"` it needs no change to
+    the function: the gradient with respect to every layer
+    [`fx.tag_modules`][effects.tag_modules] tags, for example.
 
     **Arguments:**
 
-    - `fn`: a function returning a scalar, with `fx.perturb` sites.
+    - `fn`: a function returning a scalar.
     - `collection`: the collection of the sites; by default `"perturbations"`
       (`"intermediates"` with `kind="tag"`).
     - `kind`: `"perturb"`, or `"tag"` for the gradients with respect to tagged
-      values, such as every layer `fx.tag_modules` tags.
+      values.
 
     **Returns:**
 
     `g(*args, **kwargs) -> (fn(*args, **kwargs), grads)`, with `grads` a dict
-    from site name to a tuple with one gradient per execution (stacked over scan
-    iterations), the layout `Perturb()` reports.
+    from site name to a tuple with one gradient per execution (stacked over
+    scan iterations), the layout `Perturb()` reports; `{}` when `fn` has no
+    such site. Flax NNX modules among the arguments have their state updated,
+    as [`handle`][effects.handle] does.
+
+    **Raises:**
+
+    - `ValueError`: `kind` is neither `"perturb"` nor `"tag"`; `fn` has no
+      site of that kind in the collection; or what
+      [`handle`][effects.handle] raises for `Perturb` (a site inside a
+      `lax.while_loop` or inside a `custom_jvp`/`custom_vjp` function).
+    - `TypeError`: `fn` does not return a scalar (raised by `jax.grad`).
+
+    **Example:**
 
     ```python
-    loss, grads = fx.intermediate_grads(loss_fn)(params, x)
+    def loss(x):
+        h = fx.tag(jnp.sin(x), "h")
+        return (2 * h) ** 2
+
+    value, grads = fx.intermediate_grads(loss, kind="tag")(1.0)
+    print(grads)  # {'h': (Array(6.7317677, dtype=float32),)}
     ```
     """
 
@@ -718,6 +861,8 @@ def intermediate_grads(
             args = nnx_call[1]
         probe = Perturb(collection=collection, kind=kind)
         _, shapes = eqx.filter_eval_shape(handle(pure, probe), *args, **kwargs)
+        if not shapes[probe.collection]:
+            raise ValueError(_NO_SITES[kind].format(collection=probe.collection))
         zeros = jax.tree.map(
             lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes[probe.collection]
         )

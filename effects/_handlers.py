@@ -8,7 +8,7 @@ import fnmatch
 import operator
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, dataclass_transform
+from typing import Any, ClassVar, TypeAlias, dataclass_transform
 
 import equinox as eqx
 import jax
@@ -17,7 +17,36 @@ import jax.numpy as jnp
 from . import _compat
 from ._site import Site
 
-Names = None | str | list[str] | tuple[str, ...] | Callable[[str], bool]
+Names: TypeAlias = None | str | list[str] | tuple[str, ...] | Callable[[str], bool]
+"""Which names a handler acts on: the type of the `names=` argument of
+[`Tag`][effects.Tag], [`Perturb`][effects.Perturb] and [`Stats`][effects.Stats].
+
+- `None`: every name in the handler's collection.
+- A string: a glob, matched against the whole name with `fnmatch`'s rules,
+  case-sensitively: `*` matches any characters (dots and slashes included),
+  `?` one character, `[ab]` one of a set (`"layers.*"`, `"block?"`).
+- A list or tuple of such strings: the names any of them matches.
+- A predicate `fn(name) -> bool`.
+
+For [`Tag`][effects.Tag], a string without glob characters (`*`, `?`, `[`),
+alone or in a list, names a tag that must exist: a typo is a `ValueError` from
+[`handle`][effects.handle] listing the known names. A glob or a predicate may
+match nothing, and so may any name given to [`Stats`][effects.Stats] or
+[`Perturb`][effects.Perturb] (their entry in `found` is then empty).
+
+**Raises:**
+
+- `TypeError`, from the handler's constructor, for anything else (a number, a
+  set, a list holding something other than strings).
+
+**Example:**
+
+```python
+fx.Tag(names="layers.*")  # every name that starts with "layers."
+fx.Tag(names=["attn*", "mlp"])  # "mlp" must be the name of a tag
+fx.Tag(names=lambda name: name.endswith(".0"))
+```
+"""
 
 #
 # Name filters and modes
@@ -50,18 +79,53 @@ def _name_matches(names, name: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Reduce:
-    """A custom collection mode for `Tag`: folds every execution of a tag into an
-    accumulator, carried through loops in constant memory.
+    """A custom mode for [`Tag`][effects.Tag]: folds every execution of a name
+    into an accumulator, carried through loops in constant memory.
+
+    `Tag(mode="sum")` and `Tag(mode="last")` are built-in reductions. The
+    accumulator starts as `init(zeros)`, with `zeros` shaped like one
+    execution's value, and each execution `x` replaces it with `fn(acc, x)`,
+    in program order; `found` holds the accumulator after the last execution.
+    In a `lax.scan` or a `lax.while_loop` the accumulator is carried through
+    the loop, so collecting costs the same memory for any number of
+    iterations. A custom [`Handler`][effects.Handler] may return a `Reduce` from
+    its `output_mode()` too.
+
+    `Reduce` is compared by its functions: define `fn` and `init` once, not as
+    new lambdas at every call, or every call is a new configuration, traced
+    and compiled again.
 
     **Arguments:**
 
-    - `fn`: `fn(acc, x) -> acc`, with `x` the tagged value.
-    - `init`: `init(zeros_like_site) -> acc`, the accumulator before the first
-      execution (also what is reported if the tag never executes).
+    - `fn`: `fn(acc, x) -> acc`, with `x` the tagged value in the layout
+      `Tag()` reports (the batch axes of a `jax.vmap` inside the handled
+      function first). It must keep the accumulator's shapes and dtypes.
+    - `init`: `init(zeros) -> acc`, the accumulator before the first
+      execution, from zeros shaped like the tagged value.
+
+    **Returns:**
+
+    As a mode: in `found[collection][name]`, the accumulator after the last
+    execution; `init(zeros)` if the name never executes at run time (a branch
+    not taken, a loop of zero iterations).
+
+    **Raises:**
+
+    - `ValueError`, from [`handle`][effects.handle], naming the tag: `fn`
+      changes the accumulator's shapes or dtypes, or raises a `TypeError` or
+      `ValueError` on it (values of one name of different shapes), or one name
+      is reduced under `jax.vmap`s of different sizes.
+
+    **Example:**
 
     ```python
+    def f(x):
+        h = fx.tag(jnp.sin(x), "h")
+        return fx.tag(jnp.cos(h), "h")
+
     running_max = fx.Reduce(jnp.maximum, lambda z: jnp.full_like(z, -jnp.inf))
-    out, found = fx.handle(f, fx.Tag(mode=running_max))(x)
+    _, found = fx.handle(f, fx.Tag(mode=running_max))(1.0)
+    print(found)  # {'intermediates': {'h': Array(0.84147096, dtype=float32)}}
     ```
     """
 
@@ -95,14 +159,54 @@ class _BuiltinReduce(Reduce):
 
 @dataclasses.dataclass(frozen=True)
 class Append:
-    """The output mode of a handler that reports one entry per execution (a
-    tuple, stacked over scan iterations), as `Tag(mode="append")` does; with
-    `single=True`, exactly one execution, as `Tag(mode="strict")`.
+    """The mode of a handler that reports one entry per execution: what a
+    custom [`Handler`][effects.Handler]'s `output_mode()` returns to report
+    every value it emits, as `Tag(mode="append")` does.
+
+    `found` then holds, per name, a tuple with one entry per execution in
+    program order; executions inside a `lax.scan` are one entry, stacked along
+    a new leading axis of the scan's length (after the batch axes of a
+    `jax.vmap` inside the handled function). With `single=True`, the name must
+    execute exactly once, as under `Tag(mode="strict")`.
 
     **Arguments:**
 
     - `single`: whether more than one execution is an error.
-    - `label`: how error messages name the mode.
+    - `label`: how error messages name the mode, such as `"MyHandler()"`.
+
+    **Returns:**
+
+    As a mode: in `found[collection][name]`, what the handler's `report`
+    makes of the tuple of entries (the tuple itself by default).
+
+    **Raises:**
+
+    - `ValueError`, from [`handle`][effects.handle], naming the tag: a site
+      inside a `lax.while_loop` (whose number of iterations is unknown); with
+      `single=True`, a second execution, or a site inside a `lax.scan`.
+
+    **Example:**
+
+    ```python
+    import dataclasses
+
+    class Magnitudes(fx.Handler):
+        # Collects the absolute value of every tagged value.
+        reports = True
+        collection: str = dataclasses.field(
+            default="intermediates", metadata={"static": True}
+        )
+
+        def output_mode(self):
+            return fx.Append(label="Magnitudes()")
+
+        def apply(self, call, leaves):
+            call.emit(jax.tree.map(jnp.abs, call.site.to_front(leaves)))
+            return leaves, False
+
+    _, found = fx.handle(lambda x: fx.tag(-x, "h"), Magnitudes())(2.0)
+    print(found)  # {'intermediates': {'h': (Array(2., dtype=float32),)}}
+    ```
     """
 
     single: bool = False  # exactly one execution allowed
@@ -205,39 +309,74 @@ def _field_values(handler) -> tuple:
 # several microseconds to construct, a frozen dataclass a fraction of one.
 @dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field, _static))
 class Handler:
-    """Base class of handlers: say what happens at one execution of a site, and
-    the rewriter threads it through every control-flow construct.
+    """The base class of handlers: subclass it to say what happens at one
+    execution of a site; the rewriter carries what the handler does through
+    every control-flow construct.
 
-    A subclass is made a frozen dataclass and a pytree: its fields are leaves,
-    except those declared `dataclasses.field(metadata={"static": True})`, which
-    are part of its configuration (and of the key the rewritten program is
-    cached under).
+    [`Tag`][effects.Tag], [`Perturb`][effects.Perturb],
+    [`Substitute`][effects.Substitute], [`Intervene`][effects.Intervene] and
+    [`Stats`][effects.Stats] are subclasses. A subclass is made a frozen
+    dataclass and a pytree: its fields are leaves, except those declared
+    `dataclasses.field(metadata={"static": True})`, which are part of its
+    configuration (and of the key the rewritten program is cached under).
+    Declare a `collection` field: the default `matches` reads it. Handlers are
+    equal when their fields are, and hashable when their fields are.
+    [Writing a handler](../guides/writing-a-handler.md) builds one step by
+    step.
 
-    **The protocol** (see [Writing a handler](../guides/writing-a-handler.md)):
+    **The protocol**, the methods and class attributes the rewriter reads:
 
-    - `matches(site) -> bool`: whether to act at a site (`site.kind`,
-      `site.collection`, `site.name`). Default: sites of the class attribute
-      `kind` (`"tag"` or `"perturb"`) in `self.collection`.
     - `apply(call, leaves) -> (new_leaves, consumed)`: one execution. `leaves`
       are the value's arrays in program layout; `call.site.to_front(leaves)` and
       `call.site.from_front(value, what)` convert to and from the layout
       `found` uses; `call.emit(value)` reports a value (under a `Reduce` mode it
       returns the accumulator so far); `call.next_input()` takes the next
-      per-execution input. A consumed site is no longer visible
-      to handlers further out.
-    - `output_mode()`: `fx.Append()`, `fx.Append(single=True)`,
-      `fx.Reduce(fn, init)`, or None if it emits nothing. Reported under
+      per-execution input. A consumed site is no longer visible to handlers
+      further out. The one method a subclass must define.
+    - `matches(site) -> bool`: whether to act at a site (`site.kind`,
+      `site.collection`, `site.name`). Default: sites of the class attribute
+      `kind` (`"tag"` or `"perturb"`) in `self.collection`.
+    - `output_mode()`: [`fx.Append()`][effects.Append],
+      `fx.Append(single=True)`, [`fx.Reduce(fn, init)`][effects.Reduce], or
+      None (the default) if it emits nothing. Reported under
       `found[self.collection]` when the class attribute `reports` is true.
+    - `report(entries)`: what `found` holds for a name, from the tuple of
+      entries an `Append` mode collected (default: the tuple).
     - `per_call_inputs()`: `{name: (entry, ...)}`, one entry per execution, in
-      the layout `Tag()` reports.
-    - `required_names()`: names that must exist (a typo is an error).
+      the layout `Tag()` reports (default: none).
+    - `required_names()`: names that must exist (a typo is an error; default:
+      none).
     - `calls_user_code()`: whether `apply` may call user code (default True).
-    - The class attribute `consumes`: whether `apply` consumes every site it
-      matches (`Tag` and `Perturb` do), so that handlers further out, which do
-      not see those sites, cannot require their names.
+    - `changes_values()`: whether `apply` may return other values than it was
+      given (default: unless the handler reports). Inside a function with a
+      custom derivative, only a handler that changes nothing may act.
+    - Class attributes: `kind` (`"tag"`, the default, or `"perturb"`),
+      `reports` (default False), and `consumes`: whether `apply` consumes
+      every site it matches (`Tag` and `Perturb` do), so that handlers further
+      out, which do not see those sites, cannot require their names.
+
+    **Arguments:**
+
+    Those of the subclass: its fields, in order, as for any dataclass.
+
+    **Returns:**
+
+    An instance to pass to [`handle`][effects.handle].
+
+    **Raises:**
+
+    - `NotImplementedError`, from [`handle`][effects.handle], when a subclass
+      that does not define `apply` matches a site.
+    - `TypeError`, when the subclass is defined, for fields a dataclass cannot
+      have (a field without a default after one with a default).
+
+    **Example:**
 
     ```python
+    import dataclasses
+
     class Scale(fx.Handler):
+        # Multiplies tagged values by `factor`.
         factor: float = dataclasses.field(metadata={"static": True})
         collection: str = dataclasses.field(
             default="intermediates", metadata={"static": True}
@@ -245,6 +384,9 @@ class Handler:
 
         def apply(self, call, leaves):
             return [x * self.factor for x in leaves], False
+
+    out, _ = fx.handle(lambda x: 1 + fx.tag(x, "h"), Scale(10.0))(2.0)
+    print(out)  # 21.0
     ```
     """
 
@@ -308,6 +450,13 @@ class Handler:
         JAX caches per trace context). True unless a handler says otherwise."""
         return True
 
+    def changes_values(self) -> bool:
+        """Whether `apply` may return other values than it was given. Inside a
+        function with a custom derivative a handler that does is refused: the
+        custom rule would not know. By default, a handler that reports only
+        looks."""
+        return not self.reports
+
 
 def matches_tag(handler, site) -> bool:
     """Whether a handler with `collection` and `names` fields acts at `site`, a
@@ -321,20 +470,68 @@ def matches_tag(handler, site) -> bool:
 
 
 class Tag(Handler):
-    """Collects tagged values.
+    """Collects the values of tags: the handler behind most uses of
+    [`handle`][effects.handle].
+
+    It acts at the [`tag`][effects.tag]s of `collection` whose names `names`
+    selects, reports their values in `found[collection]`, and consumes them:
+    handlers further out no longer see them. The mode says what `found` holds
+    for each name:
+
+    - `"append"` (the default): a tuple with one entry per execution, in
+      program order. Executions inside a `lax.scan` are one entry, stacked
+      along a new leading axis of the scan's length; in a `lax.cond`, the
+      branch that ran (zeros where it did not tag). Not in a
+      `lax.while_loop`.
+    - `"strict"`: the single value; a second execution, or a tag in a
+      `lax.scan` or `lax.while_loop`, is an error.
+    - `"last"`: the value of the last execution.
+    - `"sum"`: the sum over executions.
+    - [`fx.Reduce(fn, init)`][effects.Reduce]: any fold over executions.
+
+    Reductions (`"last"`, `"sum"`, `Reduce`) carry an accumulator through
+    loops in constant memory, `lax.while_loop` included, and report zeros (or
+    `init(zeros)`) for a name that never executes. Under a `jax.vmap` inside
+    the handled function, values have the batch axes first.
+    [Semantics](../semantics.md#what-found-holds) gives every case.
 
     **Arguments:**
 
     - `collection`: the collection whose tags are collected.
-    - `names`: which names: None for all, a glob, a list of globs or a predicate.
-    - `mode`: `"append"` (a tuple with one entry per execution, stacked over
-      scan iterations), `"last"`, `"strict"` (exactly one execution), `"sum"`,
-      or `fx.Reduce(fn, init)`.
+    - `names`: which names; see [`Names`][effects.Names].
+    - `mode`: `"append"`, `"strict"`, `"last"`, `"sum"` or a
+      [`Reduce`][effects.Reduce], as above.
 
-    **Returns:** in `found[collection]`, a dict from name to value.
+    **Returns:**
+
+    As a handler: in `found[collection]`, a dict from name to value, names in
+    the order the program first executed them; `{}` if no tag matched.
+
+    **Raises:**
+
+    - `TypeError`: `collection` is not a string, or `names` is not a
+      [`Names`][effects.Names].
+    - `ValueError`: `mode` is none of the above. From
+      [`handle`][effects.handle]: a name without glob characters that no tag
+      has, or a mode the program cannot honour (`"strict"` executed twice or
+      in a loop, `"append"` in a `lax.while_loop`).
+
+    **Example:**
 
     ```python
-    out, found = fx.handle(f, fx.Tag(names="layer*", mode="sum"))(x)
+    def f(x):
+        def step(h, _):
+            return fx.tag(2 * h, "h"), None
+
+        h, _ = jax.lax.scan(step, x, None, length=3)
+        return fx.tag(h + 1, "out")
+
+    _, found = fx.handle(f, fx.Tag())(1.0)
+    print(found)
+    # {'intermediates': {'h': (Array([2., 4., 8.], dtype=float32),),
+    #                    'out': (Array(9., dtype=float32),)}}
+    _, found = fx.handle(f, fx.Tag(names="h", mode="sum"))(1.0)
+    print(found)  # {'intermediates': {'h': Array(14., dtype=float32)}}
     ```
     """
 
@@ -385,27 +582,55 @@ class Tag(Handler):
 
 
 class Perturb(Handler):
-    """Handles `perturb` sites. With no `deltas`, reports zeros shaped like each
-    site (in `Tag()`'s append layout) and leaves values unchanged; with `deltas`,
-    adds `deltas[name]` at each execution, so that `jax.grad` with respect to the
-    deltas is the gradient with respect to the intermediate values.
+    """Handles [`perturb`][effects.perturb] sites, to take gradients with
+    respect to intermediate values.
+
+    Without `deltas`, it reports zeros shaped like each site, in the layout of
+    `Tag(mode="append")`, and leaves values unchanged: the deltas to start
+    from. With `deltas`, it adds `deltas[name]` at each execution, so that
+    `jax.grad` with respect to the deltas is the gradient with respect to the
+    intermediate values. [`fx.intermediate_grads`][effects.intermediate_grads]
+    does both in one call. Either way it consumes the sites it acts at.
 
     **Arguments:**
 
-    - `deltas`: None, or a dict from name to a tuple with one delta per execution
-      (stacked over scan iterations), as `Perturb()` reports. Names absent from
-      `deltas` are left alone.
+    - `deltas`: None, or a dict from name to a tuple with one delta per
+      execution (stacked over scan iterations), as `Perturb()` reports. Names
+      absent from `deltas` are left alone.
     - `collection`: the collection of the sites; by default `"perturbations"`
       (`"intermediates"` with `kind="tag"`).
-    - `names`: which names (None, glob, list of globs, predicate).
-    - `kind`: `"perturb"`, or `"tag"` to add the deltas at tags instead: the
-      gradient with respect to a tagged value, e.g. every layer tagged by
-      `fx.tag_modules`.
+    - `names`: which names; see [`Names`][effects.Names].
+    - `kind`: `"perturb"`, or `"tag"` to act at [`tag`][effects.tag]s instead:
+      the gradient with respect to a tagged value, such as every layer
+      [`fx.tag_modules`][effects.tag_modules] tags.
+
+    **Returns:**
+
+    As a handler without `deltas`: in `found[collection]`, a dict from name to
+    a tuple of zeros, one per execution. With `deltas`, nothing in `found`.
+
+    **Raises:**
+
+    - `TypeError`: `deltas` is not a dict, a name's deltas are not a tuple or
+      list, or a delta is not a pytree of arrays; `names` is not a
+      [`Names`][effects.Names].
+    - `ValueError`: `kind` is neither `"perturb"` nor `"tag"`. From
+      [`handle`][effects.handle]: a name in `deltas` that no site has; deltas
+      of another shape or dtype than the value, or more or fewer than its
+      executions; a site inside a `lax.while_loop`; deltas at a site inside a
+      `custom_jvp` or `custom_vjp` function.
+
+    **Example:**
 
     ```python
-    _, found = fx.handle(loss, fx.Perturb())(x)
-    grads = jax.grad(lambda d: fx.handle(loss, fx.Perturb(d))(x)[0])(
-        found["perturbations"])
+    def loss(x):
+        h = fx.perturb(jnp.sin(x), "h")
+        return (2 * h) ** 2
+
+    _, found = fx.handle(loss, fx.Perturb())(1.0)
+    zeros = found["perturbations"]  # {'h': (Array(0., dtype=float32),)}
+    grads = jax.grad(lambda d: fx.handle(loss, fx.Perturb(d))(1.0)[0])(zeros)
+    print(grads)  # {'h': (Array(6.7317677, dtype=float32),)}
     ```
     """
 
@@ -470,22 +695,49 @@ class Perturb(Handler):
 
 
 class Substitute(Handler):
-    """Replaces tagged values (activation patching).
+    """Replaces the values of tags: activation patching.
+
+    By default `values[name]` replaces every execution of the tag `name` (every
+    loop iteration). With `per_call=True`, `values[name]` is a tuple with one
+    entry per execution, stacked over scan iterations: exactly what `Tag()`
+    reports, so values collected from one run can be substituted into another.
+    The new value is passed on as the same tag, so a [`Tag`][effects.Tag]
+    further out collects what was substituted. No gradient flows through a
+    substituted value to what computed the original.
 
     **Arguments:**
 
-    - `values`: a dict from name to the new value. By default a value has the
-      tagged value's structure and replaces every execution of the name (every
-      loop iteration). With `per_call=True` it is a tuple with one entry per
-      execution, stacked over scan iterations: exactly what `Tag()` reports.
+    - `values`: a dict from name to the new value, a pytree of arrays (or
+      numbers) with the tagged value's structure, shapes and dtypes (in the
+      layout `Tag()` reports: under a `jax.vmap` inside the handled function,
+      batch axes first); with `per_call=True`, a tuple of such values per
+      name.
     - `collection`: the collection of the tags.
-    - `per_call`: see above.
+    - `per_call`: whether `values` holds one entry per execution.
 
-    The new value is passed on as the same tag, so a `Tag` further out collects
-    what was substituted. No gradient flows through a substituted value.
+    **Returns:**
+
+    As a handler: nothing in `found`; the handled function's output computed
+    with the new values.
+
+    **Raises:**
+
+    - `TypeError`: `values` is not a dict, a value is not a pytree of arrays,
+      or with `per_call=True` a name's entries are not a tuple or list.
+    - `ValueError`, from [`handle`][effects.handle]: a name no tag has; a value
+      of another structure, shape or dtype than the tagged value; with
+      `per_call=True`, more or fewer entries than executions, or a tag inside a
+      `lax.while_loop`; a tag inside a `custom_jvp` or `custom_vjp` function.
+
+    **Example:**
 
     ```python
-    out, _ = fx.handle(f, fx.Substitute({"h": jnp.zeros(3)}))(x)
+    def f(x):
+        h = fx.tag(jnp.sin(x), "h")
+        return 2 * h
+
+    out, _ = fx.handle(f, fx.Substitute({"h": jnp.zeros(3)}))(jnp.ones(3))
+    print(out)  # [0. 0. 0.]
     ```
     """
 
@@ -530,17 +782,45 @@ class Substitute(Handler):
 
 
 class Intervene(Handler):
-    """Applies `fns[name](value) -> value` at every execution of a tag.
+    """Transforms the values of tags: `fns[name](value)` replaces the value at
+    every execution of the tag `name`.
+
+    The new value is passed on as the same tag, so a [`Tag`][effects.Tag]
+    further out collects it. The functions are part of the handler's
+    configuration and compared by identity: define them once, not as new
+    lambdas at every call, or every call is traced and compiled again.
 
     **Arguments:**
 
     - `fns`: a dict from name to a function of the tagged value (in the layout
-      `Tag()` reports, per loop iteration) returning a value of the same shape and
-      dtype.
+      `Tag()` reports, once per execution, so once per loop iteration)
+      returning a value of the same structure, shapes and dtypes.
     - `collection`: the collection of the tags.
 
+    **Returns:**
+
+    As a handler: nothing in `found`; the handled function's output computed
+    with the transformed values.
+
+    **Raises:**
+
+    - `TypeError`: `fns` is not a dict from name to a callable.
+    - `ValueError`, from [`handle`][effects.handle]: a name no tag has; a
+      function returning another structure, shape or dtype; a tag inside a
+      `custom_jvp` or `custom_vjp` function.
+
+    **Example:**
+
     ```python
-    out, _ = fx.handle(f, fx.Intervene({"h": lambda h: h.at[0].set(0.0)}))(x)
+    def f(x):
+        h = fx.tag(jnp.sin(x), "h")
+        return 2 * h
+
+    def ablate(h):
+        return h.at[0].set(0.0)
+
+    out, _ = fx.handle(f, fx.Intervene({"h": ablate}))(jnp.ones(3))
+    print(out)  # [0.        1.6829419 1.6829419]
     ```
     """
 

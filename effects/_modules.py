@@ -53,7 +53,22 @@ def tag_modules(
     methods: Sequence[str] = ("__call__",),
     collection: str = "intermediates",
 ):
-    """`model`, with the output of every selected submodule call tagged.
+    """Returns `model` with the output of every selected submodule call
+    tagged, named by the submodule's path: every layer's output, without
+    editing the model's code.
+
+    Nothing in `model` changes and no class is patched. For Equinox and Flax
+    NNX, the result is a copy in which each selected submodule is an instance
+    of a subclass of its own class (so `isinstance` and attribute access behave
+    as before) whose methods tag their outputs. For Flax linen, the result's
+    `apply` and `init` run `model`'s inside `flax.linen.intercept_methods`.
+    Collect with [`fx.Tag`][effects.Tag] or [`fx.Stats`][effects.Stats], look
+    with [`fx.sites`][effects.sites], check with
+    [`fx.find_nonfinite`][effects.find_nonfinite], patch with
+    [`fx.Substitute`][effects.Substitute], differentiate with
+    [`fx.intermediate_grads(..., kind="tag")`][effects.intermediate_grads].
+    Only the array leaves of an output are tagged; an output without arrays is
+    left alone.
 
     **Arguments:**
 
@@ -70,16 +85,30 @@ def tag_modules(
 
     For Equinox and NNX, a module of the same system that runs like `model`
     (`eqx.filter_jit`, `nnx.jit`, `nnx.split` work on it); an NNX one shares
-    `model`'s Variables. For linen, an object with `apply` and `init` taking
-    what `model`'s take. Names: Equinox and NNX, attribute paths joined by "."
-    with sequence indices as numbers (`"layers.0"`); linen, scope paths joined
-    by "/" (`"Encoder_0/Dense_1"`), as `capture_intermediates` names them. A
-    submodule called several times reports one entry per call; one called in a
-    scan reports its entries stacked, as a tag there would.
+    `model`'s Variables, so updates through either reach both. For linen, an
+    object with `apply` and `init` taking what `model`'s take (pass
+    `tagged.apply` to [`handle`][effects.handle]). Names: Equinox and NNX,
+    attribute paths joined by "." with sequence indices as numbers
+    (`"layers.0"`); linen, scope paths joined by "/" (`"Encoder_0/Dense_1"`),
+    as `capture_intermediates` names them. A submodule called several times
+    reports one entry per call; one called in a scan reports its entries
+    stacked, as a tag there would.
+
+    **Raises:**
+
+    - `TypeError`: `model` is none of the three kinds; `filter` is none of the
+      above; `methods` is a string or holds something other than strings.
+
+    **Example:**
 
     ```python
-    out, found = fx.handle(fx.tag_modules(model, filter=eqx.nn.Linear), fx.Tag())(x)
-    # found["intermediates"]: {"layers.0": (...,), "layers.1": (...,), ...}
+    import equinox as eqx
+
+    model = eqx.nn.MLP(2, 2, width_size=8, depth=2, key=jax.random.key(0))
+    tagged = fx.tag_modules(model, filter=eqx.nn.Linear)
+    out, found = fx.handle(tagged, fx.Tag())(jnp.ones(2))
+    print(jax.tree.map(jnp.shape, found))
+    # {'intermediates': {'layers.0': ((8,),), 'layers.1': ((8,),), 'layers.2': ((2,),)}}
     ```
     """
     select = _selector(filter)

@@ -196,51 +196,100 @@ _LEAF = jax.tree.structure(0)
 
 
 def tag(value, name: str, *, collection: str = "intermediates"):
-    """Marks `value` as the intermediate `name` of `collection`.
+    """Marks `value` as the intermediate value `name` of `collection`, for
+    handlers to collect, replace or transform.
 
-    With no handler active this is the identity and costs nothing: a jitted
-    function compiles to the same program with or without its tags.
+    With no handler active, `tag` is the identity and costs nothing: a jitted
+    function compiles to the same program with or without its tags. Under
+    [`fx.handle`][effects.handle], [`fx.Tag`][effects.Tag] collects the value,
+    [`fx.Substitute`][effects.Substitute] replaces it and
+    [`fx.Intervene`][effects.Intervene] transforms it, at every execution: in a
+    `lax.scan`, a `lax.cond` branch or a `jax.jit` call as well. A name may be
+    tagged several times; each execution is one entry. For the gradient with
+    respect to a value, mark it with [`fx.perturb`][effects.perturb] instead, or
+    tag it and use [`fx.intermediate_grads`][effects.intermediate_grads] with
+    `kind="tag"`.
 
     **Arguments:**
 
-    - `value`: a pytree of arrays (Python numbers become arrays).
-    - `name`: the tag's name, a string.
-    - `collection`: the collection handlers select tags by.
+    - `value`: a pytree whose leaves are JAX arrays, NumPy arrays or Python
+      numbers.
+    - `name`: the tag's name. Handlers select tags by name (see
+      [`Names`][effects.Names]).
+    - `collection`: the collection the tag belongs to; each handler acts on one
+      collection.
 
     **Returns:**
 
-    `value`, unchanged unless a handler substitutes it.
+    `value`, with its numbers and NumPy arrays converted to JAX arrays, unless a
+    handler replaces it. A `value` without leaves (`None`, `{}`) is returned as
+    it is and makes no site.
+
+    **Raises:**
+
+    - `TypeError`: `name` or `collection` is not a string, or a leaf of `value`
+      is neither an array nor a number (a string, a function). Tag only the
+      array parts, for example `eqx.filter(value, eqx.is_array)`.
+
+    **Example:**
 
     ```python
     def f(x):
         h = fx.tag(jnp.sin(x), "h")
         return 2 * h
-    out, found = fx.handle(f, fx.Tag())(1.0)  # found["intermediates"]["h"]: (sin(1.),)
+
+    out, found = fx.handle(f, fx.Tag())(1.0)
+    print(found)  # {'intermediates': {'h': (Array(0.84147096, dtype=float32),)}}
     ```
     """
     return _bind_site("tag", value, name, collection, "tag")
 
 
 def perturb(value, name: str, *, collection: str = "perturbations"):
-    """Marks an additive zero at `value`: `Perturb(deltas)` adds `deltas[name]`
-    here, so gradients with respect to the deltas are gradients with respect to
-    this intermediate value.
+    """Marks an additive zero at `value`, the point at which to take the
+    gradient with respect to an intermediate value.
+
+    With no handler active, `perturb` is the identity and costs nothing, as
+    [`fx.tag`][effects.tag] is. [`fx.Perturb(deltas)`][effects.Perturb] adds
+    `deltas[name]` here, so the gradient with respect to the deltas is the
+    gradient with respect to this value;
+    [`fx.intermediate_grads`][effects.intermediate_grads] does both in one
+    call. A perturb site is a site of its own kind: [`fx.Tag`][effects.Tag],
+    [`fx.Substitute`][effects.Substitute] and [`fx.Intervene`][effects.Intervene]
+    never see it, and [`fx.Perturb`][effects.Perturb] sees only perturb sites
+    (unless given `kind="tag"`). To both patch and differentiate one value, tag
+    it and use `fx.Perturb(kind="tag")` or `fx.intermediate_grads(fn,
+    kind="tag")`.
 
     **Arguments:**
 
-    - `value`: a pytree of arrays.
-    - `name`: the site's name, a string.
-    - `collection`: the collection `Perturb` selects sites by.
+    - `value`: a pytree whose leaves are JAX arrays, NumPy arrays or Python
+      numbers.
+    - `name`: the site's name. Handlers select sites by name (see
+      [`Names`][effects.Names]).
+    - `collection`: the collection [`fx.Perturb`][effects.Perturb] selects sites
+      by.
 
     **Returns:**
 
-    `value`, unchanged unless a `Perturb` handler adds a delta.
+    `value`, with its numbers and NumPy arrays converted to JAX arrays, plus the
+    delta a [`Perturb`][effects.Perturb] handler adds. A `value` without leaves
+    is returned as it is and makes no site.
+
+    **Raises:**
+
+    - `TypeError`: `name` or `collection` is not a string, or a leaf of `value`
+      is neither an array nor a number.
+
+    **Example:**
 
     ```python
     def loss(x):
         h = fx.perturb(jnp.sin(x), "h")
         return (2 * h) ** 2
-    out, grads = fx.intermediate_grads(loss)(1.0)   # grads["h"] == (dloss/dh,)
+
+    value, grads = fx.intermediate_grads(loss)(1.0)
+    print(grads)  # {'h': (Array(6.7317677, dtype=float32),)}: d(loss)/dh = 8 h
     ```
     """
     return _bind_site("perturb", value, name, collection, "perturb")

@@ -825,7 +825,7 @@ def _custom_rule(eqn, invals, scope: Scope) -> list[Any]:
     for s in sites:
         probe = Site.probe(*s)
         for h in scope.handlers:
-            if h.matches(probe) and not h.reports:
+            if h.matches(probe) and h.changes_values():
                 raise ValueError(
                     _VALUE_IN_CUSTOM.format(
                         where=probe.where(),

@@ -414,3 +414,50 @@ def test_models_as_arguments_equinox_and_nnx():
     got = fx.find_nonfinite(lambda m, x: loss(m, x), tagged, xs, backward=True)
     assert got == fx.BadSite("norm", "intermediates", 0, None, backward=True)
     assert_trees_close(nnx.state(model), before)
+
+
+@jax.custom_jvp
+def log_custom(x):
+    return fx.tag(jnp.log(x), "inner")
+
+
+@log_custom.defjvp
+def _log_custom_jvp(primals, tangents):
+    return log_custom(primals[0]), tangents[0] / primals[0]
+
+
+@jax.custom_vjp
+def sqrt_custom(x):
+    return fx.tag(jnp.sqrt(x), "inner_vjp")
+
+
+sqrt_custom.defvjp(
+    lambda x: (sqrt_custom(x), x), lambda x, ct: (ct * 0.5 / jnp.sqrt(x),)
+)
+
+
+def custom_program(x):
+    a = fx.tag(x - 1, "a")
+    return jnp.sum(sqrt_custom(log_custom(a)))
+
+
+@pytest.mark.parametrize(
+    "x, forward, backward",
+    [
+        ([2.5, 3.0], None, None),
+        ([1.0, 3.0], "inner", "a"),  # log(0) = -inf; its cotangent 1/0 at a
+        ([1.5, 3.0], "inner_vjp", "a"),  # sqrt(log(0.5)) is NaN
+        ([2.0, 3.0], None, "a"),  # sqrt(log(1)) = 0: an infinite derivative
+    ],
+)
+def test_find_nonfinite_in_functions_with_custom_derivatives(x, forward, backward):
+    # Forward, every tag is checked; backward, a tag inside a custom_jvp or
+    # custom_vjp function has no cotangent of its own, and the custom rules'
+    # cotangent reaches the tag outside.
+    x = jnp.array(x)
+    got = fx.find_nonfinite(custom_program, x)
+    assert (got and got.name) == forward
+    got = fx.find_nonfinite(custom_program, x, backward=True)
+    assert (got and got.name) == backward
+    grad_finite = bool(jnp.all(jnp.isfinite(jax.grad(custom_program)(x))))
+    assert grad_finite == (backward is None)

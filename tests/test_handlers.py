@@ -513,6 +513,13 @@ def test_intermediate_grads_and_perturb_at_tags():
     assert found == {"intermediates": {}}
     with pytest.raises(ValueError, match="kind must be 'perturb' or 'tag'"):
         fx.Perturb(kind="tags")
+    # Nothing of the kind asked for: an error that says what to pass instead.
+    with pytest.raises(ValueError, match="no perturb site .* pass kind='tag'"):
+        fx.intermediate_grads(lambda x: jnp.sum(model(x)))(X)
+    with pytest.raises(ValueError, match="no tag in the collection 'other'"):
+        fx.intermediate_grads(
+            lambda x: jnp.sum(model(x)), kind="tag", collection="other"
+        )(X)
 
 
 def test_intermediate_grads_eager_repeated_site():
