@@ -27,6 +27,7 @@ from ._handlers import (
     Tag,
     _check_names,
     _set_fields,
+    exact_names,
     matches_tag,
 )
 from ._handlers import _static as static_field
@@ -94,7 +95,8 @@ class Stats(Handler):
 
     - `TypeError`: `collection` is not a string, or `names` is not a
       [`Names`][effects.Names].
-    - `ValueError`, from [`handle`][effects.handle]: a matched tag inside a
+    - `ValueError`, from [`handle`][effects.handle]: a name in `names` without
+      glob characters that no tag has; a matched tag inside a
       `lax.while_loop` (use a `lax.scan`, or [`Tag`][effects.Tag] with a
       reduction).
 
@@ -123,6 +125,9 @@ class Stats(Handler):
 
     def matches(self, site):
         return matches_tag(self, site)
+
+    def required_names(self):
+        return exact_names(self.names)
 
     def output_mode(self):
         return _APPEND

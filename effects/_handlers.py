@@ -28,11 +28,10 @@ Names: TypeAlias = None | str | list[str] | tuple[str, ...] | Callable[[str], bo
 - A list or tuple of such strings: the names any of them matches.
 - A predicate `fn(name) -> bool`.
 
-For [`Tag`][effects.Tag], a string without glob characters (`*`, `?`, `[`),
-alone or in a list, names a tag that must exist: a typo is a `ValueError` from
-[`handle`][effects.handle] listing the known names. A glob or a predicate may
-match nothing, and so may any name given to [`Stats`][effects.Stats] or
-[`Perturb`][effects.Perturb] (their entry in `found` is then empty).
+A string without glob characters (`*`, `?`, `[`), alone or in a list, names a
+site that must exist: a typo is a `ValueError` from [`handle`][effects.handle]
+listing the known names. A glob or a predicate may match nothing (the
+handler's entry in `found` is then empty).
 
 **Raises:**
 
@@ -65,6 +64,15 @@ def _check_names(names, owner: str):
 
 
 _GLOB = re.compile(r"[*?\[]")
+
+
+def exact_names(names) -> tuple[str, ...]:
+    """The names of a `names=` filter without glob characters: meant to exist,
+    so a typo is an error (a glob or a predicate may match nothing)."""
+    names = (names,) if isinstance(names, str) else names
+    if not isinstance(names, tuple):
+        return ()
+    return tuple(n for n in names if not _GLOB.search(n))
 
 
 def _name_matches(names, name: str) -> bool:
@@ -563,12 +571,7 @@ class Tag(Handler):
         return _MODES[self.mode] if isinstance(self.mode, str) else self.mode
 
     def required_names(self):
-        # A name without glob characters is meant to exist: a typo is an error.
-        # (A glob or a predicate may match nothing.)
-        names = (self.names,) if isinstance(self.names, str) else self.names
-        if not isinstance(names, tuple):
-            return ()
-        return tuple(n for n in names if not _GLOB.search(n))
+        return exact_names(self.names)
 
     def apply(self, call, leaves):
         call.emit(call.site.to_front(leaves))
@@ -615,7 +618,8 @@ class Perturb(Handler):
       list, or a delta is not a pytree of arrays; `names` is not a
       [`Names`][effects.Names].
     - `ValueError`: `kind` is neither `"perturb"` nor `"tag"`. From
-      [`handle`][effects.handle]: a name in `deltas` that no site has; deltas
+      [`handle`][effects.handle]: a name in `deltas`, or in `names` without
+      glob characters, that no site has; deltas
       of another shape or dtype than the value, or more or fewer than its
       executions; a site inside a `lax.while_loop`; deltas at a site inside a
       `custom_jvp` or `custom_vjp` function.
@@ -675,7 +679,7 @@ class Perturb(Handler):
         return self.deltas is None or site.name in self.deltas
 
     def required_names(self):
-        return () if self.deltas is None else tuple(self.deltas)
+        return exact_names(self.names) if self.deltas is None else tuple(self.deltas)
 
     def per_call_inputs(self):
         return {} if self.deltas is None else self.deltas

@@ -115,6 +115,12 @@ def test_stats_names_and_errors():
     assert list(found["intermediates"]) == ["log"]
     with pytest.raises(TypeError, match="Stats: collection must be a string"):
         fx.Stats(collection=1)  # pyright: ignore[reportArgumentType]
+    # An exact name is meant to exist; a glob may match nothing.
+    with pytest.raises(ValueError, match="Stats: no tag named 'lgo'.*'log'"):
+        fx.handle(f, fx.Stats(names="lgo"))(X)
+    assert fx.handle(f, fx.Stats(names="q*"))(X)[1] == {"intermediates": {}}
+    with pytest.raises(ValueError, match="Perturb: no perturb site named 'log'"):
+        fx.handle(f, fx.Perturb(names="log"))(X)
 
 
 def test_summary_of_stats_and_of_tag():
