@@ -1,6 +1,6 @@
 """See and change what happens inside any JAX computation."""
 
-import importlib.metadata
+from importlib import metadata as _metadata
 
 from ._debug import BadSite as BadSite
 from ._debug import SiteInfo as SiteInfo
@@ -41,6 +41,6 @@ from ._primitives import perturb as perturb
 from ._primitives import tag as tag
 
 try:
-    __version__ = importlib.metadata.version("effects-jax")
-except importlib.metadata.PackageNotFoundError:  # pragma: no cover
+    __version__ = _metadata.version("effects-jax")
+except _metadata.PackageNotFoundError:  # pragma: no cover
     __version__ = "0.0.0"
