@@ -141,6 +141,9 @@ class Stats(Handler):
     def calls_user_code(self):
         return False
 
+    def changes_values(self):
+        return False
+
 
 _APPEND = Append(label="Stats()")
 

@@ -356,8 +356,9 @@ class Handler:
       none).
     - `calls_user_code()`: whether `apply` may call user code (default True).
     - `changes_values()`: whether `apply` may return other values than it was
-      given (default: unless the handler reports). Inside a function with a
-      custom derivative, only a handler that changes nothing may act.
+      given (default True; `Tag`, `Stats` and `Perturb()` without deltas say
+      False). Inside a function with a custom derivative, only a handler that
+      changes nothing may act.
     - Class attributes: `kind` (`"tag"`, the default, or `"perturb"`),
       `reports` (default False), and `consumes`: whether `apply` consumes
       every site it matches (`Tag` and `Perturb` do), so that handlers further
@@ -461,9 +462,8 @@ class Handler:
     def changes_values(self) -> bool:
         """Whether `apply` may return other values than it was given. Inside a
         function with a custom derivative a handler that does is refused: the
-        custom rule would not know. By default, a handler that reports only
-        looks."""
-        return not self.reports
+        custom rule would not know. True unless a handler says otherwise."""
+        return True
 
 
 def matches_tag(handler, site) -> bool:
@@ -583,6 +583,9 @@ class Tag(Handler):
     def calls_user_code(self):
         return isinstance(self.mode, Reduce)
 
+    def changes_values(self):
+        return False
+
 
 class Perturb(Handler):
     """Handles [`perturb`][effects.perturb] sites, to take gradients with
@@ -696,6 +699,9 @@ class Perturb(Handler):
 
     def calls_user_code(self):
         return False
+
+    def changes_values(self):
+        return self.deltas is not None
 
 
 class Substitute(Handler):
