@@ -4,11 +4,15 @@ The generator (`programs()`, a Hypothesis strategy) builds a small tree of nodes
 nested in random order up to three levels deep, acting on one float32 array of
 shape (3,), (4,) or (2, 3):
 
-- leaves: `sin`, `tanh`, multiplying or adding a constant, `fx.tag` and
-  `fx.perturb` of the current value;
+- leaves: `sin`, `tanh`, multiplying or adding a constant, `fx.tag`,
+  `fx.perturb` and `jax.ad_checkpoint.checkpoint_name` of the current value (a
+  checkpoint_name is a tag of the collection `"checkpoint_name"` to every
+  handler, with the layout, modes and errors of a tag);
 - `Fork` (`a(v) + b(v)`) and `Discard` (run a subtree, drop its result: a
   discarded tag);
-- higher-order nodes: `jax.jit`, `jax.checkpoint`, `lax.cond` / `lax.switch`
+- higher-order nodes: `jax.jit`, `jax.checkpoint` (with no policy,
+  `nothing_saveable`, or `save_only_these_names` of its checkpoint_names),
+  `lax.cond` / `lax.switch`
   (each branch tags its own names, and some names are shared across branches),
   `lax.scan` (forward or `reverse=True`, over `xs` derived from the carry, with
   the iteration index in `xs`), `lax.while_loop` (a fixed trip count held by a
@@ -30,15 +34,33 @@ node is shape-preserving. A predicate is either "data" (from `sum(v)`) or
   belong to `"custom_perturbations"`, where only reporting applies
   (`Perturb(deltas)`, so `fx.intermediate_grads`, must raise);
 - a `while_loop` starts from `lax.stop_gradient` of its input (JAX cannot
-  reverse-differentiate a while loop), and adds its input back.
+  reverse-differentiate a while loop), and adds its input back;
+- no checkpoint_name inside a `jax.vmap` of the program: JAX's batching rule for
+  it records no batch axis, so a handler outside that vmap reports the value as
+  the program holds it, not with the batch axis first as for a tag. Under the
+  outer `jax.vmap` of property 5, `handle(vmap(f))` is checked accordingly: the
+  batch axis anywhere among the value's own axes; and where a batched data
+  predicate holds a checkpoint_name, not at all (the select runs every branch,
+  and its checkpoint_names are reported for examples that did not take it where
+  a tag is refused). `vmap(handle(f))` is checked per example against the
+  reference, checkpoint_names included;
+- checkpoint_names inside `while_loop` bodies stay in `"checkpoint_name"`:
+  handlers take them by name; "last" and "sum" apply, and "append" (so
+  `fx.intermediate_grads`) must raise. Under a custom derivative they are as
+  tags there: collected, and refused by `Substitute` and `Perturb(deltas)`.
+  When `handle` is outside `jax.grad`, the backward pass's recomputation of a
+  `jax.checkpoint` region adds no executions; sites under a custom derivative
+  are then gone (grad runs the rule), and checkpoint_names in a `Discard` may
+  be (dead code, which JAX drops: unlike a tag, no effect keeps them).
 
 Each program is rendered as Python source and `exec`-ed: that source is the
 program under test, and `repr(program)` prints it (with its input), so a failing
 example reads as a standalone repro. The expected values come from `_Reference`,
 an interpreter of the same tree that runs eagerly with Python loops (scan, while,
 vmap and shard_map unrolled by hand, cond as a Python `if`): in float64 NumPy for
-the collected values, and in `jax.numpy` with explicit deltas at every perturb
-site for gradients. Each site execution is recorded with its index path, from
+the collected values (and with given values substituted at sites, for
+`Substitute`), and in `jax.numpy` with explicit deltas at every perturb site and
+checkpoint_name for gradients. Each site execution is recorded with its index path, from
 which the documented layout is assembled: one tuple entry per site in program
 order (aligned by position across cond branches, zeros where a branch did not
 run), with vmap batch axes first, then shard_map axes, then scan axes, each
@@ -59,9 +81,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import no_leak_checks
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -81,6 +105,10 @@ MESH = Mesh(np.array(jax.devices()[:2]), ("s",))
 MAX_DEPTH = 3
 CUSTOM_FACTOR = 1.5  # the custom rules' derivative, relative to the true one
 TAGGED = ("intermediates", "loop")  # the tag collections: outside, inside while
+CN = "checkpoint_name"  # the collection of `checkpoint_name` sites (kind "tag")
+# The policies a `jax.checkpoint` node is drawn with: what its backward pass
+# saves rather than recomputes ("names": the checkpoint_names in its body).
+POLICIES = (None, "nothing_saveable", "names")
 
 #
 # The program tree
@@ -97,7 +125,7 @@ class Op:
 class Site:
     kind: str  # "tag" or "perturb"
     name: str
-    collection: str
+    collection: str  # CN: a `checkpoint_name(v, name)` (which handlers see as a tag)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +152,7 @@ class Jit:
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
     body: Seq
+    policy: str | None = None  # one of POLICIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +210,13 @@ def _children(node) -> tuple:
     return (node.body,) if hasattr(node, "body") else ()
 
 
+def _cn_names(node) -> list[str]:
+    """The names of the checkpoint_names in `node`, sorted."""
+    if isinstance(node, Site):
+        return [node.name] if node.collection == CN else []
+    return sorted({n for child in _children(node) for n in _cn_names(child)})
+
+
 def _scan_inputs(length: int, ndim: int):
     """The scan's xs are `v * scales[k] + offsets[k]` (exact in float32)."""
     scales = [0.5 * (k + 1) for k in range(length)]
@@ -216,6 +252,17 @@ def _render_def(w: _Writer, header: str, body: Seq, v: str, i, shape, fx_on):
     w.indent -= 1
 
 
+def _render_policy(node) -> str:
+    """The `policy=` argument of a `jax.checkpoint` node (empty for a jit)."""
+    policy = getattr(node, "policy", None)
+    if policy is None:
+        return ""
+    if policy == "names":
+        names = ", ".join(repr(n) for n in _cn_names(node.body))
+        return f", policy=jax.checkpoint_policies.save_only_these_names({names})"
+    return f", policy=jax.checkpoint_policies.{policy}"
+
+
 def _render(w: _Writer, node, v: str, i, shape: tuple, fx_on: bool) -> str:
     """Writes the code computing `node` on the variable `v` (`i`: the name of the
     innermost loop index, or None); returns the variable holding the result."""
@@ -237,6 +284,9 @@ def _render(w: _Writer, node, v: str, i, shape: tuple, fx_on: bool) -> str:
         if not fx_on:
             return v
         o = w.fresh()
+        if node.collection == CN:
+            w.line(f"{o} = checkpoint_name({v}, {node.name!r})")
+            return o
         default = "intermediates" if node.kind == "tag" else "perturbations"
         coll = "" if node.collection == default else f", collection={node.collection!r}"
         w.line(f"{o} = fx.{node.kind}({v}, {node.name!r}{coll})")
@@ -258,8 +308,9 @@ def _render(w: _Writer, node, v: str, i, shape: tuple, fx_on: bool) -> str:
         )
         o = w.fresh()
         wrap = "jax.jit" if isinstance(node, Jit) else "jax.checkpoint"
+        policy = _render_policy(node)
         args = v if i is None else f"{v}, {i}"
-        w.line(f"{o} = {wrap}({fn})({args})")
+        w.line(f"{o} = {wrap}({fn}{policy})({args})")
         return o
     if isinstance(node, CustomJvp):
         g, p = w.fresh("g"), w.fresh()
@@ -375,6 +426,7 @@ def _render(w: _Writer, node, v: str, i, shape: tuple, fx_on: bool) -> str:
 _PRELUDE = """\
 import jax, jax.numpy as jnp, numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec as P
 import effects as fx
 
@@ -404,6 +456,7 @@ class Program:
             "P": P,
             "MESH": MESH,
             "fx": fx,
+            "checkpoint_name": checkpoint_name,
         }
         exec(self.source(), namespace)
         return namespace["f"]
@@ -447,15 +500,15 @@ class NameInfo:
     shape: tuple  # the tagged value's shape at one execution
     context: tuple  # ((kind, size), ...) of the enclosing vmap/shard/scan
     custom: bool  # under a custom_jvp/custom_vjp
+    in_while: bool  # in a while_loop body (tags: the collection "loop")
     count: int = 0  # entries in the append layout
+    # A site of the name is in a `Discard` body: its value is dead code, which
+    # JAX may drop when it differentiates (a checkpoint_name, with no effect).
+    dead: bool = dataclasses.field(default=False, compare=False)
 
     @property
     def in_scan(self):
         return any(k == "scan" for k, _ in self.context)
-
-    @property
-    def in_while(self):
-        return self.collection == "loop"
 
     def axes(self, *kinds):
         """The context axes of these kinds, kind by kind, each outermost first."""
@@ -499,28 +552,33 @@ def counts(node) -> dict[str, int]:
 def analyse(program: Program) -> dict[str, NameInfo]:
     infos: dict[str, NameInfo] = {}
 
-    def walk(node, shape, context, custom):
+    def walk(node, shape, context, custom, looped, dead):
         if isinstance(node, Site):
-            info = NameInfo(node.kind, node.collection, shape, context, custom)
+            info = NameInfo(node.kind, node.collection, shape, context, custom, looped)
             old = infos.setdefault(node.name, info)
             # The generator shares a name only between sites that agree.
             assert old == info, (old, info)
+            old.dead = old.dead or dead
             return
         if isinstance(node, Vmap):
             size = shape[node.in_axis]
             inner = shape[: node.in_axis] + shape[node.in_axis + 1 :]
-            walk(node.body, inner, context + (("vmap", size),), custom)
+            context += (("vmap", size),)
+            walk(node.body, inner, context, custom, looped, dead)
         elif isinstance(node, ShardMap):
             inner = (shape[0] // 2,) + shape[1:]
-            walk(node.body, inner, context + (("shard", 2),), custom)
+            walk(node.body, inner, context + (("shard", 2),), custom, looped, dead)
         elif isinstance(node, Scan):
-            walk(node.body, shape, context + (("scan", node.length),), custom)
+            context += (("scan", node.length),)
+            walk(node.body, shape, context, custom, looped, dead)
         else:
             custom = custom or isinstance(node, (CustomJvp, CustomVjp))
+            looped = looped or isinstance(node, While)
+            dead = dead or isinstance(node, Discard)
             for child in _children(node):
-                walk(child, shape, context, custom)
+                walk(child, shape, context, custom, looped, dead)
 
-    walk(program.body, program.shape, (), False)
+    walk(program.body, program.shape, (), False, False, False)
     for name, n in counts(program.body).items():
         infos[name].count = n
     return infos
@@ -548,12 +606,15 @@ class _Reference:
     """Runs a program with Python loops. In NumPy mode (float64) it records every
     site execution as `(name, entry, index path, value)` and every branch taken;
     in `jax.numpy` mode it takes the recorded branches and adds `deltas[name]
-    [entry][index path]` at each perturb site of the "perturbations" collection."""
+    [entry][index path]` at each site of a name in `deltas`. In NumPy mode,
+    `subs[name][entry][index path]` replaces the value at each site of a name in
+    `subs` (the value recorded is the new one)."""
 
-    def __init__(self, deltas=None, decisions=None):
+    def __init__(self, deltas=None, decisions=None, subs=None):
         self.jax = deltas is not None
         self.xp = jnp if self.jax else np
         self.deltas = deltas
+        self.subs = {} if subs is None else subs
         self.log: list = []
         self.decisions = {} if decisions is None else decisions
 
@@ -575,8 +636,10 @@ class _Reference:
         if isinstance(node, Site):
             entry = offsets.get(node.name, 0)
             if not self.jax:
+                if node.name in self.subs:
+                    v = self.subs[node.name][entry][idx]
                 self.log.append((node.name, entry, idx, np.array(v)))
-            elif node.kind == "perturb" and node.collection == "perturbations":
+            elif node.name in self.deltas:
                 v = v + self.deltas[node.name][entry][idx]
             return v
         if isinstance(node, Fork):
@@ -702,22 +765,35 @@ class Expected:
         return tuple(np.zeros(shape) for _ in range(info.count))
 
 
-def reference(program: Program) -> Expected:
-    """The expected output and site executions; rejects (Hypothesis `assume`) a
-    program whose data predicate is within rounding of its boundary."""
-    ref = _Reference()
+def reference(program: Program, seed_offset=0) -> Expected:
+    """The expected output and site executions on `program.x(seed_offset)`;
+    rejects (Hypothesis `assume`) a program whose data predicate is within
+    rounding of its boundary."""
     try:
-        out = ref.run(program.body, program.x().astype(np.float64), None, {}, (), ())
+        return substituted_reference(program, {}, seed_offset)
     except Ambiguous:
         assume(False)
-    return Expected(out, ref.log, ref.decisions, analyse(program))
+        raise
 
 
-def reference_perturbation_grads(program: Program, expected: Expected):
+def substituted_reference(program: Program, subs: dict, seed_offset=0) -> Expected:
+    """The reference with the values `subs` (by name, as `Tag()` reports them)
+    substituted at the sites; raises `Ambiguous`."""
+    infos = analyse(program)
+    nested = {
+        n: tuple(np.transpose(e, np.argsort(infos[n].layout())) for e in entries)
+        for n, entries in subs.items()
+    }
+    ref = _Reference(subs=nested)
+    x = program.x(seed_offset).astype(np.float64)
+    out = ref.run(program.body, x, None, {}, (), ())
+    return Expected(out, ref.log, ref.decisions, infos)
+
+
+def reference_perturbation_grads(program: Program, expected: Expected, names):
     """`(loss, grads)` of the program with an explicit delta added at every
-    perturb site, differentiated with respect to the deltas at zero."""
+    site of `names`, differentiated with respect to the deltas at zero."""
     infos = expected.infos
-    names = names_where(infos, kind="perturb", collection="perturbations")
     zeros = {
         n: tuple(
             jnp.zeros(infos[n].nested_shape(), jnp.float32)
@@ -821,13 +897,18 @@ def _draw_item(draw, scope: _Scope, counter: list):
     if structured:
         kinds = [k for k in _STRUCTURES if _allowed(k, scope)]
         return _draw_structure(draw, draw(st.sampled_from(kinds)), scope, counter)
-    leaves = ["op", "tag"] if scope.in_while else ["op", "tag", "perturb"]
+    leaves = ["op", "tag"] + ([] if scope.in_while else ["perturb"])
+    # No checkpoint_name under a vmap of the program: its value is reported as
+    # the program holds it there, batch axis and all (see the module docstring).
+    leaves += [] if scope.in_vmap else ["checkpoint_name"]
     kind = draw(st.sampled_from(leaves))
     if kind == "op":
         op = draw(st.sampled_from(["sin", "tanh", "mul", "add"]))
         const = {"mul": [0.5, -1.5, 2.0, 0.75], "add": [0.25, -1.0, 1.25]}
         return Op(op, draw(st.sampled_from(const[op])) if op in const else 0.0)
     counter[0] += 1
+    if kind == "checkpoint_name":
+        return Site("tag", f"n{counter[0]}", CN)
     if kind == "tag":
         return Site(
             "tag", f"t{counter[0]}", "loop" if scope.in_while else "intermediates"
@@ -841,7 +922,7 @@ def _draw_structure(draw, kind: str, scope: _Scope, counter: list):
     if kind == "jit":
         return Jit(body(scope.inner()))
     if kind == "checkpoint":
-        return Checkpoint(body(scope.inner()))
+        return Checkpoint(body(scope.inner()), draw(st.sampled_from(POLICIES)))
     if kind == "fork":
         return Fork(body(scope.inner()), body(scope.inner()))
     if kind == "discard":
@@ -924,12 +1005,19 @@ def programs(draw):
     return Program(body, shape, draw(st.integers(0, 2**16)))
 
 
-def has_data_cond_with_sites(node) -> bool:
+def _sites(node) -> list[Site]:
+    if isinstance(node, Site):
+        return [node]
+    return [s for child in _children(node) for s in _sites(child)]
+
+
+def has_data_cond_with_sites(node, collections) -> bool:
     """Whether a cond with a data predicate (batched by an outer vmap) holds a
-    site in one of its branches."""
-    if isinstance(node, Cond) and node.source == "data" and counts(node):
-        return True
-    return any(has_data_cond_with_sites(c) for c in _children(node))
+    site of one of these collections in one of its branches."""
+    if isinstance(node, Cond) and node.source == "data":
+        if any(s.collection in collections for s in _sites(node)):
+            return True
+    return any(has_data_cond_with_sites(c, collections) for c in _children(node))
 
 
 #
@@ -958,6 +1046,20 @@ def assert_identical(got, want, what=""):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=what)
 
 
+def assert_batch_axis_somewhere(got, want, lead: int, *, rtol=1e-5, what=""):
+    """`got` is `want` (batch axis first) with the batch axis moved to some
+    position after its first `lead` axes."""
+    got, want = np.asarray(got), np.asarray(want)
+    for p in range(lead, want.ndim):
+        moved = np.moveaxis(want, 0, p)
+        if moved.shape == got.shape and np.allclose(got, moved, rtol, rtol):
+            return
+    raise AssertionError(
+        f"{what}: {got.shape} is not {want.shape} with its batch axis moved to a "
+        f"position >= {lead}\n{got}\n{want}"
+    )
+
+
 def merge_found(*founds) -> dict:
     out: dict = {}
     for found in founds:
@@ -966,14 +1068,43 @@ def merge_found(*founds) -> dict:
     return out
 
 
-# Tags collecting every name where their mode applies ("append" outside while
-# loops, "last" inside), and both perturb collections reporting.
-COLLECTING = (
-    fx.Tag(),
-    fx.Tag("loop", mode="last"),
-    fx.Perturb(),
-    fx.Perturb(collection="custom_perturbations"),
-)
+def collecting(infos) -> tuple:
+    """Tags collecting every name where their mode applies ("append" outside
+    while loops, "last" inside), checkpoint_names alike, and both perturb
+    collections reporting."""
+    return (
+        fx.Tag(),
+        fx.Tag("loop", mode="last"),
+        fx.Tag(CN, names=names_where(infos, collection=CN, in_while=False)),
+        fx.Tag(CN, names=names_where(infos, collection=CN, in_while=True), mode="last"),
+        fx.Perturb(),
+        fx.Perturb(collection="custom_perturbations"),
+    )
+
+
+def collected(expected: Expected) -> dict:
+    """What the handlers `collecting` gives report, by the reference."""
+    infos = expected.infos
+
+    def append(**where):
+        return {n: expected.append(n) for n in names_where(infos, **where)}
+
+    def last(**where):
+        return {n: expected.reduced(n, "last") for n in names_where(infos, **where)}
+
+    def zeros(**where):
+        return {n: expected.zeros(n) for n in names_where(infos, **where)}
+
+    return {
+        "intermediates": append(collection="intermediates"),
+        "loop": last(collection="loop"),
+        CN: {
+            **append(collection=CN, in_while=False),
+            **last(collection=CN, in_while=True),
+        },
+        "perturbations": zeros(collection="perturbations"),
+        "custom_perturbations": zeros(collection="custom_perturbations"),
+    }
 
 
 #
@@ -984,8 +1115,9 @@ COLLECTING = (
 @FUZZ
 @given(programs())
 def test_handled_output_and_gradient_equal_the_plain_ones(program):
+    infos = analyse(program)
     f, x = program.function(), program.x()
-    handlers = COLLECTING
+    handlers = collecting(infos)
     out, found = jax.jit(fx.handle(f, *handlers))(x)
     assert_identical(out, jax.jit(f)(x), "output")
 
@@ -996,9 +1128,40 @@ def test_handled_output_and_gradient_equal_the_plain_ones(program):
         return jnp.sum(out * loss_weights(program.shape)), found
 
     grad, grad_found = jax.jit(jax.grad(handled_loss, has_aux=True))(x)
-    assert_identical(grad, jax.jit(jax.grad(loss))(x), "gradient")
+    plain_grad = jax.jit(jax.grad(loss))(x)
+    assert_identical(grad, plain_grad, "gradient")
     # Collected once under grad too (checkpoint, discarded tags, custom rules).
     assert_close(grad_found, found, rtol=1e-6, what="found under grad")
+
+    # Handled outside grad: each site is reported once per forward execution,
+    # though the backward pass recomputes `jax.checkpoint` regions and scan
+    # iterations. Not the sites under a custom derivative, which grad replaces
+    # by its rule; nor dead checkpoint_names, which JAX may drop (having no
+    # effect, unlike tags).
+    kept = {
+        c: [
+            n
+            for n in names_where(infos, collection=c, custom=False)
+            if not (c == CN and infos[n].dead)
+        ]
+        for c in (*TAGGED, CN)
+    }
+    if any(kept.values()):
+        outside = fx.handle(
+            jax.grad(loss),
+            fx.Tag(names=kept["intermediates"]),
+            fx.Tag("loop", names=kept["loop"], mode="last"),
+            fx.Tag(CN, names=[n for n in kept[CN] if not infos[n].in_while]),
+            fx.Tag(CN, names=[n for n in kept[CN] if infos[n].in_while], mode="last"),
+        )
+        # Tags kept in a scan by their effect, partially evaluated under grad:
+        # JAX's leak checker reports them falsely (see the conftest fixture
+        # `jax_leak_check_false_report`).
+        with no_leak_checks():
+            grad, found_outside = jax.jit(outside)(x)
+        assert_close(grad, plain_grad, rtol=1e-6, what="gradient, handled outside")
+        want = {c: {n: found[c][n] for n in names} for c, names in kept.items()}
+        assert_close(found_outside, want, rtol=1e-6, what="found outside grad")
 
 
 @FUZZ
@@ -1008,58 +1171,53 @@ def test_collected_values_equal_the_reference(program):
     infos = expected.infos
     f, x = program.function(), program.x()
 
-    # append: every execution, in the documented layout
-    out, found = fx.handle(
-        f, fx.Tag(), fx.Perturb(), fx.Perturb(collection="custom_perturbations")
-    )(x)
+    # append: every execution, in the documented layout ("last" in while loops)
+    out, found = fx.handle(f, *collecting(infos))(x)
     assert_close(out, expected.out, what="output")
-    want = {
-        "intermediates": {
-            n: expected.append(n)
-            for n in names_where(infos, collection="intermediates")
-        },
-        "perturbations": {
-            n: expected.zeros(n) for n in names_where(infos, collection="perturbations")
-        },
-        "custom_perturbations": {
-            n: expected.zeros(n)
-            for n in names_where(infos, collection="custom_perturbations")
-        },
-    }
-    assert_close(found, want, what="append")
+    assert_close(found, collected(expected), what="append")
 
-    # last and sum, in both tag collections (per example and per shard)
+    # last and sum, in every tag collection (per example and per shard)
     for mode in ("last", "sum"):
-        handlers = [fx.Tag(c, mode=mode) for c in TAGGED]
+        handlers = [fx.Tag(c, mode=mode) for c in (*TAGGED, CN)]
         _, found = fx.handle(f, *handlers)(x)
         want = {
             c: {n: expected.reduced(n, mode) for n in names_where(infos, collection=c)}
-            for c in TAGGED
+            for c in (*TAGGED, CN)
         }
         assert_close(found, want, what=mode)
 
     # strict: the one execution; an error in a loop or for a repeated name
-    once = [
-        n
-        for n in names_where(infos, collection="intermediates", in_scan=False)
-        if infos[n].count == 1
-    ]
-    _, found = fx.handle(f, fx.Tag(names=once, mode="strict"))(x)
-    assert_close(found, {"intermediates": {n: expected.append(n)[0] for n in once}})
+    once = {
+        c: [
+            n
+            for n in names_where(infos, collection=c, in_scan=False, in_while=False)
+            if infos[n].count == 1
+        ]
+        for c in ("intermediates", CN)
+    }
+    handlers = [fx.Tag(c, names=names, mode="strict") for c, names in once.items()]
+    _, found = fx.handle(f, *handlers)(x)
+    want = {c: {n: expected.append(n)[0] for n in names} for c, names in once.items()}
+    assert_close(found, want, what="strict")
     refused = [
         (collection, n)
-        for collection in TAGGED
+        for collection in (*TAGGED, CN)
         for n in names_where(infos, collection=collection)
-        if collection == "loop" or n not in once
+        if n not in once.get(collection, ())
     ]
-    for collection, name in refused[:1]:
+    for collection, name in refused[:1] + [r for r in refused if r[0] == CN][:1]:
         with pytest.raises(ValueError, match=f"'{name}'"):
             fx.handle(f, fx.Tag(collection, names=name, mode="strict"))(x)
 
     # append in a while loop is an error naming the tag
-    for name in names_where(infos, collection="loop")[:1]:
+    looped = [
+        (collection, n)
+        for collection in ("loop", CN)
+        for n in names_where(infos, collection=collection, in_while=True)[:1]
+    ]
+    for collection, name in looped:
         with pytest.raises(ValueError, match=f"'{name}'.*while_loop"):
-            fx.handle(f, fx.Tag("loop", names=name))(x)
+            fx.handle(f, fx.Tag(collection, names=name))(x)
 
 
 @FUZZ
@@ -1067,10 +1225,21 @@ def test_collected_values_equal_the_reference(program):
 def test_substituting_what_was_collected_changes_nothing(program):
     infos = analyse(program)
     f, x = program.function(), program.x()
-    out, found = fx.handle(f, fx.Tag())(x)
-    mutable = names_where(infos, collection="intermediates", custom=False)
-    values = {n: found["intermediates"][n] for n in mutable}
-    patched, refound = fx.handle(f, fx.Substitute(values, per_call=True), fx.Tag())(x)
+    appending = [
+        fx.Tag(),
+        fx.Tag(CN, names=names_where(infos, collection=CN, in_while=False)),
+    ]
+    out, found = fx.handle(f, *appending)(x)
+    mutable = {
+        c: names_where(infos, collection=c, custom=False, in_while=False)
+        for c in ("intermediates", CN)
+    }
+
+    def substitute(values):
+        return [fx.Substitute(values[c], per_call=True, collection=c) for c in mutable]
+
+    values = {c: {n: found[c][n] for n in names} for c, names in mutable.items()}
+    patched, refound = fx.handle(f, *substitute(values), *appending)(x)
     # Not bitwise: XLA simplifies `x + x * c` in one program, and not when `x`
     # and `x * c` are substituted inputs.
     assert_close(patched, out, rtol=1e-5, what="output")
@@ -1078,43 +1247,131 @@ def test_substituting_what_was_collected_changes_nothing(program):
     assert_close(refound, found, rtol=1e-5, what="found after Substitute")
 
     # A tag under a custom derivative cannot be changed.
-    for name in names_where(infos, collection="intermediates", custom=True)[:1]:
-        with pytest.raises(ValueError, match=f"'{name}'.*custom"):
-            values = {name: found["intermediates"][name]}
-            fx.handle(f, fx.Substitute(values, per_call=True))(x)
+    for c in mutable:
+        for name in names_where(infos, collection=c, custom=True, in_while=False)[:1]:
+            with pytest.raises(ValueError, match=f"'{name}'.*custom"):
+                one = fx.Substitute({name: found[c][name]}, per_call=True, collection=c)
+                fx.handle(f, one)(x)
+
+    # Other values: the output, and the values collected after them, are the
+    # reference's with those values substituted.
+    if not any(mutable.values()):
+        return
+    other = jax.tree.map(lambda v: 0.5 - 0.75 * np.asarray(v), values)
+    try:
+        subs = {n: v for c in other for n, v in other[c].items()}
+        expected = substituted_reference(program, subs)
+    except Ambiguous:  # a predicate the new values put on its boundary
+        return
+    patched, refound = fx.handle(f, *substitute(other), *appending)(x)
+    assert_close(patched, expected.out, what="output, substituted")
+    want = {c: {n: expected.append(n) for n in found[c]} for c in found}
+    assert_close(refound, want, what="found, substituted")
+
+
+def _named_grads(loss, names, x):
+    """`fx.intermediate_grads(loss, kind="tag", collection=CN)(x)` for the
+    checkpoint_names `names` only."""
+    probe = fx.Perturb(collection=CN, kind="tag", names=names)
+    _, shapes = jax.eval_shape(fx.handle(loss, probe), x)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[CN])
+
+    def perturbed(deltas):
+        perturb = fx.Perturb(deltas, collection=CN, kind="tag", names=names)
+        return fx.handle(loss, perturb)(x)[0]
+
+    return jax.value_and_grad(perturbed)(zeros)
 
 
 @FUZZ
 @given(programs())
 def test_perturbation_gradients_equal_the_explicit_reference(program):
     expected = reference(program)
+    infos = expected.infos
     f, x = program.function(), program.x()
     loss = scalar_loss(f, program.shape)
-    value, grads = fx.intermediate_grads(loss)(x)
-    want_value, want_grads = reference_perturbation_grads(program, expected)
-    assert_close(value, want_value, what="loss")
-    assert_close(grads, want_grads, what="gradients")
+    perturbed = names_where(infos, kind="perturb", collection="perturbations")
+    # The checkpoint_names whose values can be changed.
+    named = names_where(infos, collection=CN, custom=False, in_while=False)
+    want_value, want_grads = reference_perturbation_grads(
+        program, expected, perturbed + named
+    )
+    if perturbed:
+        value, grads = fx.intermediate_grads(loss)(x)
+        assert_close(value, want_value, what="loss")
+        assert_close(grads, {n: want_grads[n] for n in perturbed}, what="gradients")
 
     # Perturb sites under a custom derivative cannot be changed.
-    if names_where(expected.infos, collection="custom_perturbations"):
+    if names_where(infos, collection="custom_perturbations"):
         with pytest.raises(ValueError, match="custom"):
             fx.intermediate_grads(loss, collection="custom_perturbations")(x)
+
+    # The gradients with respect to the checkpoint_names' values.
+    every = names_where(infos, collection=CN)
+    if not every:
+        return
+    if named == every:
+        value, grads = fx.intermediate_grads(loss, kind="tag", collection=CN)(x)
+    else:
+        # Nor can those under a custom derivative, nor those in a while loop
+        # (no delta per execution).
+        with pytest.raises(ValueError, match="custom|while_loop"):
+            fx.intermediate_grads(loss, kind="tag", collection=CN)(x)
+        if not named:
+            return
+        value, grads = _named_grads(loss, named, x)
+    assert_close(value, want_value, what="loss, checkpoint_names")
+    want = {n: want_grads[n] for n in named}
+    assert_close(grads, want, what="checkpoint_name gradients")
 
 
 @FUZZ
 @given(programs())
 def test_handle_of_vmap_equals_vmap_of_handle(program):
+    infos = analyse(program)
     f, xs = program.function(), program.batch()
-    handlers = COLLECTING
+    handlers = collecting(infos)
     inside = jax.jit(jax.vmap(fx.handle(f, *handlers)))(xs)
-    if has_data_cond_with_sites(program.body):
+    # Per example, as the reference has it.
+    per_example = [reference(program, k) for k in range(len(xs))]
+    want = jax.tree.map(
+        lambda *e: np.stack(e), *[(e.out, collected(e)) for e in per_example]
+    )
+    assert_close(inside, want, what="vmap(handle(f))")
+
+    tagged = ("intermediates", "loop", "perturbations", "custom_perturbations")
+    if has_data_cond_with_sites(program.body, tagged):
         # A cond whose predicate the vmap batches becomes a select of every
         # branch before any handler sees it: handle(vmap(f)) refuses its tags
         # (docs/semantics.md), and vmap(handle(f)) above is the way.
         with pytest.raises(ValueError, match="inside the vmap"):
             fx.handle(jax.vmap(f), *handlers)(xs)
         return
-    assert_close(fx.handle(jax.vmap(f), *handlers)(xs), inside, rtol=1e-5)
+    out, found = fx.handle(jax.vmap(f), *handlers)(xs)
+    assert_close(
+        (out, {c: v for c, v in found.items() if c != CN}),
+        (inside[0], {c: v for c, v in inside[1].items() if c != CN}),
+        rtol=1e-5,
+    )
+    if has_data_cond_with_sites(program.body, (CN,)):
+        # That select runs every branch, and their checkpoint_names are
+        # reported whether or not the example took the branch (no error, as
+        # the tags have above).
+        return
+    # A checkpoint_name's value is as the program holds it: the batch axis is
+    # where the vmap put it, among the value's own axes.
+    assert sorted(found[CN]) == sorted(inside[1][CN])
+    for name, entries in found[CN].items():
+        info = infos[name]
+        lead = len(info.axes("shard")) + (
+            0 if info.in_while else len(info.axes("scan"))
+        )
+        entries = entries if isinstance(entries, tuple) else (entries,)
+        wants = inside[1][CN][name]
+        wants = wants if isinstance(wants, tuple) else (wants,)
+        assert len(entries) == len(wants), name
+        for got, want in zip(entries, wants):
+            assert_batch_axis_somewhere(got, want, lead, what=name)
 
 
 def _times_two_plus_half(v):
@@ -1129,6 +1386,7 @@ def _handler_options(infos, data):
 
     tags = names_where(infos, collection="intermediates")
     loop = names_where(infos, collection="loop")
+    named = names_where(infos, collection=CN, in_while=False)
     changeable = [
         (n, infos[n].collection) for n in names_where(infos, kind="tag", custom=False)
     ]
@@ -1138,6 +1396,9 @@ def _handler_options(infos, data):
         lambda: fx.Tag("loop", names=subset(loop), mode="last"),
         lambda: fx.Perturb(),
         lambda: fx.Perturb(collection="custom_perturbations"),
+        lambda: fx.Tag(CN, names=subset(named)),
+        lambda: fx.Tag(CN, mode="sum"),
+        lambda: fx.Perturb(collection=CN, kind="tag", names=subset(named)),
     ]
     if changeable:
 
@@ -1177,21 +1438,28 @@ def test_two_handlers_equal_nested_handles(program, data):
 
 def test_the_generator_covers_every_construct():
     """A sample of the generator's programs holds every node kind, shared names,
-    data and index predicates, and every collection (so the properties above
-    reach them all)."""
+    data and index predicates, every collection, checkpoint policies, and
+    checkpoint_names in every structure but a vmap (so the properties above reach
+    them all)."""
     seen: set = set()
 
-    def visit(node):
+    def visit(node, around=frozenset()):
         seen.add(type(node).__name__)
         if isinstance(node, Site):
             seen.add(node.collection)
+            if node.collection == CN:
+                seen.update(f"{CN} in {kind}" for kind in around)
         if isinstance(node, Cond):
             seen.add(node.source)
             seen.add("switch" if node.switch else "cond")
         if isinstance(node, Scan) and node.reverse:
             seen.add("reverse")
+        if isinstance(node, Checkpoint):
+            seen.add(f"policy {node.policy}")
+        if not isinstance(node, (Seq, Op, Site)):
+            around = around | {type(node).__name__}
         for child in _children(node):
-            visit(child)
+            visit(child, around)
 
     shared = []
 
@@ -1233,9 +1501,18 @@ def test_the_generator_covers_every_construct():
         "loop",
         "perturbations",
         "custom_perturbations",
+        CN,
+        *(f"policy {p}" for p in POLICIES),
+        *(
+            f"{CN} in {kind}"
+            for kind in ("Fork", "Discard", "Jit", "Checkpoint", "CustomJvp")
+            + ("CustomVjp", "Cond", "Scan", "While", "ShardMap")
+        ),
     }
     assert kinds <= seen, kinds - seen
+    assert f"{CN} in Vmap" not in seen
     assert shared
+    assert any(name.startswith("n") for name in shared)  # checkpoint_names too
 
 
 def test_the_reference_reproduces_a_hand_written_program():
@@ -1243,6 +1520,7 @@ def test_the_reference_reproduces_a_hand_written_program():
     body = Seq(
         (
             Site("tag", "a", "intermediates"),
+            Site("tag", "n", CN),
             Scan(Seq((Op("sin"), Site("tag", "h", "intermediates"))), 2, True, True),
             Vmap(Seq((Op("mul", 2.0), Site("tag", "v", "intermediates"))), 1, 0),
         )
@@ -1257,10 +1535,13 @@ def test_the_reference_reproduces_a_hand_written_program():
     after = c + sum(h * 0.5 for h in hs)
     np.testing.assert_allclose(expected.out, after * 2.0)
     assert_close(expected.append("a"), (x,))
+    assert_close(expected.append("n"), (x,))
     assert_close(expected.append("h"), (np.stack(hs),))
     assert_close(expected.append("v"), ((after * 2.0).T,))
     assert_close(expected.reduced("h", "last"), hs[0])  # reverse: position 0 last
     assert_close(expected.reduced("v", "sum"), (after * 2.0).T)
-    out, found = fx.handle(program.function(), fx.Tag())(program.x())
+    assert "checkpoint_name(v1, 'n')" in program.source()
+    out, found = fx.handle(program.function(), fx.Tag(), fx.Tag(CN))(program.x())
     assert_close(out, expected.out)
     assert_close(found["intermediates"], {n: expected.append(n) for n in "ahv"})
+    assert_close(found[CN], {"n": expected.append("n")})
