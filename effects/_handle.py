@@ -699,9 +699,11 @@ def handle(fn: Callable, *handlers: Handler) -> Callable:
       pass arrays that change as arguments;
     - only functions are cached (a `def`, a lambda, a `functools.partial`, a
       jitted function, or a method of an object hashed by value, such as a
-      Flax linen module). Other callables (a Flax NNX module, an object with
-      `__call__`) may hold state that changes between calls, and are traced at
-      every call.
+      Flax linen module). Other callables (an object with `__call__`, a Flax
+      NNX module) may hold state that changes between calls, so each
+      `handle(obj, ...)` traces them again; the handled function it returns,
+      kept and called again, keeps what its first trace read, as
+      `jax.jit(obj)` does (an NNX module's state goes in at every call).
 
     `handle(fn, *handlers)` returns the same function for equal hashable
     handlers, so `jax.jit(fx.handle(f, fx.Tag()))` written inline in a loop
