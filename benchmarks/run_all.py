@@ -27,6 +27,7 @@ SCRIPTS = [
     "bench_custom_vjp.py",
     "bench_modules.py",
     "bench_stats.py",
+    "bench_handlers.py",
 ]
 
 TITLE = (

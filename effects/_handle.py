@@ -21,7 +21,7 @@ from ._handlers import Handler, Perturb
 from ._primitives import handling, probing
 from ._rewrite import run, sites_in
 from ._scope import Scope
-from ._site import Site, aval
+from ._site import CHECKPOINT_NAME, Site, aval
 
 _NOT_CALLABLE = "handle: the first argument must be a callable, got {fn!r}."
 _NOT_HANDLER = (
@@ -31,6 +31,20 @@ _NOT_HANDLER = (
 _UNKNOWN_NAME = (
     "{handler}: no {kind} named {name!r} in collection {collection!r}. Known names: "
     "{known}."
+)
+_CONSUMED_BEFORE = (
+    "{handler}: the {kind} {name!r} (collection {collection!r}) is consumed by "
+    "{before}, which comes before it in the same `fx.handle`: handlers act in "
+    "order and the first that matches a site consumes it. Narrow the earlier "
+    "handler's `names`, or handle in two steps: "
+    "`fx.handle(fx.handle(f, {before_type}(...)), {handler}(...))`."
+)
+_TWO_REPORTERS = (
+    "{first} and {second} both report the checkpoint_name {name!r} into "
+    "found[{collection!r}]; a `checkpoint_name` is not consumed, so both see "
+    "it, and one would overwrite the other. Narrow one's `names`, or handle in "
+    "two steps, `fx.handle(fx.handle(f, {first}(...)), {second}(...))`, to "
+    "have both."
 )
 _EVERY_BRANCH = (
     "{handler}: the {kind} {names} (collection {collection!r}) sits in a "
@@ -239,30 +253,64 @@ class _Program:
 
 def _check_names(sites, handlers) -> None:
     """Each handler's required names exist among the sites it sees: those no
-    handler before it consumes, as in `handle(handle(f, A), B)`."""
+    handler before it consumes, as in `handle(handle(f, A), B)` (a
+    `checkpoint_name` is never consumed)."""
     for i, h in enumerate(handlers):
         names = h.required_names()
         if not names:
             continue
-        before = [g for g in handlers[:i] if g.consumes]
-        known = sorted(
-            n
-            for k, c, n in sites
-            if k == h.kind
-            and c == h.collection
-            and not any(g.matches(Site.probe(k, c, n)) for g in before)
-        )
+        kind = "tag" if h.kind == "tag" else "perturb site"
+
+        def consumer(name):
+            """The handler before `h` that consumes the site `name`, if any."""
+            if h.collection == CHECKPOINT_NAME:
+                return None
+            probe = Site.probe(h.kind, h.collection, name)
+            return next(
+                (
+                    j
+                    for j, g in enumerate(handlers[:i])
+                    if g.consumes and g.matches(probe)
+                ),
+                None,
+            )
+
+        here = [n for k, c, n in sites if k == h.kind and c == h.collection]
         for name in names:
-            if name not in known:
+            about = dict(
+                handler=type(h).__name__, kind=kind, name=name, collection=h.collection
+            )
+            if name not in here:
+                known = sorted(n for n in here if consumer(n) is None)
+                known = ", ".join(map(repr, known)) or "none"
+                raise ValueError(_UNKNOWN_NAME.format(known=known, **about))
+            j = consumer(name)
+            if j is not None:
+                before = type(handlers[j]).__name__
                 raise ValueError(
-                    _UNKNOWN_NAME.format(
-                        handler=type(h).__name__,
-                        kind="tag" if h.kind == "tag" else "perturb site",
-                        name=name,
-                        collection=h.collection,
-                        known=", ".join(map(repr, known)) or "none",
+                    _CONSUMED_BEFORE.format(
+                        before=f"{before} (handler {j})", before_type=before, **about
                     )
                 )
+
+
+def _check_reporters(sites, handlers) -> None:
+    """No two handlers report one `checkpoint_name` (never consumed, so every
+    handler sees it) into the same collection of `found`."""
+    for k, c, n in sorted(sites):
+        if c != CHECKPOINT_NAME:
+            continue
+        probe = Site.probe(k, c, n)
+        hits = [h for h in handlers if h.reports and h.matches(probe)]
+        if len(hits) > 1:
+            raise ValueError(
+                _TWO_REPORTERS.format(
+                    first=type(hits[0]).__name__,
+                    second=type(hits[1]).__name__,
+                    name=n,
+                    collection=c,
+                )
+            )
 
 
 def _check_branches(every_branch, handlers) -> None:
@@ -395,6 +443,7 @@ def _program(fn, config: _Config, h_leaves, static, treedef, dynamic):
         if cache is not None and not any(map(_is_tracer, traced.consts)):
             cache.put(sig, traced)
     _check_names(traced.sites, handlers)
+    _check_reporters(traced.sites, handlers)
     _check_branches(traced.every_branch, handlers)
     staging = _compat.is_staging()
     key = None

@@ -12,6 +12,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
 from . import _compat
+from ._site import CHECKPOINT_NAME
 
 #
 # Handling state
@@ -137,6 +138,14 @@ _BAD_LEAF = (
 )
 
 
+_RESERVED = (
+    "{fn}: the collection {collection!r} (of {name!r}) is reserved: handlers "
+    "see every `jax.ad_checkpoint.checkpoint_name` as a tag in it. Mark the "
+    "value with `checkpoint_name(x, {name!r})` to make it one, or choose "
+    "another collection."
+)
+
+
 def _to_array(fn: str, name: str, collection: str, path, leaf) -> Any:
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
         return jnp.asarray(leaf)
@@ -171,6 +180,8 @@ def _bind_site(fn: str, value, name, collection, kind):
         raise TypeError(
             f"{fn}: the collection of {name!r} must be a string, got {collection!r}."
         )
+    if collection == CHECKPOINT_NAME:
+        raise ValueError(_RESERVED.format(fn=fn, name=name, collection=collection))
     if type(value) in _ARRAY_TYPES:  # one array: the common case, made short
         leaves, treedef = [value], _LEAF
     else:

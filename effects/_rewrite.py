@@ -219,11 +219,13 @@ def handle_site(params, avals, invals, scope: Scope, effect=None) -> list[Any]:
 
 def _act(site: Site, leaves: list[Any], scope: Scope) -> tuple[list[Any], bool]:
     """The scope's handlers act, in order, on one executed site: the leaves
-    they leave, and whether one of them consumed the site."""
+    they leave, and whether one of them consumed the site. A `checkpoint_name`
+    is never consumed (see `_checkpoint_name_rule`): every handler sees it."""
+    consumable = site.collection != CHECKPOINT_NAME
     for i, (handler, (matches, apply)) in enumerate(zip(scope.handlers, scope.actions)):
         if matches(handler, site):
             leaves, consumed = apply(handler, SiteCall(scope, i, site, leaves), leaves)
-            if consumed:
+            if consumed and consumable:
                 return list(leaves), True
     return leaves, False
 

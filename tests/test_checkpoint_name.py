@@ -167,6 +167,59 @@ def test_nested_handlers_each_see_the_name_it_keeps():
     np.testing.assert_allclose(found_outer[CN]["h"][0], jnp.sin(x))
 
 
+def double(v):
+    return 2 * v
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        (fx.Tag(CN, names=["h"]), fx.Intervene({"h": double}, collection=CN)),
+        (fx.Intervene({"h": double}, collection=CN), fx.Tag(CN, names="h")),
+        (fx.Substitute({"g": jnp.ones(3)}, collection=CN), fx.Tag(CN)),
+        (fx.Tag(CN, names="h"), fx.Stats(CN, names="g")),
+    ],
+)
+def test_handlers_in_one_handle_see_the_name_as_nested_handles_do(a, b):
+    """`handle(f, A, B)` equals `handle(handle(f, A), B)`: a name is never
+    consumed, so every handler after one that matched it sees it, with the
+    value the handlers before it left."""
+    x = jnp.array([0.1, 0.7, 1.3])
+    (want_out, found_a), found_b = fx.handle(fx.handle(g, a), b)(x)
+    out, found = fx.handle(g, a, b)(x)
+    np.testing.assert_allclose(out, want_out, rtol=1e-6)
+    want = {CN: {**found_a.get(CN, {}), **found_b.get(CN, {})}}
+    assert found.keys() == want.keys()
+    assert found[CN].keys() == want[CN].keys()
+    for name in want[CN]:
+        jax.tree.map(np.testing.assert_allclose, found[CN][name], want[CN][name])
+
+
+def test_two_handlers_reporting_one_name_in_one_handle_is_an_error():
+    x = jnp.array([0.1, 0.7, 1.3])
+    with pytest.raises(ValueError, match="Tag and Stats both report .*'h'.*two steps"):
+        fx.handle(g, fx.Tag(CN), fx.Stats(CN, names="h"))(x)
+    (_, inner), outer = fx.handle(fx.handle(g, fx.Tag(CN)), fx.Tag(CN, mode="sum"))(x)
+    np.testing.assert_allclose(inner[CN]["h"][0], jnp.sin(x))
+    np.testing.assert_allclose(outer[CN]["h"], jnp.sin(x))
+
+
+def test_a_name_an_earlier_handler_consumes_is_an_error_that_says_so():
+    def f(x):
+        return fx.tag(jnp.sin(x), "h") + fx.tag(x, "k")
+
+    with pytest.raises(ValueError, match="'h'.*consumed by Tag \\(handler 0\\)"):
+        fx.handle(f, fx.Tag(), fx.Substitute({"h": 1.0}))(0.5)
+    with pytest.raises(ValueError, match="no tag named 'x'.*Known names: 'k'"):
+        fx.handle(f, fx.Tag(names="h"), fx.Substitute({"x": 1.0}))(0.5)
+
+
+@pytest.mark.parametrize("mark", [fx.tag, fx.perturb])
+def test_the_checkpoint_name_collection_is_reserved(mark):
+    with pytest.raises(ValueError, match="reserved.*checkpoint_name"):
+        mark(jnp.ones(2), "h", collection=CN)
+
+
 def test_under_vmap_inside_handle_the_value_is_as_the_program_holds_it():
     xs = jnp.arange(6.0).reshape(2, 3)
     _, found = fx.handle(jax.vmap(g), fx.Tag(CN))(xs)

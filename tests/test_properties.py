@@ -1427,6 +1427,12 @@ def test_two_handlers_equal_nested_handles(program, data):
     f, x = program.function(), program.x()
     merged, merged_error = _outcome(fx.handle(f, a, b), x)
     nested, nested_error = _outcome(fx.handle(fx.handle(f, a), b), x)
+    if "both report the checkpoint_name" in str(merged_error):
+        # One `found` cannot hold both reports of a name, which nesting can.
+        assert nested_error is None, nested_error
+        (_, inner), outer = nested
+        assert set(inner.get(CN, {})) & set(outer.get(CN, {})), (a, b)
+        return
     assert type(merged_error) is type(nested_error), (
         f"handle(f, A, B) raised {merged_error!r}; handle(handle(f, A), B) raised "
         f"{nested_error!r}; A = {a!r}, B = {b!r}"
