@@ -10,16 +10,25 @@ older ones (the newest versions run every block). A block that is one snippet
 include, `--8<-- "examples/x.py:section"` (pymdownx.snippets), runs that section
 of the file, with tracebacks pointing into the file. Blocks in any other language
 (`bash`, `text`, ...) are not run. A failing block is reported with its page and
-line, and the traceback points into the page."""
+line, and the traceback points into the page.
+
+A `text` block right after a run block (blank lines between) is the output the
+page says it prints, and must be what it prints (see `_same_output`), unless it
+carries the class `.no-check` (timings, which depend on the machine). Each page
+starts from NumPy's default print options."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import io
 import re
 import sys
 import types
 from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 import pytest
 from packaging.requirements import Requirement
 
@@ -32,17 +41,17 @@ _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 _SNIPPET = re.compile(r'^--8<-- "(?P<path>[^":]+)(?::(?P<section>[\w-]+))?"$')
 
 
-def code_blocks(path: Path) -> list[tuple[int, str, str, Path]]:
-    """The runnable blocks of a Markdown page, as (line of the first code line,
-    code, unmet requirement or "", the file the code is in: the page, or the
-    file a snippet include names). Fences may be indented (inside admonitions,
-    tabs, lists)."""
-    blocks = []
+def code_blocks(path: Path) -> list[Block]:
+    """The runnable blocks of a Markdown page, with the output shown after each.
+    Fences may be indented (inside admonitions, tabs, lists)."""
+    blocks: list[Block] = []
     lines = path.read_text(encoding="utf-8").splitlines()
-    i = 0
+    i, after_code = 0, False
     while i < len(lines):
         m = _FENCE.match(lines[i])
         if m is None:
+            if lines[i].strip():
+                after_code = False
             i += 1
             continue
         indent, fence, info = m["indent"], m["fence"], m["info"].strip()
@@ -66,10 +75,46 @@ def code_blocks(path: Path) -> list[tuple[int, str, str, Path]]:
             if snippet:
                 source = ROOT / snippet["path"]
                 start, code = _section(source, snippet["section"])
-                blocks.append((start, code, _unmet(info), source))
+                blocks.append(Block(start, code, _unmet(info), source))
             else:
-                blocks.append((start, "\n".join(body) + "\n", _unmet(info), path))
+                code = "\n".join(body) + "\n"
+                blocks.append(Block(start, code, _unmet(info), path))
+            after_code = True
+            continue
+        language = re.split(r"[\s{]", info, maxsplit=1)[0]
+        if language == "text" and after_code and ".no-check" not in info:
+            # Output shown right after a block (blank lines between) is what
+            # the block prints.
+            blocks[-1] = blocks[-1]._replace(output="\n".join(body), output_line=start)
+        after_code = False
     return blocks
+
+
+class Block(NamedTuple):
+    line: int  # of the first code line in `source`
+    code: str
+    unmet: str  # the requirement the installed versions do not meet, or ""
+    source: Path  # the page, or the file a snippet include names
+    output: str | None = None  # the text block shown after it, if any
+    output_line: int = 0
+
+
+def _normalised(text: str) -> list[str]:
+    lines = [line.rstrip() for line in text.strip("\n").splitlines()]
+    return lines
+
+
+def _same_output(shown: str, printed: str) -> bool:
+    """Whether `printed` is what `shown` shows: line by line, trailing spaces
+    aside, where a shown line `...` stands for any number of printed lines; or
+    word for word, for text wrapped at another width (a message that names a
+    file wraps according to the file's path)."""
+    pattern = "\n".join(
+        ".*?" if line == "..." else re.escape(line) for line in _normalised(shown)
+    )
+    if re.fullmatch(pattern, "\n".join(_normalised(printed)), re.S) is not None:
+        return True
+    return shown.split() == printed.split()
 
 
 def _section(path: Path, name: str | None) -> tuple[int, str]:
@@ -111,22 +156,36 @@ def test_page(page: Path):
     name = "docs_" + re.sub(r"\W", "_", _id(page).removesuffix(".md"))
     module = types.ModuleType(name)
     sys.modules[name] = module
-    unmet = []
+    unmet, mismatched = [], []
+    options = np.get_printoptions()  # NumPy's defaults: a page starts from them
     try:
-        for line, code, requirement, source in code_blocks(page):
+        for block in code_blocks(page):
+            line, code, requirement, source = block[:4]
             if requirement:
                 unmet.append(f"{_id(page)}:{line} needs {requirement}")
                 continue
             # Padding puts the code on its own lines of the page, so tracebacks
             # show the page's source.
             compiled = compile("\n" * (line - 1) + code, str(source), "exec")
+            printed = io.StringIO()
             try:
-                exec(compiled, module.__dict__)
+                with contextlib.redirect_stdout(printed), np.printoptions(**options):
+                    exec(compiled, module.__dict__)
+                    options = np.get_printoptions()  # a page's own, for its blocks
             except Exception as e:
                 e.add_note(f"in the code block at {_id(page)}:{line}")
                 raise
+            # Messages name the page where a reader's would name their file.
+            text = printed.getvalue().replace(f"{source.parent}/", "")
+            if block.output is not None and not _same_output(block.output, text):
+                mismatched.append(
+                    f"{_id(page)}:{block.output_line}: the block at line {line} "
+                    f"printed\n{text}\nbut the page shows\n"
+                    f"{block.output}\n"
+                )
     finally:
         del sys.modules[name]
+    assert not mismatched, "\n".join(mismatched)
     if unmet:  # every other block ran and passed
         pytest.skip("blocks not run: " + "; ".join(unmet))
 
@@ -141,5 +200,13 @@ def test_blocks_are_found():
     assert "installed" in _unmet('python {requires="pytest<1"}')
     # A snippet include runs the section it names, from the named file.
     page = ROOT / "docs/guides/interpretability.md"
-    sources = {source for _, _, _, source in code_blocks(page)}
+    sources = {block.source for block in code_blocks(page)}
     assert sources == {ROOT / "examples/interpretability.py"}
+    # The output a page shows after a block is the block's.
+    page = ROOT / "docs/guides/extracting-intermediates.md"
+    shown = [b.output for b in code_blocks(page) if b.output is not None]
+    assert shown[0] == "[0.    2.841]"
+    assert _same_output("a\n...\nd", "a\nb\nc\nd\n")
+    assert _same_output("one two\nthree", "one\ntwo three")
+    assert not _same_output("a\n...\nd", "a\nb\n")
+    assert not _same_output("[0. 1.]", "[0. 2.]")
