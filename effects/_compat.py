@@ -157,19 +157,30 @@ def is_staging() -> bool:
 #
 
 
-def _nameless_debug_info(fn):
+def _nameless_debug_info(fn, named_after=None):
     # jax 0.7-0.12: `api_util.debug_info` names every argument (a `keystr` per
     # flat argument, a millisecond for a few hundred); the functions traced here
     # take flat arrays whose names say nothing, and `arg_names=None` is the
-    # documented "unknown".
+    # documented "unknown". JAX's errors while tracing name the function and its
+    # source line: `named_after`'s, a user's function `fn` wraps, where given.
+    if named_after is not None:
+        try:
+            return _debug_info("fx.handle", named_after, (), {})._replace(
+                arg_names=None
+            )
+        except Exception:  # an object `inspect` cannot read: name `fn`
+            pass
     return _debug_info("effects", fn, (), {})._replace(arg_names=None)
 
 
-def trace(fn: Callable, in_avals: Sequence[Any]) -> tuple[Jaxpr, list[Any]]:
+def trace(
+    fn: Callable, in_avals: Sequence[Any], named_after: Callable | None = None
+) -> tuple[Jaxpr, list[Any]]:
     """Traces `fn(*flat_args) -> list of arrays` to an open jaxpr whose constants
     (which may be tracers of enclosing traces) are returned separately, as leading
-    inputs of the jaxpr."""
-    dbg = _nameless_debug_info(fn)
+    inputs of the jaxpr. JAX's errors name `named_after` if given (the user's
+    function that `fn` calls), else `fn`."""
+    dbg = _nameless_debug_info(fn, named_after)
     wrapped = _lu.wrap_init(fn, debug_info=dbg)
     jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
     return _pe.convert_constvars_jaxpr(jaxpr), list(consts)

@@ -215,12 +215,17 @@ def _flat(fn, static, treedef, out_info: dict):
 def _trace(fn, static, treedef, dynamic) -> _Traced:
     out_info = {}
     avals = [aval(x) for x in dynamic]
+    named_after = fn  # what JAX's errors while tracing name
+    if fn is _call_module:
+        named_after = type(_merge(dynamic, static, treedef)[0][0]).__call__
     with handling(True):
-        jaxpr, consts = _compat.trace(_flat(fn, static, treedef, out_info), avals)
+        jaxpr, consts = _compat.trace(
+            _flat(fn, static, treedef, out_info), avals, named_after
+        )
 
     def retrace(keys):
         with handling(True), probing(keys):
-            _compat.trace(_flat(fn, static, treedef, {}), avals)
+            _compat.trace(_flat(fn, static, treedef, {}), avals, named_after)
 
     return _Traced(
         jaxpr,

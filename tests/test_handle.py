@@ -1174,3 +1174,20 @@ def test_a_name_consumed_by_an_earlier_handler_is_unknown_to_later_ones():
     out, found = fx.handle(f, intervene, fx.Tag())(X)
     expected = {"intermediates": {"t1": (2.0 * jnp.sin(X),)}}
     assert_trees_close((out, found), (4.0 * jnp.sin(X), expected))
+
+
+def test_jax_errors_while_tracing_name_the_users_function():
+    def branchy_model(x):
+        h = fx.tag(jnp.sin(x), "h")
+        return h if h > 0 else -h  # Python control flow on a traced value
+
+    class Branchy(eqx.Module):
+        def __call__(self, x):
+            return branchy_model(x)
+
+    for fn, name in ((branchy_model, "branchy_model"), (Branchy(), "__call__")):
+        with pytest.raises(
+            jax.errors.TracerBoolConversionError,
+            match=f"tracing the function {name} at .*test_handle.py:\\d+ for fx.handle",
+        ):
+            fx.handle(fn, fx.Tag())(1.0)
