@@ -12,12 +12,16 @@ hand-written loss under `jax.jit`. The handled function is one jitted call (so
 that `jax.grad` reuses JAX's cached derivative of it), and JAX differentiates
 a jitted call by linearizing each primitive of its jaxpr anew
 (`fallback_linearize_rule`), where the un-jitted loss meets jnp's own small
-jits, whose linearizations it caches: C is what any jitted loss pays.
+jits, whose linearizations it caches: C is what any jitted loss pays. The last
+row is JAX alone: the gradient of the hand-written loss's traced jaxpr
+(`jax.make_jaxpr`, `jax.extend.core.jaxpr_as_fun`) against the gradient of the
+loss, the cost any rewrite of a jaxpr meets.
 
 Run with `python benchmarks/bench_perturb.py [--append FILE]`.
 """
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 from _timing import (
     arguments,
@@ -65,6 +69,19 @@ def make_jitted_hand_written_grad(params, x):
     return make_hand_written_grad(params, x, jit=True)
 
 
+def make_jaxpr_grad(params, x, deltas):
+    """JAX alone: the gradient of the hand-written loss's traced jaxpr, what
+    any rewrite of a jaxpr hands `jax.grad`."""
+
+    def grad(ds):
+        loss = make_hand_written_grad(params, x).__wrapped__  # a fresh loss
+        closed = jax.make_jaxpr(loss)(deltas)
+        flat_loss = jax.extend.core.jaxpr_as_fun(closed)
+        return jax.grad(lambda d: flat_loss(*jax.tree.leaves(d))[0])(ds)
+
+    return grad
+
+
 def main():
     args = arguments(__doc__.splitlines()[0])
     repeats = 5 if args.quick else 11
@@ -106,6 +123,19 @@ def main():
             "cold trace+lower of the gradient, vs C: `grad(jit(hand-written))`",
             pair,
             1.3,
+        )
+    )
+    pair = compare_cold(
+        lambda: lambda: jax.jit(make_jaxpr_grad(params, x, deltas)).lower(deltas),
+        trace_lower(make_hand_written_grad),
+        repeats=repeats,
+    )
+    rows.append(
+        ratio_row(
+            "JAX alone: cold trace+lower of `grad` of the hand-written loss's "
+            "jaxpr (A) vs of the loss (B)",
+            pair,
+            None,
         )
     )
     emit(
