@@ -12,7 +12,10 @@ import nox
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.sessions = ["tests"]
 
-PYTHONS = ["3.11", "3.12", "3.13"]
+# The Pythons the default `tests` session runs on: the oldest supported, which
+# resolves to jax 0.10, and the newest, which resolves to the newest JAX (0.12).
+# Python 3.12 is in the matrix below.
+PYTHONS = ["3.11", "3.13"]
 
 # Every JAX minor release from the floor in pyproject.toml to the newest, with
 # the Python it runs on here (jax 0.11 and later need Python 3.12). Flax is not
@@ -27,6 +30,13 @@ JAX_MINORS = {
     "0.12": "3.12",
 }
 
+# The minors `tests` already runs, as the newest JAX its Pythons resolve to:
+# CI leaves them out of the matrix (`nox -s "tests_jax(0.10)"` still runs one).
+_IN_TESTS = ("0.10", "0.12")
+
+# .ci/run runs `nox -s tests`, then every session tagged CI (`nox -t ci`).
+CI = ["ci"]
+
 
 _VERSIONS = """
 import importlib.metadata as m, sys
@@ -34,17 +44,18 @@ names = ["jax", "jaxlib", "equinox", "jaxtyping", "flax", "pytest"]
 print("python", sys.version.split()[0], *(f"{n} {m.version(n)}" for n in names))
 """
 
+# The sessions that repeat the suite on other versions run it without JAX's
+# tracer-leak checking (which turns JAX's tracing caches off and doubles the
+# suite's time; the `tests` sessions have it on, and one property test turns it
+# on wherever it runs), with fewer generated programs per property test.
+_REPEAT = {"EFFECTS_LEAK_CHECKS": "0", "EFFECTS_FUZZ_EXAMPLES": "6"}
 
-def _pytest(session: nox.Session, **env: str) -> None:
-    """Print the versions under test, then run pytest."""
+
+def _pytest(session: nox.Session, *, workers: str = "auto", **env: str) -> None:
+    """Print the versions under test, then run pytest on `workers` processes
+    (pytest-xdist; `nox -s tests -- -n 0` runs in this one)."""
     session.run("python", "-c", _VERSIONS, silent=False)
-    session.run("pytest", *session.posargs, env=env)
-
-
-# The property tests' programs per property in the sessions that repeat the
-# suite on other versions (the default `tests` sessions run the file's default;
-# `fuzz` runs thousands).
-_FEW_PROGRAMS = {"EFFECTS_FUZZ_EXAMPLES": "2"}
+    session.run("pytest", "-n", workers, *session.posargs, env=env)
 
 
 @nox.session(python=PYTHONS)
@@ -57,13 +68,15 @@ def tests(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize(
     ("python", "jax"),
-    [(python, jax) for jax, python in JAX_MINORS.items()],
-    ids=list(JAX_MINORS),
+    [
+        nox.param(python, jax, id=jax, tags=[] if jax in _IN_TESTS else CI)
+        for jax, python in JAX_MINORS.items()
+    ],
 )
 def tests_jax(session: nox.Session, jax: str) -> None:
     """The test suite on each JAX minor release, pinned (`jax==0.X.*`), on CPU."""
     session.install("-e", ".[test]", f"jax=={jax}.*", f"jaxlib=={jax}.*")
-    _pytest(session, **_FEW_PROGRAMS)
+    _pytest(session, **_REPEAT)
 
 
 # Not among the default sessions: `nox -s fuzz` (`-- -x` to stop at the first
@@ -76,22 +89,24 @@ def fuzz(session: nox.Session) -> None:
     session.run("python", "-c", _VERSIONS, silent=False)
     session.run(
         "pytest",
+        "-n",
+        "auto",
         "tests/test_properties.py",
         *session.posargs,
         env={"EFFECTS_FUZZ_EXAMPLES": "2000", "EFFECTS_FUZZ_RANDOM": "1"},
     )
 
 
-@nox.session(python="3.11")
+@nox.session(python="3.11", tags=CI)
 def minimums(session: nox.Session) -> None:
     """The test suite on the lowest versions pyproject.toml allows."""
     if not _has_uv():
         session.error("the minimums session needs uv (`pip install uv`)")
     session.install("--resolution", "lowest-direct", "-e", ".[test]")
-    _pytest(session, **_FEW_PROGRAMS)
+    _pytest(session, **_REPEAT)
 
 
-@nox.session(python="3.12")
+@nox.session(python="3.12", tags=CI)
 def cuda(session: nox.Session) -> None:
     """The test suite on a GPU with the CUDA build of JAX (skips without a GPU)."""
     gpus = _visible_gpus()
@@ -104,10 +119,11 @@ def cuda(session: nox.Session) -> None:
     session.install("-e", ".[test]", "jax[cuda12]")
     # The GPU is the default backend; the CPU backend is there for the tests
     # that need 8 devices when fewer GPUs are visible (tests/helpers.py).
-    _pytest(session, JAX_PLATFORMS="cuda,cpu", **_FEW_PROGRAMS)
+    # One process: every pytest-xdist worker would claim the GPU's memory.
+    _pytest(session, workers="0", JAX_PLATFORMS="cuda,cpu", **_REPEAT)
 
 
-@nox.session(python="3.11")
+@nox.session(python="3.11", tags=CI)
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check."""
     session.install("-e", ".[lint,flax]")
@@ -115,14 +131,14 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-@nox.session(python="3.11")
+@nox.session(python="3.11", tags=CI)
 def typecheck(session: nox.Session) -> None:
     """pyright on effects/."""
     session.install("-e", ".[lint,flax]")
     session.run("pyright", "--pythonpath", f"{session.virtualenv.location}/bin/python")
 
 
-@nox.session(python="3.11")
+@nox.session(python="3.11", tags=CI)
 def docs(session: nox.Session) -> None:
     """Build the docs strictly and run every code block in them."""
     session.install("-e", ".[docs,test]")
@@ -136,10 +152,10 @@ def docs(session: nox.Session) -> None:
         site,
         env={"NO_MKDOCS_2_WARNING": "1"},
     )
-    session.run("pytest", "tests/test_docs.py", *session.posargs)
+    session.run("pytest", "-n", "auto", "tests/test_docs.py", *session.posargs)
 
 
-@nox.session(python="3.11")
+@nox.session(python="3.11", tags=CI)
 def examples(session: nox.Session) -> None:
     """Run every script in examples/."""
     session.install("-e", ".[test,plot]")

@@ -72,12 +72,17 @@ def mlp_params(key, widths):
 
 
 @contextlib.contextmanager
-def no_leak_checks():
-    """Tracer-leak checking off, for a test that meets a false report (each use
-    names the JAX-only reproduction)."""
+def leak_checks(on: bool = True):
+    """Tracer-leak checking on (or off) within the block, as it was after."""
     before = jax.config.jax_check_tracer_leaks
-    jax.config.update("jax_check_tracer_leaks", False)
+    jax.config.update("jax_check_tracer_leaks", on)
     try:
         yield
     finally:
         jax.config.update("jax_check_tracer_leaks", before)
+
+
+def no_leak_checks():
+    """Tracer-leak checking off, for a test that meets a false report (each use
+    names the JAX-only reproduction)."""
+    return leak_checks(False)

@@ -839,7 +839,9 @@ def test_handle_of_a_non_callable_is_a_type_error(fn):
 
 
 @pytest.mark.parametrize(
-    "handler", [fx.Tag, "Tag", None, lambda x: x, {"intermediates": None}], ids=repr
+    "handler",
+    [fx.Tag, "Tag", None, lambda x: x, {"intermediates": None}],
+    ids=["class", "str", "None", "function", "dict"],
 )
 def test_handle_with_a_non_handler_is_a_type_error(handler):
     with pytest.raises(TypeError, match="handler"):

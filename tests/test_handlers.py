@@ -1050,7 +1050,7 @@ def test_handlers_are_immutable_and_compare_by_value():
         (fx.Substitute({"h": {"u": X, "v": ZH}}), [X, ZH]),
         (fx.Substitute({"c": (X, ZH)}, per_call=True), [X, ZH]),
     ],
-    ids=repr,
+    ids=["Tag", "Intervene", "Perturb", "Perturb-values", "Substitute", "per_call"],
 )
 def test_handlers_are_pytrees_of_their_arrays(handler, leaves):
     flat, treedef = jax.tree.flatten(handler)

@@ -69,6 +69,13 @@ outermost first.
 `EFFECTS_FUZZ_EXAMPLES` sets the number of programs per property (the `fuzz` nox
 session runs thousands); `EFFECTS_FUZZ_RANDOM=1` draws new programs each run
 instead of the fixed, derandomized sequence.
+
+The properties run without JAX's tracer-leak checking, which the rest of the
+suite has on (tests/conftest.py): it turns JAX's tracing caches off and collects
+garbage whenever a trace outlives its scope, which makes a generated program
+about ten times slower to check, so a tenth as many would fit in the same time.
+One property, `test_rewriting_generated_programs_leaks_no_tracer`, runs a few
+programs through every transformation with it on.
 """
 
 from __future__ import annotations
@@ -81,7 +88,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import no_leak_checks
+from helpers import leak_checks, no_leak_checks
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -91,7 +98,7 @@ from jax.sharding import PartitionSpec as P
 
 import effects as fx
 
-EXAMPLES = int(os.environ.get("EFFECTS_FUZZ_EXAMPLES", "6"))
+EXAMPLES = int(os.environ.get("EFFECTS_FUZZ_EXAMPLES", "25"))
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -1112,6 +1119,13 @@ def collected(expected: Expected) -> dict:
 #
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _without_leak_checks():
+    """Tracer-leak checking off for the module (see its docstring)."""
+    with no_leak_checks():
+        yield
+
+
 @FUZZ
 @given(programs())
 def test_handled_output_and_gradient_equal_the_plain_ones(program):
@@ -1372,6 +1386,30 @@ def test_handle_of_vmap_equals_vmap_of_handle(program):
         assert len(entries) == len(wants), name
         for got, want in zip(entries, wants):
             assert_batch_axis_somewhere(got, want, lead, what=name)
+
+
+@settings(FUZZ, max_examples=min(EXAMPLES, 3))
+@given(programs())
+def test_rewriting_generated_programs_leaks_no_tracer(program):
+    # The other properties' checks, few programs, JAX's leak checker on: any
+    # tracer a rewrite keeps (in a cache, a closure, a handler) past its trace
+    # raises here.
+    infos = analyse(program)
+    f, x = program.function(), program.x()
+    handlers = collecting(infos)
+    loss = scalar_loss(f, program.shape)
+
+    def handled_loss(x):
+        out, found = fx.handle(f, *handlers)(x)
+        return jnp.sum(out * loss_weights(program.shape)), found
+
+    with leak_checks():
+        out, _ = jax.jit(fx.handle(f, *handlers))(x)
+        grad, _ = jax.jit(jax.grad(handled_loss, has_aux=True))(x)
+        batched, _ = jax.vmap(fx.handle(f, *handlers))(program.batch())
+    assert_identical(out, jax.jit(f)(x), "output")
+    assert_identical(grad, jax.jit(jax.grad(loss))(x), "gradient")
+    assert_close(batched, jax.vmap(f)(program.batch()), rtol=1e-5, what="vmap")
 
 
 def _times_two_plus_half(v):

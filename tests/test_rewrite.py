@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_trees_close, devices
+from helpers import assert_trees_close, devices, leak_checks
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -887,7 +887,7 @@ def test_jax_leak_checker_false_report():
 
         return lax.scan(body, 0.0, x)[0]
 
-    with pytest.raises(Exception, match="Leaked trace"):
+    with leak_checks(), pytest.raises(Exception, match="Leaked trace"):
         jax.grad(f)(jnp.ones((2, 2)))
 
 
