@@ -141,6 +141,14 @@ def register_batch_rule(prim, rule: Callable) -> None:
     _batching.fancy_primitive_batchers[prim] = wrapped
 
 
+def register_partial_eval_custom_rule(prim, rule: Callable) -> None:
+    # jax 0.7-0.12: `pe.partial_eval_jaxpr_custom_rules[prim](saveable, unks_in,
+    # inst_in, eqn) -> (known eqn | None, staged eqn | None, unks_out, inst_out,
+    # residual vars)`, used by `jax.checkpoint`'s partial evaluation and by the
+    # loops, conds and calls inside it.
+    _pe.partial_eval_jaxpr_custom_rules[prim] = rule
+
+
 def is_top_level() -> bool:
     """True when no JAX transformation is being traced (jax 0.10)."""
     return _core.trace_ctx.is_top_level()

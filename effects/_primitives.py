@@ -126,6 +126,30 @@ def _site_batch(axis_size, vals, dims, *, batch, **params):
 
 _compat.register_batch_rule(site_p, _site_batch)
 
+
+def _site_partial_eval_custom(saveable, unks_in, inst_in, eqn):
+    # `jax.checkpoint` under differentiation splits its region into the forward
+    # pass's part (known) and the backward pass's recomputation (staged). A site
+    # with known inputs executes in the former; the latter gets an effect-free
+    # copy of it, the identity on the same inputs, which the rewriter treats as a
+    # recomputation (see `_rewrite.recomputes`): handlers act on it, so the
+    # backward pass sees the values the forward pass saw, but it reports nothing.
+    # JAX's rule for an effectful equation would save its outputs as residuals
+    # instead: a `lax.while_loop` in the region, which cannot save residuals,
+    # then fails on an assertion.
+    del saveable
+    n = len(eqn.outvars)
+    residuals = [
+        v for v, inst in zip(eqn.invars, inst_in) if not inst and type(v) is _compat.Var
+    ]
+    if any(unks_in):
+        return None, eqn, [True] * n, [True] * n, residuals
+    copy = eqn.replace(params=dict(eqn.params, effect=False), effects=set())
+    return eqn, copy, [False] * n, [True] * n, residuals
+
+
+_compat.register_partial_eval_custom_rule(site_p, _site_partial_eval_custom)
+
 #
 # Public functions
 #

@@ -63,8 +63,6 @@ def _analyse(jaxpr) -> tuple[frozenset, tuple[frozenset, ...]]:
             elif eqn.params:
                 for sub in _compat.open_jaxprs_in_params(eqn.params):
                     mine |= sites_in(sub)
-                if recomputes(eqn):
-                    mine = frozenset(s for s in mine if s[1] != CHECKPOINT_NAME)
             per_eqn.append(mine)
             acc |= mine
         found = (frozenset(acc), tuple(per_eqn))
@@ -97,8 +95,8 @@ def _plain_runs(jaxpr) -> dict[int, tuple[int, Any, list[Any]]]:
 
 def recomputes(eqn) -> bool:
     """Whether `eqn` is the backward pass's recomputation of a `jax.checkpoint`
-    region: the `checkpoint_name`s in it are executions of the forward pass's,
-    computed again, not sites of their own."""
+    region: the sites in it are executions of the forward pass's, computed
+    again, not executions of their own (see `_remat_rule`)."""
     return eqn.primitive is _compat.remat_p and bool(eqn.params.get("differentiated"))
 
 
@@ -594,13 +592,25 @@ rules[_compat.closed_call_p] = lambda eqn, invals, scope: _call_rule(
     get_body=lambda p: (p["call_jaxpr"].jaxpr, p["call_jaxpr"].consts),
     rebuild=lambda p, body, *_: dict(call_jaxpr=_compat.ClosedJaxpr(body, ())),
 )
-rules[_compat.remat_p] = lambda eqn, invals, scope: _call_rule(
-    eqn,
-    invals,
-    scope,
-    get_body=lambda p: (p["jaxpr"], ()),
-    rebuild=lambda p, body, *_: dict(jaxpr=body),
-)
+
+
+def _remat_rule(eqn, invals, scope: Scope) -> list[Any]:
+    # In the backward pass's recomputation of a region, handlers act on its sites
+    # so that it computes the values the forward pass did (a substituted value,
+    # a perturbation), but what they report there is dropped: each execution is
+    # reported once, by the forward pass.
+    if recomputes(eqn):
+        scope = scope.replay()
+    return _call_rule(
+        eqn,
+        invals,
+        scope,
+        get_body=lambda p: (p["jaxpr"], ()),
+        rebuild=lambda p, body, *_: dict(jaxpr=body),
+    )
+
+
+rules[_compat.remat_p] = _remat_rule
 
 #
 # scan

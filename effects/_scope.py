@@ -40,6 +40,14 @@ _MISSING_INPUT = (
 )
 
 
+_INPUT_IN_REPLAY = (
+    "{owner} takes one entry per execution, but {where} is in a `jax.checkpoint` "
+    "region whose executions the backward pass of a `jax.grad` inside `fx.handle` "
+    "recomputes. Handle the function before differentiating it "
+    "(`jax.grad(fx.handle(f, ...))`), or give one value for every execution."
+)
+
+
 def zeros(avals):
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), avals)
 
@@ -53,6 +61,7 @@ class Scope:
         acc_batch=None,
         inputs=None,
         discovering: bool = False,
+        replaying: bool = False,
     ):
         self.handlers = handlers
         # Unbound methods: going through an `eqx.Module` instance would build a
@@ -61,6 +70,9 @@ class Scope:
         self.modes = _modes(handlers)
         self.calls_user_code = any(h.calls_user_code() for h in handlers)
         self.discovering = discovering
+        # The backward pass's recomputation of a `jax.checkpoint` region: what
+        # handlers emit here is dropped (see `replay`).
+        self.replaying = replaying
         self.entries: dict[Key, list[tuple[Any, Lead]]] = {}
         self.accs: dict[Key, Any] = dict(accs or {})
         self.inputs: dict[Key, list[Any]] = {
@@ -74,6 +86,11 @@ class Scope:
         self.acc_batch: dict[Key, tuple[Axis, ...]] = dict(acc_batch or {})
         self.input_avals: dict[Key, list[tuple[Any, Lead]]] = {}
         self.sites: dict[Key, Site] = {}
+
+    def replay(self) -> Scope:
+        """A scope for a region that recomputes executions reported elsewhere:
+        the same handlers, and nothing it collects leaves it."""
+        return Scope(self.handlers, discovering=self.discovering, replaying=True)
 
     def where(self, key: Key) -> str:
         return self.sites[key].where()
@@ -161,6 +178,9 @@ class Scope:
                 jax.tree.map(_compat.vary_over_manual_axes, zeros(avals))
                 for avals, _ in expected
             ]
+        if self.replaying:
+            handler = type(self.handlers[key[0]]).__name__
+            raise ValueError(_INPUT_IN_REPLAY.format(owner=handler, where=site.where()))
         remaining = self.inputs.get(key, [])
         if len(remaining) < len(expected):
             handler = type(self.handlers[key[0]]).__name__

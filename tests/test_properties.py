@@ -1045,6 +1045,17 @@ def assert_close(got, want, *, rtol=1e-4, what=""):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * scale, err_msg=what)
 
 
+def assert_as_plain(got, want, what=""):
+    """The handled program's output or gradient against the plain program's:
+    equal to within a few float32 ulps of the leaf's scale. The handled program
+    returns more (the collected values), so XLA may fuse it differently and move
+    a result by an ulp (on CPU with jax 0.12, a `tanh` computed once for both
+    the collected value and its derivative, where the plain gradient computes
+    it again). Against the hand-written program returning the same values, the
+    compiled program is the same (tests/test_handle.py)."""
+    assert_close(got, want, rtol=1e-6, what=what)
+
+
 def assert_identical(got, want, what=""):
     g_leaves, g_tree = jax.tree.flatten(got)
     w_leaves, w_tree = jax.tree.flatten(want)
@@ -1133,7 +1144,7 @@ def test_handled_output_and_gradient_equal_the_plain_ones(program):
     f, x = program.function(), program.x()
     handlers = collecting(infos)
     out, found = jax.jit(fx.handle(f, *handlers))(x)
-    assert_identical(out, jax.jit(f)(x), "output")
+    assert_as_plain(out, jax.jit(f)(x), "output")
 
     loss = scalar_loss(f, program.shape)
 
@@ -1143,7 +1154,7 @@ def test_handled_output_and_gradient_equal_the_plain_ones(program):
 
     grad, grad_found = jax.jit(jax.grad(handled_loss, has_aux=True))(x)
     plain_grad = jax.jit(jax.grad(loss))(x)
-    assert_identical(grad, plain_grad, "gradient")
+    assert_as_plain(grad, plain_grad, "gradient")
     # Collected once under grad too (checkpoint, discarded tags, custom rules).
     assert_close(grad_found, found, rtol=1e-6, what="found under grad")
 
@@ -1407,8 +1418,8 @@ def test_rewriting_generated_programs_leaks_no_tracer(program):
         out, _ = jax.jit(fx.handle(f, *handlers))(x)
         grad, _ = jax.jit(jax.grad(handled_loss, has_aux=True))(x)
         batched, _ = jax.vmap(fx.handle(f, *handlers))(program.batch())
-    assert_identical(out, jax.jit(f)(x), "output")
-    assert_identical(grad, jax.jit(jax.grad(loss))(x), "gradient")
+    assert_as_plain(out, jax.jit(f)(x), "output")
+    assert_as_plain(grad, jax.jit(jax.grad(loss))(x), "gradient")
     assert_close(batched, jax.vmap(f)(program.batch()), rtol=1e-5, what="vmap")
 
 
