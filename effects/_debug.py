@@ -33,7 +33,7 @@ from ._handlers import (
 from ._handlers import _static as static_field
 from ._primitives import handling
 from ._rewrite import recomputes, site_of
-from ._site import CHECKPOINT_NAME, describe, shape_dtype
+from ._site import describe, shape_dtype
 
 STAT_KEYS = ("mean", "std", "min", "max", "mean_abs", "nan_count", "inf_count")
 
@@ -434,8 +434,8 @@ def sites(fn: Callable) -> Callable[..., Sites]:
     names and shapes of every layer of a model, at no cost, before choosing
     what to collect. One [`SiteInfo`][effects.SiteInfo] per call in the
     program, not per execution (a tag in a `lax.scan` is listed once), with
-    the control flow around it; a `checkpoint_name` that a backward pass
-    recomputes is not listed again. Arguments are treated as `eqx.filter_jit`
+    the control flow around it; a site that a backward pass recomputes is not
+    listed again. Arguments are treated as `eqx.filter_jit`
     treats them: arrays and `jax.ShapeDtypeStruct`s traced, other leaves (an
     Equinox module's functions, Python numbers) static. Flax NNX objects are
     traced through their state, which is left as it was.
@@ -519,12 +519,12 @@ def _is_traced(x) -> bool:
 def _walk(jaxpr, around: tuple, recomputed: bool = False):
     """Every site of `jaxpr` and its sub-jaxprs, in program order, with the
     control flow around it as `(label, loop)` pairs, outermost first: `loop` is
-    a scan's length, `"while"`, `"branch"` for a cond, or None. `checkpoint_name`s
-    that a backward pass recomputes are not sites of their own."""
+    a scan's length, `"while"`, `"branch"` for a cond, or None. Sites that a
+    backward pass recomputes are not sites of their own."""
     for eqn in jaxpr.eqns:
         site = site_of(eqn)
         if site is not None:
-            if not (recomputed and site.collection == CHECKPOINT_NAME):
+            if not recomputed:
                 yield site, around
             continue
         for label, loop, sub in _labelled_jaxprs(eqn):

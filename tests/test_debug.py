@@ -224,6 +224,17 @@ def test_sites_of_a_model_tagged_by_tag_modules_and_under_vmap():
     assert len(twice["intermediates"]["t"]) == 2
 
 
+@pytest.mark.parametrize(
+    "policy", [None, jax.checkpoint_policies.everything_saveable], ids=["none", "all"]
+)
+def test_sites_lists_a_site_the_backward_pass_recomputes_once(policy):
+    def f(x):
+        return jnp.sum(jnp.sin(fx.tag(jnp.sin(x), "h")))
+
+    listed = fx.sites(jax.grad(jax.checkpoint(f, policy=policy)))(jnp.ones(3))
+    assert [len(v) for v in listed["intermediates"].values()] == [1]
+
+
 def nan_program(x):
     h = fx.tag(jnp.sin(x), "h")
 
