@@ -70,8 +70,8 @@ class Scope:
         self.modes = _modes(handlers)
         self.calls_user_code = any(h.calls_user_code() for h in handlers)
         self.discovering = discovering
-        # The backward pass's recomputation of a `jax.checkpoint` region: what
-        # handlers emit here is dropped (see `replay`).
+        # The backward pass's recomputation of a `jax.checkpoint` region (see
+        # `replay`): per-execution inputs are refused here.
         self.replaying = replaying
         self.entries: dict[Key, list[tuple[Any, Lead]]] = {}
         self.accs: dict[Key, Any] = dict(accs or {})

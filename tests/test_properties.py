@@ -495,6 +495,17 @@ def scalar_loss(f, shape):
     return lambda x: jnp.sum(f(x) * w)
 
 
+def scalar_handled_loss(f, handlers, shape):
+    """`scalar_loss` of `handle(f, *handlers)`, with what they found as aux."""
+    w = loss_weights(shape)
+
+    def loss(x):
+        out, found = fx.handle(f, *handlers)(x)
+        return jnp.sum(out * w), found
+
+    return loss
+
+
 #
 # What each name is: its sites' shape, context and collection
 #
@@ -1148,10 +1159,7 @@ def test_handled_output_and_gradient_equal_the_plain_ones(program):
 
     loss = scalar_loss(f, program.shape)
 
-    def handled_loss(x):
-        out, found = fx.handle(f, *handlers)(x)
-        return jnp.sum(out * loss_weights(program.shape)), found
-
+    handled_loss = scalar_handled_loss(f, handlers, program.shape)
     grad, grad_found = jax.jit(jax.grad(handled_loss, has_aux=True))(x)
     plain_grad = jax.jit(jax.grad(loss))(x)
     assert_as_plain(grad, plain_grad, "gradient")
@@ -1410,10 +1418,7 @@ def test_rewriting_generated_programs_leaks_no_tracer(program):
     handlers = collecting(infos)
     loss = scalar_loss(f, program.shape)
 
-    def handled_loss(x):
-        out, found = fx.handle(f, *handlers)(x)
-        return jnp.sum(out * loss_weights(program.shape)), found
-
+    handled_loss = scalar_handled_loss(f, handlers, program.shape)
     with leak_checks():
         out, _ = jax.jit(fx.handle(f, *handlers))(x)
         grad, _ = jax.jit(jax.grad(handled_loss, has_aux=True))(x)
