@@ -10,6 +10,7 @@ from ._debug import Summary as Summary
 from ._debug import find_nonfinite as find_nonfinite
 from ._debug import sites as sites
 from ._debug import summary as summary
+from ._handle import Found as Found
 from ._handle import handle as handle
 from ._handle import intermediate_grads as intermediate_grads
 from ._handlers import (

@@ -247,8 +247,7 @@ class _Program:
     jaxpr: Any  # ClosedJaxpr
     consts: list[Any]  # the constants the rewrite closes over
     traced: _Traced
-    found_tree: Any
-    found_order: tuple  # ((collection, (name, ...)), ...) in program order
+    found_tree: Any  # a `Found` tree: names in program order
     name: str
 
     @property
@@ -346,7 +345,52 @@ def _scope(handlers) -> Scope:
     return Scope(handlers, inputs=inputs)
 
 
-def _report(scope: Scope, handlers) -> dict[str, dict[str, Any]]:
+class Found(dict):
+    """What handlers found: a `dict` from collection to a `dict` from name to
+    value, names in the order the program first executed them.
+
+    A `dict` in every respect but one: as a pytree it keeps its keys in that
+    order (JAX sorts the keys of a plain `dict` when it flattens one), so
+    `found` returned through an outer `jax.jit`, `jax.vmap` or
+    `jax.grad(..., has_aux=True)` keeps program order too. Its tree structure
+    is its own: to `jax.tree.map` it together with plain dicts, convert one
+    to the other's type first, such as
+    `{c: dict(names) for c, names in found.items()}`.
+
+    **Example:**
+
+    ```python
+    def f(x):
+        z = fx.tag(x + 1, "zeta")
+        return fx.tag(z * 2, "alpha")
+
+    _, found = jax.jit(fx.handle(f, fx.Tag()))(1.0)
+    print(list(found["intermediates"]))  # ['zeta', 'alpha']
+    ```
+    """
+
+    def __repr__(self) -> str:
+        return dict.__repr__(self)
+
+
+def _found_flatten_with_keys(found: Found):
+    return tuple((jax.tree_util.DictKey(k), v) for k, v in found.items()), tuple(found)
+
+
+def _found_flatten(found: Found):
+    return tuple(found.values()), tuple(found)
+
+
+def _found_unflatten(keys, values) -> Found:
+    return Found(zip(keys, values))
+
+
+jax.tree_util.register_pytree_with_keys(
+    Found, _found_flatten_with_keys, _found_unflatten, _found_flatten
+)
+
+
+def _report(scope: Scope, handlers) -> Found:
     """What the handlers found, once the whole function has run, each
     collection's names in the order the program first executed them."""
     for key, left in scope.inputs.items():
@@ -357,10 +401,10 @@ def _report(scope: Scope, handlers) -> dict[str, dict[str, Any]]:
                     handler=type(handlers[key[0]]).__name__, where=where, n=len(left)
                 )
             )
-    found: dict[str, dict[str, Any]] = {}
+    found = Found()
     for i, h in enumerate(handlers):
         if h.reports:
-            found.setdefault(h.collection, {})
+            found.setdefault(h.collection, Found())
     for key in scope.sites:  # in order of first execution
         i, name = key
         h = handlers[i]
@@ -387,7 +431,6 @@ def _body(traced: _Traced, h_static, h_def, n_h: int):
         outs = run(traced.jaxpr, (), flat[n_h:], scope)
         found = _report(scope, handlers)
         leaves, info["tree"] = jax.tree.flatten(found)
-        info["order"] = tuple((c, tuple(names)) for c, names in found.items())
         return [*outs, *leaves]
 
     return rewritten, info
@@ -403,7 +446,6 @@ def _rewrite(traced: _Traced, h_static, h_def, h_leaves) -> _Program:
         consts,
         traced,
         info["tree"],
-        info["order"],
         "handled",
     )
 
@@ -498,7 +540,7 @@ def _apply(fn, config: _Config, h_leaves, dynamic, static, treedef):
     if program is None:
         body, info = _body(traced, config.static, config.treedef, len(h_leaves))
         outs = body(*h_leaves, *traced.consts, *dynamic)
-        found_tree, found_order = info["tree"], info["order"]
+        found_tree = info["tree"]
     else:
         args = [*program.consts, *h_leaves, *traced.consts, *dynamic]
         if _compat.is_top_level():
@@ -509,15 +551,10 @@ def _apply(fn, config: _Config, h_leaves, dynamic, static, treedef):
             outs = _compat.eval_jaxpr(program.jaxpr.jaxpr, program.jaxpr.consts, *args)
         else:
             outs = _compat.call_jaxpr(program.jaxpr, args, program.name)
-        found_tree, found_order = program.found_tree, program.found_order
+        found_tree = program.found_tree
     out = _merge(outs[:n_out], traced.out_static, traced.out_tree)
     found = jax.tree.unflatten(found_tree, outs[n_out:])
-    return out, _in_order(found, found_order)
-
-
-def _in_order(found, order):
-    # Flattening a dict sorts its keys; `found` lists names in program order.
-    return {c: {n: found[c][n] for n in names} for c, names in order}
+    return out, found
 
 
 class _Handled:
@@ -596,7 +633,7 @@ class _Eager:
 
     def __init__(self, fn, config: _Config, static, treedef):
         self.fn, self.config, self.static, self.treedef = fn, config, static, treedef
-        self.out = None  # (out_static, out_tree, found order), once traced
+        self.out = None  # (out_static, out_tree), once traced
         self.compiled = jax.jit(self._call)
 
     def _call(self, h_leaves, dynamic):
@@ -604,14 +641,13 @@ class _Eager:
             self.fn, self.config, h_leaves, dynamic, self.static, self.treedef
         )
         out_dyn, out_static, out_tree = _split(out)
-        order = tuple((c, tuple(names)) for c, names in found.items())
-        self.out = (out_static, out_tree, order)
+        self.out = (out_static, out_tree)
         return out_dyn, found
 
     def __call__(self, h_leaves, dynamic):
         outs, found = self.compiled(h_leaves, dynamic)
-        out_static, out_tree, order = self.out  # pyright: ignore[reportGeneralTypeIssues]
-        return _merge(outs, out_static, out_tree), _in_order(found, order)
+        out_static, out_tree = self.out  # pyright: ignore[reportGeneralTypeIssues]
+        return _merge(outs, out_static, out_tree), found
 
 
 #
@@ -778,11 +814,11 @@ def handle(fn: Callable, *handlers: Handler) -> Callable:
 
     A function `wrapped(*args, **kwargs) -> (out, found)`, with `fn`'s
     signature. `out` is what `fn` returns, with the values handlers changed.
-    `found` is a dict from the collection of each reporting handler (`Tag`,
-    `Stats`, `Perturb()` without deltas) to a dict from name to value, names in
-    the order the program first executed them (a `jax.jit`, `jax.vmap` or
-    `jax.grad` around `handle` returns them sorted, as JAX returns every
-    dict); a reporting handler that matched nothing gives an empty dict.
+    `found` is a [`Found`][effects.Found] (a dict) from the collection of each
+    reporting handler (`Tag`, `Stats`, `Perturb()` without deltas) to a dict
+    from name to value, names in the order the program first executed them,
+    also when returned through a `jax.jit`, `jax.vmap` or `jax.grad` around
+    `handle`; a reporting handler that matched nothing gives an empty dict.
     `Substitute`, `Intervene` and `Perturb(deltas)` report nothing. Each
     value's layout is its handler's mode: see [`Tag`][effects.Tag]. A handled
     function handled again returns nested pairs:

@@ -10,10 +10,21 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def plain(tree):
+    """`tree` with every `fx.Found` (a dict with a pytree structure of its own,
+    which keeps program order) made a plain dict, to compare with one."""
+    if isinstance(tree, dict):
+        return {k: plain(v) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)) and type(tree) in (tuple, list):
+        return type(tree)(plain(v) for v in tree)
+    return tree
+
+
 def assert_trees_close(actual, expected, *, rtol=1e-5, atol=1e-6):
-    """Same structure, and every leaf equal up to float tolerance."""
-    a_leaves, a_tree = jax.tree.flatten(actual)
-    e_leaves, e_tree = jax.tree.flatten(expected)
+    """Same structure (an `fx.Found` compares as a plain dict), and every leaf
+    equal up to float tolerance."""
+    a_leaves, a_tree = jax.tree.flatten(plain(actual))
+    e_leaves, e_tree = jax.tree.flatten(plain(expected))
     assert a_tree == e_tree, f"structure differs:\n{a_tree}\n!=\n{e_tree}"
     for a, e in zip(a_leaves, e_leaves):
         a, e = np.asarray(a), np.asarray(e)

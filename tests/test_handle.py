@@ -171,10 +171,12 @@ def test_found_structure(handlers, expected):
     assert_trees_close(found, expected(a, b, c))
 
 
-def test_found_is_a_plain_dict_of_dicts_of_tuples():
+def test_found_is_a_dict_of_dicts_of_tuples():
     _, found = fx.handle(_sin_sq, fx.Tag())(X)
-    assert type(found) is dict
-    assert type(found["intermediates"]) is dict
+    assert isinstance(found, dict) and type(found) is fx.Found
+    assert type(found["intermediates"]) is fx.Found
+    assert found == {"intermediates": {"h": found["intermediates"]["h"]}}
+    assert repr(found).startswith("{'intermediates': {'h': (")
     assert type(found["intermediates"]["h"]) is tuple
     assert len(found["intermediates"]["h"]) == 1
 

@@ -654,11 +654,25 @@ def _order_scan_then_outside(x):
     ],
     ids=lambda fn: fn.__name__.removeprefix("_order_"),
 )
-def test_found_lists_names_in_execution_order(fn):
-    """The issue: found[collection] listed names sorted, not in execution order."""
-    # (Not under an outer `jax.jit`: JAX returns every dict with sorted keys.)
-    _, found = fx.handle(fn, fx.Tag())(jnp.float32(1.5))
+@pytest.mark.parametrize("outer", ["none", "jit", "vmap", "grad", "eqx_filter_jit"])
+def test_found_lists_names_in_execution_order(fn, outer):
+    """The issue: found[collection] listed names sorted, not in execution order;
+    and under an outer `jax.jit`, `jax.vmap` or `jax.grad` (which rebuild
+    `found` from its flattened leaves) sorted too."""
+    handled = fx.handle(fn, fx.Tag())
+    x = jnp.float32(1.5)
+    if outer == "jit":
+        _, found = jax.jit(handled)(x)
+    elif outer == "eqx_filter_jit":
+        _, found = eqx.filter_jit(handled)(x)
+    elif outer == "vmap":
+        _, found = jax.vmap(handled)(jnp.stack([x, x]))
+    elif outer == "grad":
+        _, found = jax.grad(lambda v: handled(v), has_aux=True)(x)
+    else:
+        _, found = handled(x)
     assert list(found["intermediates"]) == ["z_first", "a_second"]
+    assert list(found) == ["intermediates"]
 
 
 #
