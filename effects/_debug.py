@@ -38,14 +38,14 @@ from ._site import describe, shape_dtype
 STAT_KEYS = ("mean", "std", "min", "max", "mean_abs", "nan_count", "inf_count")
 
 
-def _leaf_stats(x, nbatch: int) -> dict[str, jax.Array]:
-    """Statistics of `x` over all but its `nbatch` leading (vmap batch) axes:
-    moments and extremes over the finite values, counts of the rest."""
+def _leaf_stats(x) -> dict[str, jax.Array]:
+    """Statistics of `x`, one example's value: moments and extremes over the
+    finite values, counts of the rest."""
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
         x = jnp.abs(x)
     if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.finfo(x.dtype).bits < 32:
         x = x.astype(jnp.float32)
-    axes = tuple(range(nbatch, x.ndim))
+    axes = tuple(range(x.ndim))
     finite = jnp.isfinite(x)
     n = jnp.sum(finite, axes)
     some = n > 0
@@ -113,7 +113,7 @@ class Stats(Handler):
     ```
     """
 
-    reports: ClassVar[bool] = True
+    mode: ClassVar[Any] = Append(label="Stats()")
     consumes: ClassVar[bool] = True
     collection: str = static_field()
     names: Any = static_field()
@@ -129,23 +129,9 @@ class Stats(Handler):
     def required_names(self):
         return exact_names(self.names)
 
-    def output_mode(self):
-        return _APPEND
-
-    def apply(self, call, leaves):
-        value = call.site.to_front(leaves)
-        nbatch = call.site.nbatch
-        call.emit(jax.tree.map(lambda x: _leaf_stats(x, nbatch), value))
-        return leaves, True
-
-    def calls_user_code(self):
-        return False
-
-    def changes_values(self):
-        return False
-
-
-_APPEND = Append(label="Stats()")
+    def apply(self, site, value, ctx):
+        ctx.emit(jax.tree.map(_leaf_stats, value))
+        return value
 
 
 #
@@ -656,30 +642,25 @@ class _Check(Handler):
     def matches(self, site):
         return site.kind == "tag" and (site.collection, site.name) in self.codes
 
-    def output_mode(self):
+    @property
+    def mode(self):  # pyright: ignore[reportIncompatibleVariableOverride]
         return _EXECUTIONS if self.backward else None
 
-    def apply(self, call, leaves):
+    def apply(self, site, value, ctx):
         from jax.experimental import checkify
 
-        code = self.codes[(call.site.collection, call.site.name)]
+        code = self.codes[(site.collection, site.name)]
         if not self.backward:
-            checkify.check(_finite(leaves), f"{_CODE}{code}")
-            return leaves, False
-        n = jnp.max(call.emit(jnp.int32(0))) - 1  # this execution's index
-        out = [
-            _cotangent_check(x + self.zero.astype(x.dtype), code, n)
-            if jnp.issubdtype(x.dtype, jnp.inexact)
-            else x
-            for x in leaves
-        ]
-        return out, False
+            checkify.check(_finite(jax.tree.leaves(value)), f"{_CODE}{code}")
+            return value
+        n = ctx.emit(jnp.int32(0)) - 1  # this execution's index
 
-    def calls_user_code(self):
-        return False
+        def checked(x):
+            if not jnp.issubdtype(x.dtype, jnp.inexact):
+                return x
+            return _cotangent_check(x + self.zero.astype(x.dtype), code, n)
 
-    def changes_values(self):
-        return self.backward
+        return jax.tree.map(checked, value)
 
 
 _EXECUTIONS = Reduce(lambda n, _: n + 1, lambda _: jnp.int32(0))

@@ -17,7 +17,7 @@ import equinox as eqx
 import jax
 
 from . import _branches, _compat, _nnx
-from ._handlers import Handler, Perturb
+from ._handlers import Handler, Perturb, mode_of
 from ._primitives import handling, probing
 from ._rewrite import run, sites_in
 from ._scope import Scope
@@ -28,10 +28,7 @@ _NOT_HANDLER = (
     "handle: {h!r} is not a handler; pass instances such as fx.Tag(), fx.Perturb(), "
     "fx.Substitute(...) or fx.Intervene(...)."
 )
-_UNKNOWN_NAME = (
-    "{handler}: no {kind} named {name!r} in collection {collection!r}. Known names: "
-    "{known}."
-)
+_UNKNOWN_NAME = "{handler}: no {kind} named {name!r}{where}. Known names: {known}."
 _CONSUMED_BEFORE = (
     "{handler}: the {kind} {name!r} (collection {collection!r}) is consumed by "
     "{before}, which comes before it in the same `fx.handle`: handlers act in "
@@ -259,43 +256,65 @@ def _check_names(sites, handlers) -> None:
     """Each handler's required names exist among the sites it sees: those no
     handler before it consumes, as in `handle(handle(f, A), B)` (a
     `checkpoint_name` is never consumed)."""
+    probes = [Site.probe(*s) for s in sorted(sites)]
     for i, h in enumerate(handlers):
         names = h.required_names()
         if not names:
             continue
-        kind = "tag" if h.kind == "tag" else "perturb site"
 
-        def consumer(name):
-            """The handler before `h` that consumes the site `name`, if any."""
-            if h.collection == CHECKPOINT_NAME:
+        def consumer(site):
+            """The handler before `h` that consumes `site`, if any."""
+            if site.collection == CHECKPOINT_NAME:
                 return None
-            probe = Site.probe(h.kind, h.collection, name)
-            return next(
-                (
-                    j
-                    for j, g in enumerate(handlers[:i])
-                    if g.consumes and g.matches(probe)
-                ),
-                None,
-            )
+            before = enumerate(handlers[:i])
+            return next((j for j, g in before if g.consumes and g.matches(site)), None)
 
-        here = [n for k, c, n in sites if k == h.kind and c == h.collection]
         for name in names:
-            about = dict(
-                handler=type(h).__name__, kind=kind, name=name, collection=h.collection
-            )
-            if name not in here:
-                known = sorted(n for n in here if consumer(n) is None)
-                known = ", ".join(map(repr, known)) or "none"
-                raise ValueError(_UNKNOWN_NAME.format(known=known, **about))
-            j = consumer(name)
-            if j is not None:
+            mine = [p for p in probes if p.name == name and h.matches(p)]
+            if not mine:
+                raise ValueError(_unknown_name(h, name, probes, consumer))
+            if all(consumer(p) is not None for p in mine):
+                j = consumer(mine[0])
+                assert j is not None
                 before = type(handlers[j]).__name__
                 raise ValueError(
                     _CONSUMED_BEFORE.format(
-                        before=f"{before} (handler {j})", before_type=before, **about
+                        before=f"{before} (handler {j})",
+                        before_type=before,
+                        handler=type(h).__name__,
+                        kind=_kind(mine[0].kind),
+                        name=name,
+                        collection=mine[0].collection,
                     )
                 )
+
+
+def _kind(kind: str) -> str:
+    return "tag" if kind == "tag" else "perturb site"
+
+
+def _unknown_name(h, name: str, probes, consumer) -> str:
+    # The names the handler could have meant: those of its kind and collection
+    # when it says which (Tag, Perturb, ...), else every name it sees.
+    kind = getattr(h, "kind", "tag")
+    collection = getattr(h, "collection", None)
+    known = sorted(
+        {
+            p.name
+            for p in probes
+            if consumer(p) is None
+            and p.kind == kind
+            and (collection is None or p.collection == collection)
+        }
+    )
+    where = f" in collection {collection!r}" if isinstance(collection, str) else ""
+    return _UNKNOWN_NAME.format(
+        handler=type(h).__name__,
+        kind=_kind(kind),
+        name=name,
+        where=where,
+        known=", ".join(map(repr, known)) or "none",
+    )
 
 
 def _check_reporters(sites, handlers) -> None:
@@ -305,7 +324,7 @@ def _check_reporters(sites, handlers) -> None:
         if c != CHECKPOINT_NAME:
             continue
         probe = Site.probe(k, c, n)
-        hits = [h for h in handlers if h.reports and h.matches(probe)]
+        hits = [h for h in handlers if mode_of(h) is not None and h.matches(probe)]
         if len(hits) > 1:
             raise ValueError(
                 _TWO_REPORTERS.format(
@@ -402,19 +421,22 @@ def _report(scope: Scope, handlers) -> Found:
                 )
             )
     found = Found()
-    for i, h in enumerate(handlers):
-        if h.reports:
-            found.setdefault(h.collection, Found())
-    for key in scope.sites:  # in order of first execution
+    modes = scope.handlers.modes
+    for h, mode in zip(handlers, modes):
+        collection = getattr(h, "collection", None)
+        if mode is not None and isinstance(collection, str):
+            found.setdefault(collection, Found())
+    for key, site in scope.sites.items():  # in order of first execution
         i, name = key
-        h = handlers[i]
-        if not h.reports:
+        mode = modes[i]
+        if mode is None:
             continue
+        names = found.setdefault(site.collection, Found())
         if key in scope.accs:
-            found[h.collection][name] = scope.accs[key]
+            names[name] = scope.accs[key]
         elif key in scope.entries:
             values = tuple(v for v, _ in scope.entries[key])
-            found[h.collection][name] = h.report(values)
+            names[name] = values[0] if mode.single else values
     return found
 
 

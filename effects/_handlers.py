@@ -13,6 +13,7 @@ from typing import Any, ClassVar, TypeAlias, dataclass_transform
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jaxtyping import PyTree
 
 from . import _compat
 from ._site import Site
@@ -96,8 +97,8 @@ class Reduce:
     in program order; `found` holds the accumulator after the last execution.
     In a `lax.scan` or a `lax.while_loop` the accumulator is carried through
     the loop, so collecting costs the same memory for any number of
-    iterations. A custom [`Handler`][effects.Handler] may return a `Reduce` from
-    its `output_mode()` too.
+    iterations. A custom [`Handler`][effects.Handler] may have a `Reduce` as
+    its `mode` too.
 
     `Reduce` is compared by its functions: define `fn` and `init` once, not as
     new lambdas at every call, or every call is a new configuration, traced
@@ -167,9 +168,9 @@ class _BuiltinReduce(Reduce):
 
 @dataclasses.dataclass(frozen=True)
 class Append:
-    """The mode of a handler that reports one entry per execution: what a
-    custom [`Handler`][effects.Handler]'s `output_mode()` returns to report
-    every value it emits, as `Tag(mode="append")` does.
+    """The mode of a handler that reports one entry per execution: a custom
+    [`Handler`][effects.Handler]'s `mode` to report every value it emits, as
+    `Tag(mode="append")` does (`mode = "append"` says the same).
 
     `found` then holds, per name, a tuple with one entry per execution in
     program order; executions inside a `lax.scan` are one entry, stacked along
@@ -184,8 +185,8 @@ class Append:
 
     **Returns:**
 
-    As a mode: in `found[collection][name]`, what the handler's `report`
-    makes of the tuple of entries (the tuple itself by default).
+    As a mode: in `found[collection][name]`, the tuple of entries; with
+    `single=True`, the one entry.
 
     **Raises:**
 
@@ -196,21 +197,13 @@ class Append:
     **Example:**
 
     ```python
-    import dataclasses
-
     class Magnitudes(fx.Handler):
         # Collects the absolute value of every tagged value.
-        reports = True
-        collection: str = dataclasses.field(
-            default="intermediates", metadata={"static": True}
-        )
+        mode = fx.Append(label="Magnitudes()")
 
-        def output_mode(self):
-            return fx.Append(label="Magnitudes()")
-
-        def apply(self, call, leaves):
-            call.emit(jax.tree.map(jnp.abs, call.site.to_front(leaves)))
-            return leaves, False
+        def apply(self, site, value, ctx):
+            ctx.emit(jax.tree.map(jnp.abs, value))
+            return value
 
     _, found = fx.handle(lambda x: fx.tag(-x, "h"), Magnitudes())(2.0)
     print(found)  # {'intermediates': {'h': (Array(2., dtype=float32),)}}
@@ -319,50 +312,48 @@ def _field_values(handler) -> tuple:
 class Handler:
     """The base class of handlers: subclass it to say what happens at one
     execution of a site; the rewriter carries what the handler does through
-    every control-flow construct.
+    every control-flow construct and transformation.
 
     [`Tag`][effects.Tag], [`Perturb`][effects.Perturb],
     [`Substitute`][effects.Substitute], [`Intervene`][effects.Intervene] and
-    [`Stats`][effects.Stats] are subclasses. A subclass is made a frozen
-    dataclass and a pytree: its fields are leaves, except those declared
+    [`Stats`][effects.Stats] are subclasses written on this protocol and
+    nothing else. A subclass is made a frozen dataclass and a pytree: its
+    fields are leaves, except those declared
     `dataclasses.field(metadata={"static": True})`, which are part of its
     configuration (and of the key the rewritten program is cached under).
-    Declare a `collection` field: the default `matches` reads it. Handlers are
-    equal when their fields are, and hashable when their fields are.
-    [Writing a handler](../guides/writing-a-handler.md) builds one step by
-    step.
+    Handlers are equal when their fields are, and hashable when their fields
+    are. [Writing a handler](../guides/writing-a-handler.md) builds one step
+    by step.
 
-    **The protocol**, the methods and class attributes the rewriter reads:
+    **The protocol:**
 
-    - `apply(call, leaves) -> (new_leaves, consumed)`: one execution. `leaves`
-      are the value's arrays in program layout; `call.site.to_front(leaves)` and
-      `call.site.from_front(value, what)` convert to and from the layout
-      `found` uses; `call.emit(value)` reports a value (under a `Reduce` mode it
-      returns the accumulator so far); `call.next_input()` takes the next
-      per-execution input. A consumed site is no longer visible to handlers
-      further out. The one method a subclass must define.
-    - `matches(site) -> bool`: whether to act at a site (`site.kind`,
-      `site.collection`, `site.name`). Default: sites of the class attribute
-      `kind` (`"tag"` or `"perturb"`) in `self.collection`.
-    - `output_mode()`: [`fx.Append()`][effects.Append],
-      `fx.Append(single=True)`, [`fx.Reduce(fn, init)`][effects.Reduce], or
-      None (the default) if it emits nothing. Reported under
-      `found[self.collection]` when the class attribute `reports` is true.
-    - `report(entries)`: what `found` holds for a name, from the tuple of
-      entries an `Append` mode collected (default: the tuple).
-    - `per_call_inputs()`: `{name: (entry, ...)}`, one entry per execution, in
-      the layout `Tag()` reports (default: none).
-    - `required_names()`: names that must exist (a typo is an error; default:
-      none).
-    - `calls_user_code()`: whether `apply` may call user code (default True).
-    - `changes_values()`: whether `apply` may return other values than it was
-      given (default True; `Tag`, `Stats` and `Perturb()` without deltas say
-      False). Inside a function with a custom derivative, only a handler that
-      changes nothing may act.
-    - Class attributes: `kind` (`"tag"`, the default, or `"perturb"`),
-      `reports` (default False), and `consumes`: whether `apply` consumes
-      every site it matches (`Tag` and `Perturb` do), so that handlers further
-      out, which do not see those sites, cannot require their names.
+    - `matches(site) -> bool`: whether to act at a [`Site`][effects.Site]
+      (`site.kind`, `site.collection`, `site.name`). Default: every tag of the
+      collection `"intermediates"`.
+    - `apply(site, value, ctx) -> value`: one execution, the one method a
+      subclass must define. `value` is the tagged value of **one example**:
+      under a `jax.vmap` inside the handled function, `apply` runs under that
+      vmap too, so a handler computes the same thing whether `vmap` is inside
+      or outside [`handle`][effects.handle]. Return the value the program goes
+      on with: `value` itself to leave it as it is, or a new pytree of the
+      same structure, shapes and dtypes. `ctx` is a
+      [`Context`][effects.Context]: `ctx.emit(x)` reports `x` under `mode`,
+      `ctx.next_input()` is this execution's entry of `per_call_inputs()`.
+    - `mode`: how emitted values are reported, in `found[site.collection]
+      [site.name]`: `"append"` or [`fx.Append()`][effects.Append] (one entry
+      per execution), `"strict"` (exactly one execution), `"last"`, `"sum"`
+      or [`fx.Reduce(fn, init)`][effects.Reduce] (folded), or `None` (the
+      default) for a handler that reports nothing.
+    - `consumes`: whether a site it matches is hidden from handlers further
+      out (`Tag`, `Stats` and `Perturb` consume; `Substitute` and `Intervene`
+      pass the new value on as the same site). Default `False`.
+
+    Two optional methods: `per_call_inputs() -> {name: (entry, ...)}`, one
+    entry per execution in the layout `Tag()` reports, read by
+    `ctx.next_input()`; and `required_names() -> (name, ...)`, names that
+    must exist among the sites the handler sees (a typo is then an error
+    listing the known names). A handler with a `collection` attribute and a
+    `mode` gets `found[collection]`, empty when it matched nothing.
 
     **Arguments:**
 
@@ -376,6 +367,11 @@ class Handler:
 
     - `NotImplementedError`, from [`handle`][effects.handle], when a subclass
       that does not define `apply` matches a site.
+    - `ValueError`, from [`handle`][effects.handle], naming the tag and the
+      handler: `apply` returns a value of another structure, shape or dtype;
+      it changes a value inside a `custom_jvp`/`custom_vjp` function (whose
+      rule would not know) or an unbatched value under a `vmap` inside the
+      handled function; or `mode` cannot be honoured where the site is.
     - `TypeError`, when the subclass is defined, for fields a dataclass cannot
       have (a field without a default after one with a default).
 
@@ -387,24 +383,17 @@ class Handler:
     class Scale(fx.Handler):
         # Multiplies tagged values by `factor`.
         factor: float = dataclasses.field(metadata={"static": True})
-        collection: str = dataclasses.field(
-            default="intermediates", metadata={"static": True}
-        )
 
-        def apply(self, call, leaves):
-            return [x * self.factor for x in leaves], False
+        def apply(self, site, value, ctx):
+            return jax.tree.map(lambda x: x * self.factor, value)
 
     out, _ = fx.handle(lambda x: 1 + fx.tag(x, "h"), Scale(10.0))(2.0)
     print(out)  # 21.0
     ```
     """
 
-    kind: ClassVar[str] = "tag"
-    reports: ClassVar[bool] = False
-    # Whether `apply` consumes every site it matches (then handlers further out
-    # never see those sites, and cannot require their names).
+    mode: ClassVar[Any] = None
     consumes: ClassVar[bool] = False
-    collection: str
     # Whether the class or a base defines its own `__init__` (as `Tag` does, to
     # validate its arguments): it is then kept, and no dataclass one generated.
     _custom_init: ClassVar[bool] = False
@@ -430,40 +419,104 @@ class Handler:
         return eqx.tree_pformat(self)
 
     def matches(self, site: Site) -> bool:
-        return site.kind == self.kind and site.collection == self.collection
+        return site.kind == "tag" and site.collection == "intermediates"
 
-    def apply(self, call, leaves) -> tuple[list[Any], bool]:
-        raise NotImplementedError
+    def apply(self, site: Site, value: PyTree, ctx: Context) -> PyTree:
+        raise NotImplementedError(
+            f"{type(self).__name__} matches {site.where()} but defines no "
+            "`apply(site, value, ctx)`."
+        )
 
     def required_names(self) -> tuple[str, ...]:
-        """Names that must exist among the program's sites."""
         return ()
 
     def per_call_inputs(self) -> Mapping[str, tuple]:
-        """Values consumed one per execution, in the layout `Tag()` reports."""
         return {}
 
-    def output_mode(self) -> Append | Reduce | None:
-        """How the values this handler emits are reported: one entry per
-        execution (`Append`), folded (`Reduce`), or None if it emits none."""
-        return None
 
-    def report(self, entries: tuple) -> Any:
-        """What `found` holds for a name this handler appended `entries` for
-        (one per execution)."""
-        return entries
+class Context:
+    """What [`Handler.apply`][effects.Handler] can do at one execution of a
+    site, besides returning a value.
 
-    def calls_user_code(self) -> bool:
-        """Whether `apply` may call user code, which then runs as it would
-        where `handle` was called (user code may hold tags, or call functions
-        JAX caches per trace context). True unless a handler says otherwise."""
-        return True
+    **Attributes:**
 
-    def changes_values(self) -> bool:
-        """Whether `apply` may return other values than it was given. Inside a
-        function with a custom derivative a handler that does is refused: the
-        custom rule would not know. True unless a handler says otherwise."""
-        return True
+    - `site`: the [`Site`][effects.Site].
+
+    **Example:**
+
+    ```python
+    class Count(fx.Handler):
+        mode = "sum"
+
+        def apply(self, site, value, ctx):
+            ctx.emit(jnp.int32(1))
+            return value
+
+    _, found = fx.handle(lambda x: fx.tag(fx.tag(x, "h") + 1, "h"), Count())(0.0)
+    print(found)  # {'intermediates': {'h': Array(2, dtype=int32)}}
+    ```
+    """
+
+    __slots__ = ("site", "_emit", "_input", "_axes")
+
+    def __init__(self, site: Site, emit, entry, axes: tuple[str, ...]):
+        self.site = site
+        self._emit, self._input, self._axes = emit, entry, axes
+
+    def emit(self, value: PyTree) -> PyTree | None:
+        """Reports `value` under the handler's `mode`. Under a reduction
+        (`"sum"`, `"last"`, [`Reduce`][effects.Reduce]) returns the
+        accumulator with `value` folded in: what the executions so far add up
+        to; else None."""
+        return self._emit(value)
+
+    def next_input(self) -> PyTree:
+        """This execution's entry of the handler's `per_call_inputs()`, in the
+        layout of one example (as `value`)."""
+        if self._input is NO_INPUT:
+            raise ValueError(
+                f"{self.site.where()}: `ctx.next_input()` needs an entry per "
+                "execution of this name in the handler's `per_call_inputs()`."
+            )
+        return self._input
+
+    @property
+    def batch_index(self) -> tuple[jax.Array, ...]:
+        """The index of the example `apply` runs for along each `jax.vmap`
+        inside the handled function, outermost first; `()` outside any."""
+        return tuple(jax.lax.axis_index(a) for a in self._axes)
+
+    def example(self, value: PyTree) -> PyTree:
+        """`value`, shaped like the site's value either for one example or in
+        the layout `Tag()` reports (batch axes first): the part for this
+        example."""
+        want = self.site.shape_dtype
+        if not self._axes or want is None:
+            return value
+        index = self.batch_index
+        nb = len(index)
+
+        def part(x, w):
+            x = jnp.asarray(x)
+            return x[index] if x.ndim == len(w.shape) + nb else x
+
+        return jax.tree.map(part, value, want)
+
+
+NO_INPUT = object()
+
+
+def mode_of(handler: Handler) -> Append | Reduce | None:
+    """A handler's `mode`, its built-in names made objects."""
+    mode = handler.mode
+    if mode is None or isinstance(mode, (Append, Reduce)):
+        return mode
+    if isinstance(mode, str) and mode in _MODES:
+        return _MODES[mode]
+    raise ValueError(
+        f"{type(handler).__name__}: unknown mode {mode!r}; use None, 'append', "
+        "'strict', 'last', 'sum', fx.Append(...) or fx.Reduce(fn, init)."
+    )
 
 
 def matches_tag(handler, site) -> bool:
@@ -543,11 +596,10 @@ class Tag(Handler):
     ```
     """
 
-    reports: ClassVar[bool] = True
     consumes: ClassVar[bool] = True
     collection: str = _static()
     names: Any = _static()
-    mode: Any = _static()
+    mode: Any = _static()  # pyright: ignore[reportIncompatibleVariableOverride]
 
     def __init__(
         self,
@@ -567,24 +619,12 @@ class Tag(Handler):
     def matches(self, site):
         return matches_tag(self, site)
 
-    def output_mode(self):
-        return _MODES[self.mode] if isinstance(self.mode, str) else self.mode
-
     def required_names(self):
         return exact_names(self.names)
 
-    def apply(self, call, leaves):
-        call.emit(call.site.to_front(leaves))
-        return leaves, True
-
-    def report(self, entries):
-        return entries[0] if self.output_mode().single else entries
-
-    def calls_user_code(self):
-        return isinstance(self.mode, Reduce)
-
-    def changes_values(self):
-        return False
+    def apply(self, site, value, ctx):
+        ctx.emit(value)
+        return value
 
 
 class Perturb(Handler):
@@ -641,7 +681,7 @@ class Perturb(Handler):
     ```
     """
 
-    kind: str = _static()  # type: ignore[misc]
+    kind: str = _static()
     consumes: ClassVar[bool] = True
     collection: str = _static()
     deltas: Any
@@ -673,11 +713,14 @@ class Perturb(Handler):
         )
 
     @property
-    def reports(self):  # type: ignore[override]
-        return self.deltas is None
+    def mode(self):  # pyright: ignore[reportIncompatibleVariableOverride]
+        # Without deltas: the zeros to start from, one entry per execution.
+        return "append" if self.deltas is None else None
 
     def matches(self, site):
-        if not (super().matches(site) and _name_matches(self.names, site.name)):
+        if site.kind != self.kind or site.collection != self.collection:
+            return False
+        if not _name_matches(self.names, site.name):
             return False
         return self.deltas is None or site.name in self.deltas
 
@@ -687,21 +730,11 @@ class Perturb(Handler):
     def per_call_inputs(self):
         return {} if self.deltas is None else self.deltas
 
-    def output_mode(self):
-        return None if self.deltas is not None else _MODES["append"]
-
-    def apply(self, call, leaves):
+    def apply(self, site, value, ctx):
         if self.deltas is None:
-            call.emit(jax.tree.map(jnp.zeros_like, call.site.to_front(leaves)))
-            return leaves, True
-        delta = call.site.from_front(call.next_input(), "Perturb delta")
-        return [x + d for x, d in zip(leaves, delta)], True
-
-    def calls_user_code(self):
-        return False
-
-    def changes_values(self):
-        return self.deltas is not None
+            ctx.emit(jax.tree.map(jnp.zeros_like, value))
+            return value
+        return jax.tree.map(jnp.add, value, ctx.next_input())
 
 
 class Substitute(Handler):
@@ -775,7 +808,11 @@ class Substitute(Handler):
         _set_fields(self, collection=collection, values=values, per_call=per_call)
 
     def matches(self, site):
-        return super().matches(site) and site.name in self.values
+        return (
+            site.kind == "tag"
+            and site.collection == self.collection
+            and site.name in self.values
+        )
 
     def required_names(self):
         return tuple(self.values)
@@ -783,12 +820,10 @@ class Substitute(Handler):
     def per_call_inputs(self):
         return self.values if self.per_call else {}
 
-    def apply(self, call, leaves):
-        value = call.next_input() if self.per_call else self.values[call.site.name]
-        return call.site.from_front(value, "Substitute value"), False
-
-    def calls_user_code(self):
-        return False
+    def apply(self, site, value, ctx):
+        if self.per_call:
+            return ctx.next_input()
+        return ctx.example(self.values[site.name])
 
 
 class Intervene(Handler):
@@ -845,14 +880,17 @@ class Intervene(Handler):
         _set_fields(self, collection=collection, fns=_FrozenDict(fns))
 
     def matches(self, site):
-        return super().matches(site) and site.name in self.fns
+        return (
+            site.kind == "tag"
+            and site.collection == self.collection
+            and site.name in self.fns
+        )
 
     def required_names(self):
         return tuple(self.fns)
 
-    def apply(self, call, leaves):
-        new = self.fns[call.site.name](call.site.to_front(leaves))
-        return call.site.from_front(new, "The Intervene function's result"), False
+    def apply(self, site, value, ctx):
+        return self.fns[site.name](value)
 
 
 #

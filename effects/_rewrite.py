@@ -22,7 +22,7 @@ import numpy as np
 from . import _compat
 from ._handlers import Handler
 from ._primitives import bind_site, handling, site_effect, site_p
-from ._scope import Key, Scope, SiteCall, grow, types_of, zeros
+from ._scope import Key, Scope, act, grow, types_of, zeros
 from ._site import (
     CHECKPOINT_NAME,
     Axis,
@@ -220,11 +220,12 @@ def _act(site: Site, leaves: list[Any], scope: Scope) -> tuple[list[Any], bool]:
     they leave, and whether one of them consumed the site. A `checkpoint_name`
     is never consumed (see `_checkpoint_name_rule`): every handler sees it."""
     consumable = site.collection != CHECKPOINT_NAME
-    for i, (handler, (matches, apply)) in enumerate(zip(scope.handlers, scope.actions)):
+    handlers = scope.handlers
+    for i, (handler, matches) in enumerate(zip(handlers, handlers.matches)):
         if matches(handler, site):
-            leaves, consumed = apply(handler, SiteCall(scope, i, site, leaves), leaves)
-            if consumed and consumable:
-                return list(leaves), True
+            leaves = act(scope, i, site, leaves)
+            if handlers.consumes[i] and consumable:
+                return leaves, True
     return leaves, False
 
 
@@ -357,6 +358,7 @@ def discover(jaxpr, consts, in_avals, scope: Scope) -> Plan:
             discovering=True,
             accs=_zeros_of(entering),
             acc_batch=scope.acc_batch,
+            custom=scope.custom,
         )
         outs = run(jaxpr, consts, args, sub)
         # Only types leave the trace: nothing may keep its tracers alive.
@@ -445,6 +447,7 @@ def trace_region(
             accs=dict(zip(plan.acc_avals, accs)),
             acc_batch=plan.acc_batch,
             inputs=inputs,
+            custom=scope.custom,
         )
         outs = run(jaxpr, consts, args, sub)
         out_entries = []
@@ -824,27 +827,19 @@ rules[_compat.cond_p] = _cond_rule
 # custom_jvp / custom_vjp
 #
 
-_VALUE_IN_CUSTOM = (
-    "{where} is inside a function with a custom derivative (`{prim}`); {handler} "
-    "would change a value there without its custom rule knowing. Move the tag out "
-    "of the custom_jvp/custom_vjp function, or handle inside it."
-)
-
-
 def _custom_rule(eqn, invals, scope: Scope) -> list[Any]:
+    # Handlers may look at values inside, not change them (`_scope.act`
+    # refuses): the custom rule would not know of the change.
+    outer, scope.custom = scope.custom, eqn.primitive.name
+    try:
+        return _custom(eqn, invals, scope)
+    finally:
+        scope.custom = outer
+
+
+def _custom(eqn, invals, scope: Scope) -> list[Any]:
     closed = eqn.params["call_jaxpr"]
     sites = sites_in(closed.jaxpr)
-    for s in sites:
-        probe = Site.probe(*s)
-        for h in scope.handlers:
-            if h.matches(probe) and h.changes_values():
-                raise ValueError(
-                    _VALUE_IN_CUSTOM.format(
-                        where=probe.where(),
-                        prim=eqn.primitive.name,
-                        handler=type(h).__name__,
-                    )
-                )
     if scope.discovering:
         outs = _bind(eqn, invals)
         run(closed.jaxpr, closed.consts, invals, scope)  # types only: nothing runs
@@ -1020,6 +1015,7 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
             for k, v in scope.accs.items()
         },
         acc_batch={k: b[:-1] if k in split else b for k, b in scope.acc_batch.items()},
+        custom=scope.custom,
     )
     with _compat.shard_map_body(p):
         plan = discover(body, (), in_avals, local)

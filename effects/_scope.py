@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _compat
-from ._handlers import Handler
+from ._handlers import NO_INPUT, Context, Handler, mode_of
 from ._site import Axis, Lead, Site, describe, shape_dtype, strong
 
 Key = tuple[int, str]  # (handler index, site name)
@@ -52,6 +52,20 @@ def zeros(avals):
     return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), avals)
 
 
+class Handlers(tuple):
+    """The handlers of one `handle`, with what the rewriter reads of each
+    read once: `matches` (unbound, the cheapest call at every site), the mode,
+    whether it consumes, and the names it has per-call inputs for."""
+
+    def __new__(cls, handlers):
+        self = super().__new__(cls, handlers)
+        self.matches = tuple(type(h).matches for h in handlers)
+        self.modes = tuple(mode_of(h) for h in handlers)
+        self.consumes = tuple(bool(h.consumes) for h in handlers)
+        self.input_names = tuple(frozenset(h.per_call_inputs()) for h in handlers)
+        return self
+
+
 class Scope:
     def __init__(
         self,
@@ -62,13 +76,16 @@ class Scope:
         inputs=None,
         discovering: bool = False,
         replaying: bool = False,
+        custom: str | None = None,
     ):
+        if not isinstance(handlers, Handlers):
+            handlers = Handlers(handlers)
         self.handlers = handlers
-        # Unbound methods: going through an `eqx.Module` instance would build a
-        # bound-method module at every site, the bulk of the rewrite's cost.
-        self.actions = _actions(handlers)
-        self.modes = _modes(handlers)
-        self.calls_user_code = any(h.calls_user_code() for h in handlers)
+        self.modes = handlers.modes
+        self.input_names = handlers.input_names
+        # Inside a function with a custom derivative (the primitive's name):
+        # a handler may look at values there, not change them.
+        self.custom = custom
         self.discovering = discovering
         # The backward pass's recomputation of a `jax.checkpoint` region (see
         # `replay`): per-execution inputs are refused here.
@@ -90,7 +107,12 @@ class Scope:
     def replay(self) -> Scope:
         """A scope for a region that recomputes executions reported elsewhere:
         the same handlers, and nothing it collects leaves it."""
-        return Scope(self.handlers, discovering=self.discovering, replaying=True)
+        return Scope(
+            self.handlers,
+            discovering=self.discovering,
+            replaying=True,
+            custom=self.custom,
+        )
 
     def where(self, key: Key) -> str:
         return self.sites[key].where()
@@ -112,45 +134,39 @@ class Scope:
 
     # Accumulators -----------------------------------------------------------
 
-    def reduce(self, key: Key, value, reduce, site: Site):
-        """Folds `value` into the key's accumulator; returns the new one."""
-        self.sites.setdefault(key, site)
+    def acc_for(self, key: Key, site: Site):
+        """The key's accumulator as an execution of `site` meets it (made, or
+        grown by the vmap batch axes the site has and it lacks)."""
+        mode = self.modes[key[0]]
         batch = site.batch_sizes()
         if key not in self.accs:
-            init = _acc_init(reduce, site)
+            init = _acc_init(mode, site)
             self.acc_inits[key] = init
             self.accs[key] = init()
             self.acc_batch[key] = batch
         self.touched[key] = None
-        acc, have = self.accs[key], self.acc_batch[key]
+        have = self.acc_batch[key]
         if batch != have:
             # The name executes both outside and inside a vmap: the accumulator
             # is per example, as if each example ran alone.
             if batch[: len(have)] == have:  # deeper: the accumulator grows
-                acc = grow(acc, have, batch)
+                self.accs[key] = grow(self.accs[key], have, batch)
                 self.acc_batch[key] = batch
-            elif have[: len(batch)] == batch:  # shallower: the same per example
-                value = grow(value, batch, have)
-            else:
+            elif have[: len(batch)] != batch:
                 raise ValueError(
                     _BATCH_MISMATCH.format(where=self.where(key), a=have, b=batch)
                 )
-        new = self._fold(key, reduce, acc, value)
-        if types_of(new) != types_of(acc):
-            raise ValueError(
-                _ACC_CHANGED.format(
-                    where=self.where(key),
-                    mode=reduce.label,
-                    before=describe(types_of(acc)),
-                    after=describe(types_of(new)),
-                )
-            )
-        self.accs[key] = new
-        return new
+        return self.accs[key]
 
-    def _fold(self, key: Key, reduce, acc, value):
+    def fold(self, key: Key, reduce, acc, value, extra: int):
+        """`reduce.fn(acc, value)` for one example, where `acc` may have
+        `extra` leading batch axes that `value` lacks (the name executed under
+        more vmaps elsewhere): then per example of those."""
+        fn = reduce.fn
+        for _ in range(extra):
+            fn = jax.vmap(fn, in_axes=(0, None))
         try:
-            return jax.tree.map(strong, reduce.fn(acc, value))
+            new = jax.tree.map(strong, fn(acc, value))
         except (TypeError, ValueError) as e:
             raise ValueError(
                 _REDUCE_FAILED.format(
@@ -161,6 +177,16 @@ class Scope:
                     error=str(e).splitlines()[0],
                 )
             ) from e
+        if types_of(new) != types_of(acc):
+            raise ValueError(
+                _ACC_CHANGED.format(
+                    where=self.where(key),
+                    mode=reduce.label,
+                    before=describe(types_of(acc)),
+                    after=describe(types_of(new)),
+                )
+            )
+        return new
 
     # Per-execution inputs ---------------------------------------------------
 
@@ -219,14 +245,6 @@ def _check_input(value, avals, site: Site, key: Key, handlers) -> None:
         )
 
 
-def _actions(handlers) -> tuple:
-    return tuple((type(h).matches, type(h).apply) for h in handlers)
-
-
-def _modes(handlers) -> tuple:
-    return tuple(type(h).output_mode(h) for h in handlers)
-
-
 def types_of(tree):
     return jax.tree.map(shape_dtype, tree)
 
@@ -246,40 +264,155 @@ def grow(tree, have: tuple[Axis, ...], want: tuple[Axis, ...]):
 
 
 def _acc_init(reduce, site: Site):
-    front = site.front_avals()
+    one, sizes = site.shape_dtype, site.batch_sizes()
 
     def init():
-        # Inside a shard_map an accumulator differs per shard: it varies over
-        # the manual mesh axes from the start, as a loop carrying it needs.
-        value = reduce.init(zeros(front))
-        return jax.tree.map(lambda x: _compat.vary_over_manual_axes(strong(x)), value)
+        # One example's accumulator, the same for every example. Inside a
+        # shard_map an accumulator differs per shard: it varies over the
+        # manual mesh axes from the start, as a loop carrying it needs.
+        value = reduce.init(zeros(one))
+
+        def per_example(x):
+            x = strong(x)
+            return _compat.vary_over_manual_axes(jnp.broadcast_to(x, sizes + x.shape))
+
+        return jax.tree.map(per_example, value)
 
     return init
 
 
-class SiteCall:
-    """What a handler sees at one execution of a site."""
+#
+# One handler at one execution of a site
+#
 
-    def __init__(self, scope: Scope, index: int, site: Site, leaves):
-        self.scope = scope
-        self.leaves = leaves
-        self.key: Key = (index, site.name)
-        self.site = site
+_CHANGED_IN_CUSTOM = (
+    "{where} is inside a function with a custom derivative (`{prim}`); "
+    "{handler} changes its value there without the custom rule knowing. Move "
+    "the tag out of the custom_jvp/custom_vjp function, or handle inside it."
+)
+_CHANGED_UNBATCHED = (
+    "{handler} changes {where}, a value that the vmap inside the handled "
+    "function does not batch, differently per example. Move the handler "
+    "inside the vmap (`jax.vmap(fx.handle(f, ...))`)."
+)
+_BAD_VALUE = (
+    "{handler} returned {got} for {where}, whose value is {want}; the "
+    "structure, shapes and dtypes must stay the same."
+)
+_NO_MODE = (
+    "{handler} emits at {where} but has no `mode`: say how its values are "
+    "reported (`mode = 'append'`, 'sum', fx.Reduce(...), ...)."
+)
 
-    def emit(self, value):
-        """Reports `value` (in handler layout) under the handler's output mode.
-        Under a `Reduce` mode, returns the accumulator after folding it in (what
-        the executions so far add up to); else None."""
-        mode = self.scope.mode(self.key)
-        if mode.reduces:
-            return self.scope.reduce(self.key, value, mode, self.site)
-        self.scope.add_entry(self.key, value, Lead(self.site.nbatch), self.site)
-        return None
 
-    def next_input(self):
-        """The next per-execution input value for this site (handler layout)."""
-        expected = [(self.site.front_avals(), Lead(self.site.nbatch))]
-        # While discovering, the site's own value stands in for the input: it has
-        # the right type, including the mesh axes it varies over in a shard_map.
-        here = [self.site.to_front(self.leaves)]
-        return self.scope.take_inputs(self.key, expected, self.site, here)[0]
+def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
+    """Handler `index` acts at one execution of `site` (leaves in program
+    layout): the leaves the program goes on with. Under vmaps inside the
+    handled function, `apply` runs under the same vmaps, on one example, so
+    that every handler is the same inside and outside a vmap."""
+    handler, mode = scope.handlers[index], scope.modes[index]
+    key: Key = (index, site.name)
+    scope.sites.setdefault(key, site)
+    front = site.to_front(leaves)
+    nb = site.nbatch
+    entry, has_input = None, site.name in scope.input_names[index]
+    if has_input:
+        expected = [(site.front_avals(), Lead(nb))]
+        entry = scope.take_inputs(key, expected, site, [front])[0]
+    acc, extra = None, 0
+    if mode is not None and mode.reduces:
+        acc = scope.acc_for(key, site)
+        extra = len(scope.acc_batch[key]) - nb
+    axes = tuple(f"effects_example_{i}" for i in range(nb))
+    same: list[bool] = []
+
+    def one(value, entry, acc):
+        # Returns the leaves `apply` changed, what it appended, and the
+        # accumulator; `same` records (at trace time) which leaves it kept.
+        appended, state = [], [acc]
+
+        def emit(x):
+            if mode is None:
+                where = site.where()
+                raise ValueError(_NO_MODE.format(handler=_name(handler), where=where))
+            x = _strong_tree(x)
+            if not mode.reduces:
+                appended.append(x)
+                return None
+            state[0] = scope.fold(key, mode, state[0], x, extra)
+            return state[0]
+
+        new = type(handler).apply(handler, site, value, Context(site, emit, entry if has_input else NO_INPUT, axes))
+        old_leaves = jax.tree.leaves(value)
+        new_leaves = _checked(new, value, site, handler)
+        same[:] = [a is b for a, b in zip(new_leaves, old_leaves)]
+        changed = [a for a, b in zip(new_leaves, old_leaves) if a is not b]
+        return changed, appended, state[0]
+
+    fn = one
+    for name in reversed(axes):  # the outermost vmap last
+        fn = jax.vmap(fn, axis_name=name)
+    changed, appended, acc = fn(front, entry, acc)
+    for value in appended:
+        scope.add_entry(key, value, Lead(nb), site)
+    if mode is not None and mode.reduces:
+        scope.accs[key] = acc
+    if all(same):
+        return leaves
+    if scope.custom is not None:
+        raise ValueError(
+            _CHANGED_IN_CUSTOM.format(
+                where=site.where(), prim=scope.custom, handler=_name(handler)
+            )
+        )
+    out, it = list(leaves), iter(changed)
+    for j, (kept, entries) in enumerate(zip(same, site.batch)):
+        if kept:
+            continue
+        x = next(it)
+        if any(a is None for a, _ in entries):
+            raise ValueError(
+                _CHANGED_UNBATCHED.format(handler=_name(handler), where=site.where())
+            )
+        if entries:  # batch axes back where the program has them
+            x = jnp.moveaxis(x, list(range(len(entries))), [a for a, _ in entries])
+        out[j] = x
+    return out
+
+
+def _name(handler) -> str:
+    return type(handler).__name__
+
+
+def _checked(new, value, site: Site, handler) -> list[Any]:
+    """The leaves of `new`, a handler's value for one example of `site`, after
+    checking its structure, shapes and dtypes (a weakly typed number takes the
+    site's dtype)."""
+    want_leaves, want_tree = jax.tree.flatten(value)
+    if new is value:
+        return want_leaves
+    leaves, tree = jax.tree.flatten(new)
+    bad = tree != want_tree
+    out = []
+    if not bad:
+        for x, w in zip(leaves, want_leaves):
+            if x is w:
+                out.append(x)
+                continue
+            x = jnp.asarray(x)
+            if x.shape == w.shape and x.dtype != w.dtype and x.aval.weak_type:
+                x = x.astype(w.dtype)
+            if x.shape != w.shape or x.dtype != w.dtype:
+                bad = True
+                break
+            out.append(x)
+    if bad:
+        raise ValueError(
+            _BAD_VALUE.format(
+                handler=_name(handler),
+                got=describe(jax.tree.map(shape_dtype, new)),
+                where=site.where(),
+                want=describe(jax.tree.map(shape_dtype, value)),
+            )
+        )
+    return out

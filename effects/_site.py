@@ -90,6 +90,21 @@ class Site:
         what = "tag" if self.kind == "tag" else "perturb site"
         return f"{what} {self.name!r} (collection {self.collection!r})"
 
+    @property
+    def shape_dtype(self):
+        """The shapes and dtypes of one example's value (a pytree of
+        `jax.ShapeDtypeStruct`): what a handler's `apply` receives. None for a
+        site known only by name."""
+        if self.treedef is None:
+            return None
+        leaves = []
+        for aval, entries in zip(self.avals, self.batch):
+            shape = list(aval.shape)
+            for a, _ in sorted((e for e in entries if e[0] is not None), reverse=True):
+                del shape[a]
+            leaves.append(jax.ShapeDtypeStruct(tuple(shape), aval.dtype))
+        return jax.tree.unflatten(self.treedef, leaves)
+
     def front_avals(self):
         """The value's structure and shapes as handlers see it."""
         leaves = []

@@ -175,7 +175,7 @@ def test_found_is_a_dict_of_dicts_of_tuples():
     _, found = fx.handle(_sin_sq, fx.Tag())(X)
     assert isinstance(found, dict) and type(found) is fx.Found
     assert type(found["intermediates"]) is fx.Found
-    assert found == {"intermediates": {"h": found["intermediates"]["h"]}}
+    assert found == {"intermediates": dict(found["intermediates"])}
     assert repr(found).startswith("{'intermediates': {'h': (")
     assert type(found["intermediates"]["h"]) is tuple
     assert len(found["intermediates"]["h"]) == 1

@@ -940,12 +940,16 @@ def test_vmap_inside_batch_axis_first_for_any_in_axes():
     expected = evaluate(jax.vmap(ref_with_h, in_axes=(1, 0), out_axes=1), xt, vb)
     assert_trees_close(out, expected)
 
-    # Intervene sees the whole batch: centre h over the batch axis.
-    out, _ = fx.handle(vmapped, fx.Intervene({"h": lambda h: h - h.mean(0)}))(xt)
+    # Intervene sees one example, as under a vmap outside `handle`: centre
+    # each example's h over its own elements.
+    centre = fx.Intervene({"h": lambda h: h - h.mean()})
+    out, _ = fx.handle(vmapped, centre)(xt)
     hb = np.sin(xt.T)
-    hb = hb - hb.mean(0)
+    hb = hb - hb.mean(1, keepdims=True)
     expected = evaluate(jax.vmap(ref_with_h, in_axes=(1, 0), out_axes=1), xt, hb)
     assert_trees_close(out, expected, rtol=1e-4, atol=1e-5)
+    outside, _ = jax.vmap(fx.handle(model, centre), in_axes=1, out_axes=1)(xt)
+    assert_trees_close(out, outside, rtol=1e-6, atol=1e-6)
 
 
 #
@@ -1080,8 +1084,8 @@ class Scale(fx.Handler):
     def matches(self, site):
         return super().matches(site) and site.name == self.name
 
-    def apply(self, call, leaves):
-        return [x * self.scale for x in leaves], False
+    def apply(self, site, value, ctx):
+        return jax.tree.map(lambda x: x * self.scale, value)
 
 
 def test_handler_subclass_is_a_frozen_dataclass_and_pytree():

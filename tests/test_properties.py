@@ -88,7 +88,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import leak_checks, no_leak_checks
+from helpers import leak_checks, no_leak_checks, plain
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -1046,8 +1046,8 @@ def has_data_cond_with_sites(node, collections) -> bool:
 def assert_close(got, want, *, rtol=1e-4, what=""):
     """Same structure; every leaf's shape equal and values close (tolerance
     relative to the leaf's magnitude: float32 against the float64 reference)."""
-    g_leaves, g_tree = jax.tree.flatten(got)
-    w_leaves, w_tree = jax.tree.flatten(want)
+    g_leaves, g_tree = jax.tree.flatten(plain(got))
+    w_leaves, w_tree = jax.tree.flatten(plain(want))
     assert g_tree == w_tree, f"{what}: structure\n{g_tree}\n!=\n{w_tree}"
     for g, w in zip(g_leaves, w_leaves):
         g, w = np.asarray(g), np.asarray(w)
@@ -1068,8 +1068,8 @@ def assert_as_plain(got, want, what=""):
 
 
 def assert_identical(got, want, what=""):
-    g_leaves, g_tree = jax.tree.flatten(got)
-    w_leaves, w_tree = jax.tree.flatten(want)
+    g_leaves, g_tree = jax.tree.flatten(plain(got))
+    w_leaves, w_tree = jax.tree.flatten(plain(want))
     assert g_tree == w_tree, f"{what}: structure\n{g_tree}\n!=\n{w_tree}"
     for g, w in zip(g_leaves, w_leaves):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=what)
@@ -1432,6 +1432,49 @@ def _times_two_plus_half(v):
     return v * 2.0 + 0.5
 
 
+class Clip(fx.Handler):
+    """A handler written outside the package, on the public protocol only: it
+    clips every tag of its collection to [-0.5, 0.5] and counts, per name, the
+    elements it clipped, summed over executions (a count over the whole value,
+    so not elementwise: under `handle(vmap(f))` it must count per example)."""
+
+    mode = "sum"
+    collection: str = dataclasses.field(
+        default="intermediates", metadata={"static": True}
+    )
+
+    def matches(self, site):
+        return site.kind == "tag" and site.collection == self.collection
+
+    def apply(self, site, value, ctx):
+        clipped = jax.tree.map(lambda x: jnp.clip(x, -0.5, 0.5), value)
+        changed = jax.tree.map(lambda x, c: jnp.sum(x != c), value, clipped)
+        ctx.emit(sum(jax.tree.leaves(changed), jnp.int32(0)))
+        return clipped
+
+
+@FUZZ
+@given(programs())
+def test_a_user_handler_keeps_the_vmap_law(program):
+    """`handle(vmap(f), H) == vmap(handle(f, H))` for a handler written outside
+    the package, or `handle(vmap(f), H)` refuses with the documented error (a
+    value the vmap does not batch, a cond whose predicate it batches, a value
+    inside a custom derivative, which no handler may change)."""
+    f, xs = program.function(), program.batch()
+    clip = Clip()
+    inside, inside_error = _outcome(jax.jit(jax.vmap(fx.handle(f, clip))), xs)
+    outside, outside_error = _outcome(fx.handle(jax.vmap(f), clip), xs)
+    if inside_error is not None:
+        assert "custom derivative" in str(inside_error), inside_error
+        assert outside_error is not None
+        return
+    if outside_error is not None:
+        message = str(outside_error)
+        assert "inside the vmap" in message or "custom derivative" in message, message
+        return
+    assert_close(outside, inside, rtol=1e-5, what="handle(vmap(f), Clip())")
+
+
 def _handler_options(infos, data):
     """Handlers for a program, drawn with `data`."""
 
@@ -1461,6 +1504,7 @@ def _handler_options(infos, data):
             return fx.Intervene({name: _times_two_plus_half}, collection=collection)
 
         options.append(intervene)
+    options.append(Clip)
     return options
 
 
@@ -1525,6 +1569,7 @@ def test_the_generator_covers_every_construct():
 
     @settings(
         max_examples=1000,
+        deadline=None,
         derandomize=True,
         database=None,
         suppress_health_check=list(HealthCheck),
