@@ -827,6 +827,7 @@ rules[_compat.cond_p] = _cond_rule
 # custom_jvp / custom_vjp
 #
 
+
 def _custom_rule(eqn, invals, scope: Scope) -> list[Any]:
     # Handlers may look at values inside, not change them (`_scope.act`
     # refuses): the custom rule would not know of the change.

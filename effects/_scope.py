@@ -342,7 +342,8 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
             state[0] = scope.fold(key, mode, state[0], x, extra)
             return state[0]
 
-        new = type(handler).apply(handler, site, value, Context(site, emit, entry if has_input else NO_INPUT, axes))
+        ctx = Context(site, emit, entry if has_input else NO_INPUT, axes)
+        new = type(handler).apply(handler, site, value, ctx)
         old_leaves = jax.tree.leaves(value)
         new_leaves = _checked(new, value, site, handler)
         same[:] = [a is b for a, b in zip(new_leaves, old_leaves)]

@@ -133,44 +133,6 @@ class Site:
             out.append(x)
         return jax.tree.unflatten(self.treedef, out)
 
-    def from_front(self, value, what: str):
-        """Handler layout -> program layout, checking structure, shape and dtype."""
-        expected = self.front_avals()
-        leaves, treedef = jax.tree.flatten(value)
-        if treedef != self.treedef:
-            raise ValueError(
-                f"{what} for {self.where()} has structure {treedef}, but the tagged "
-                f"value has structure {self.treedef}."
-            )
-        out = []
-        for x, exp, entries, aval in zip(
-            leaves, jax.tree.leaves(expected), self.batch, self.avals
-        ):
-            x = jnp.asarray(x)
-            if x.shape != exp.shape or x.dtype != exp.dtype:
-                if x.shape == exp.shape and x.aval.weak_type:
-                    x = x.astype(exp.dtype)
-                else:
-                    raise ValueError(
-                        f"{what} for {self.where()} is {describe(shape_dtype(x))}, but "
-                        f"the tagged value is {describe(exp)}; the shape and dtype "
-                        "must stay the same."
-                    )
-            if entries:
-                if any(a is None for a, _ in entries):
-                    raise ValueError(
-                        f"{what} for {self.where()}: a leaf of this value is not "
-                        "batched by the vmap inside the handled function, so a "
-                        "per-example value cannot replace it. Move the handler "
-                        "inside the vmap (vmap(handle(f, ...)))."
-                    )
-                src = list(range(len(entries)))
-                dst = [a for a, _ in entries]
-                x = jnp.moveaxis(x, src, dst)
-            assert x.shape == aval.shape
-            out.append(x)
-        return out
-
 
 #
 # Where the axes of stacked entries go
