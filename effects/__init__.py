@@ -17,6 +17,9 @@ from ._handlers import (
     Append as Append,
 )
 from ._handlers import (
+    Context as Context,
+)
+from ._handlers import (
     Handler as Handler,
 )
 from ._handlers import (
@@ -40,6 +43,7 @@ from ._handlers import (
 from ._modules import tag_modules as tag_modules
 from ._primitives import perturb as perturb
 from ._primitives import tag as tag
+from ._site import Site as Site
 
 try:
     __version__ = _metadata.version("effects-jax")

@@ -296,8 +296,8 @@ _CHANGED_UNBATCHED = (
     "inside the vmap (`jax.vmap(fx.handle(f, ...))`)."
 )
 _BAD_VALUE = (
-    "{handler} returned {got} for {where}, whose value is {want}; the "
-    "structure, shapes and dtypes must stay the same."
+    "{handler} gives {got} for {where}, whose value is {want}; the shape and "
+    "dtype must stay the same (and the pytree structure)."
 )
 _NO_MODE = (
     "{handler} emits at {where} but has no `mode`: say how its values are "
@@ -400,7 +400,7 @@ def _checked(new, value, site: Site, handler) -> list[Any]:
             if x is w:
                 out.append(x)
                 continue
-            x = jnp.asarray(x)
+            x, w = jnp.asarray(x), shape_dtype(w)  # (a leaf may be a literal)
             if x.shape == w.shape and x.dtype != w.dtype and x.aval.weak_type:
                 x = x.astype(w.dtype)
             if x.shape != w.shape or x.dtype != w.dtype:

@@ -51,8 +51,23 @@ def checkpoint_name_params(name: str) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Site:
-    """One binding of the site primitive: its params and the avals of its leaves
-    as they are in the program."""
+    """A site as a handler sees it: one [`fx.tag`][effects.tag] or
+    [`fx.perturb`][effects.perturb] call of the program (or a
+    `jax.ad_checkpoint.checkpoint_name`, a tag in the collection
+    `"checkpoint_name"`).
+
+    **Attributes:**
+
+    - `name`, `collection`: as given to `tag` or `perturb`.
+    - `kind`: `"tag"` or `"perturb"`.
+    - `shape_dtype`: the structure, shapes and dtypes of the value `apply`
+      receives (one example's), a pytree of `jax.ShapeDtypeStruct`; None when
+      `matches` is asked before the value is known.
+
+    `where()` names the site for messages: `"tag 'h' (collection
+    'intermediates')"`. The other fields say how the program holds the value
+    (its leaves' types and the vmap axes they carry) and are the rewriter's.
+    """
 
     name: str
     collection: str
