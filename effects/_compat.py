@@ -224,7 +224,24 @@ def equations_jaxpr(jaxpr: Jaxpr, start: int, stop: int) -> tuple[Jaxpr, list[An
     dbg = jaxpr.debug_info
     if dbg is not None:
         dbg = dbg._replace(arg_names=None, result_paths=None)
+    if any(map(_is_high_eqn, eqns)):
+        return Jaxpr([], invars, outvars, eqns, effects, dbg, is_high=True), invars
     return Jaxpr([], invars, outvars, eqns, effects, dbg), invars
+
+
+def _is_high_eqn(eqn) -> bool:
+    """Whether `eqn` is a "hijax" equation (jax 0.10+; in jax 0.12
+    `lax.custom_root` is one, `call_hi_primitive`, and `jax_remat3` and
+    `jax_custom_vjp3` make `jax.checkpoint` and `jax.custom_vjp` others): one
+    that has no lowering rule of its own. JAX lowers a jaxpr marked `is_high`
+    (set by its tracing wherever such an equation is staged) by first expanding
+    these equations into plain ones (`to_lojax`); an unmarked jaxpr holding one
+    fails to lower ("MLIR translation rule for primitive 'call_hi_primitive'
+    not found")."""
+    is_high = getattr(eqn.primitive, "is_high", None)  # jax 0.7-0.9: no hijax
+    if is_high is None:
+        return False
+    return is_high(*(v.aval for v in eqn.invars), **eqn.params)
 
 
 def copy_into_trace(jaxpr: Jaxpr, args: Sequence[Any]) -> list[Any] | None:
@@ -244,6 +261,11 @@ def copy_into_trace(jaxpr: Jaxpr, args: Sequence[Any]) -> list[Any] | None:
     for x, v in zip(tracers, jaxpr.invars):
         if x.aval is not v.aval and x.aval != v.aval:
             return None
+    if getattr(jaxpr, "is_high", False):
+        # jax 0.10+: copying equations skips the staging that marks the jaxpr
+        # being built as holding hijax equations (see `_is_high_eqn`); mark it
+        # as JAX's own staging of a `jit` inlined there does.
+        trace.frame.is_high = True
     return _pe.inline_jaxpr_into_trace(trace, src, jaxpr, (), *tracers)
 
 
@@ -449,12 +471,74 @@ def scan_params(params, jaxpr, *, n_consts: int, n_carry: int, n_xs: int, n_ys: 
     )
 
 
+# jax 0.10+: "hijax" primitives, JAX's higher-level primitives, are all bound as
+# one primitive, `call_hi_primitive`, whose one param `_prim` is an object
+# holding the jaxprs (and Python functions) the primitive is made of. In jax
+# 0.12 `lax.custom_root` is one (`CustomRoot`), and so are `jax.checkpoint`,
+# `jax.custom_vjp` and `jax.custom_jvp` under the `jax_remat3`,
+# `jax_custom_vjp3` and `jax_custom_jvp3` flags (`RematTraced`,
+# `CustomVJPTraced`, `CustomJVPTraced`).
+try:
+    from jax._src import hijax as _hijax
+    from jax._src import stages as _stages
+
+    call_hi_primitive_p = _hijax.call_hi_primitive_p
+    # jax 0.12: `HiPrim`; jax 0.10: `VJPHiPrimitive`.
+    _HiPrim = getattr(_hijax, "HiPrim", None) or _hijax.VJPHiPrimitive
+except (ImportError, AttributeError):  # pragma: no cover - jax 0.7-0.9
+    call_hi_primitive_p = _HiPrim = _stages = None
+
+
+def primitive_name(eqn) -> str:
+    """An equation's primitive as users know it: a hijax primitive by its class
+    (`CustomRoot`, `RematTraced`), not `call_hi_primitive`."""
+    if eqn.primitive is call_hi_primitive_p:
+        return type(eqn.params["_prim"]).__name__
+    return eqn.primitive.name
+
+
+# jax 0.12: the flag that makes each of these hijax primitives where JAX's
+# older, first-order primitive would be.
+_HI_FLAGS = {
+    "RematTraced": ("jax.checkpoint", "jax_remat3"),
+    "CustomVJPTraced": ("jax.custom_vjp", "jax_custom_vjp3"),
+    "CustomJVPTraced": ("jax.custom_jvp", "jax_custom_jvp3"),
+}
+
+
+def hijax_flag(eqn) -> tuple[str, str] | None:
+    """`(function, flag)` where `eqn` is the hijax form of `function` that JAX's
+    `flag` makes (`jax.checkpoint` under `jax_remat3`, say); else None."""
+    if eqn.primitive is not call_hi_primitive_p:
+        return None
+    return _HI_FLAGS.get(type(eqn.params["_prim"]).__name__)
+
+
+def _hi_jaxprs(prim, found: list[Any]) -> None:
+    # The jaxprs of a hijax primitive, as JAX finds them to print it: jaxprs
+    # and traced functions among its params, and those of hijax primitives
+    # among them. (Its Python functions, a `custom_root`'s `tangent_solve` say,
+    # hold jaxprs no param shows.)
+    for v in prim.params.values():
+        for x in v if type(v) is tuple else (v,):
+            if isinstance(x, (Jaxpr, ClosedJaxpr)):
+                found.append(getattr(x, "jaxpr", x))
+            elif isinstance(x, _stages.Traced):
+                found.append(x.jaxpr.jaxpr)
+            elif isinstance(x, _HiPrim):
+                _hi_jaxprs(x, found)
+
+
 def open_jaxprs_in_params(params) -> list[Any]:
     """Every sub-jaxpr in an equation's params, open: what `jaxprs_in_params`
     finds (values, and items of tuple values), faster: this runs for every
     equation of every traced function, most of them with tuples of shardings and
-    the like in their params."""
+    the like in their params. For a hijax primitive, its jaxprs."""
     found = []
+    prim = params.get("_prim")
+    if prim is not None and _HiPrim is not None and isinstance(prim, _HiPrim):
+        _hi_jaxprs(prim, found)
+        return found
     for v in params.values():
         kind = type(v)
         if kind is tuple or isinstance(v, tuple):  # a named tuple, say

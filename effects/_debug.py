@@ -519,7 +519,7 @@ def _walk(jaxpr, around: tuple, recomputed: bool = False):
 
 
 def _labelled_jaxprs(eqn):
-    p, name = eqn.params, eqn.primitive.name
+    p, name = eqn.params, _compat.primitive_name(eqn)
     if eqn.primitive is _compat.scan_p:
         reverse = ", reverse" if p.get("reverse") else ""
         label = f"scan(length={p['length']}{reverse})"

@@ -132,6 +132,12 @@ _UNSUPPORTED = (
 )
 
 
+_UNDER_FLAG = (
+    " It is `{0}` as JAX's `{1}` flag makes it; with the flag off, effects "
+    "rewrites `{0}`."
+)
+
+
 def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
     """Evaluates `jaxpr` on the current trace, with the scope's handlers acting."""
     env: dict[Any, Any] = {}
@@ -170,9 +176,13 @@ def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
                 matched = _matched(scope.handlers, sites)
                 if matched:
                     where = Site.probe(*matched[0]).where()
-                    raise ValueError(
-                        _UNSUPPORTED.format(where=where, prim=eqn.primitive.name)
+                    message = _UNSUPPORTED.format(
+                        where=where, prim=_compat.primitive_name(eqn)
                     )
+                    flag = _compat.hijax_flag(eqn)
+                    if flag is not None:
+                        message += _UNDER_FLAG.format(*flag)
+                    raise ValueError(message)
                 outs = _bind(eqn, invals)
             else:
                 with _compat.eqn_context(eqn):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import equinox as eqx
@@ -707,3 +708,91 @@ def test_glob_matching_nothing_is_empty(wrap):
     out, found = h(x)
     assert_trees_close(out, _hidden(x))
     assert found == {"intermediates": {}}
+
+
+#
+# lax.custom_root (bug_custom_root_jax012.py): in jax 0.12 a hijax primitive,
+# `call_hi_primitive`, that JAX lowers only from a jaxpr marked as holding one
+#
+
+
+def _sqrt_root(a, where: str = ""):
+    """sqrt(a) by Newton's method in `lax.custom_root`, with the tag "root"
+    outside it and one more inside `f` or the solve function if `where` says."""
+
+    def f(x):
+        if where == "f":
+            x = fx.tag(x, "in_f")
+        return x**2 - a
+
+    def solve(f, x0):
+        def body(i, x):
+            if where == "solve":
+                x = fx.tag(x, "in_solve")
+            return x - f(x) / (2 * x)
+
+        return jax.lax.fori_loop(0, 20, body, x0)
+
+    x = jax.lax.custom_root(f, jnp.ones_like(a), solve, lambda g, y: y / g(1.0))
+    return fx.tag(x, "root")
+
+
+_ROOT_WRAPS = ["eager", "jit", "grad_of_handle", "handle_of_grad", "vmap"]
+
+
+def _run_root(wrap: str, fn, handler):
+    """`(what the handled program returns, what the plain one returns, found,
+    the plain root)`."""
+    a = jnp.float32(2.0)
+    if wrap == "vmap":
+        a = jnp.array([2.0, 3.0, 5.0], jnp.float32)
+        out, found = jax.vmap(fx.handle(fn, handler))(a)
+        return out, jax.vmap(fn)(a), found, jax.vmap(_sqrt_root)(a)
+    if wrap == "eager":
+        out, found = fx.handle(fn, handler)(a)
+        plain = fn(a)
+    elif wrap == "jit":
+        out, found = jax.jit(fx.handle(fn, handler))(a)
+        plain = jax.jit(fn)(a)
+    elif wrap == "grad_of_handle":
+        out, found = jax.grad(fx.handle(fn, handler), has_aux=True)(a)
+        plain = jax.grad(fn)(a)
+    else:
+        out, found = fx.handle(jax.grad(fn), handler)(a)
+        plain = jax.grad(fn)(a)
+    return out, plain, found, _sqrt_root(a)
+
+
+@pytest.mark.parametrize("wrap", _ROOT_WRAPS)
+def test_custom_root_with_a_tag_outside(wrap):
+    """The issue: on jax 0.12 any `lax.custom_root` in a handled function failed
+    to lower ("MLIR translation rule for primitive 'call_hi_primitive' not
+    found"), with its only tag outside it."""
+    out, plain, found, root = _run_root(wrap, _sqrt_root, fx.Tag())
+    assert_trees_close(out, plain)
+    assert_trees_close(found, {"intermediates": {"root": (root,)}})
+
+
+# jax 0.12 makes `lax.custom_root` a hijax primitive, `CustomRoot`, whose
+# functions effects cannot rewrite yet; before, a `custom_jvp` it rewrites.
+_ROOT_IS_HIJAX = "CustomRoot" in str(jax.make_jaxpr(_sqrt_root)(1.0))
+
+
+@pytest.mark.parametrize("wrap", _ROOT_WRAPS)
+@pytest.mark.parametrize("where", ["f", "solve"])
+def test_custom_root_with_a_tag_inside(where, wrap):
+    """A tag inside `custom_root`'s `f` or solve function: on jax 0.12 it was
+    lost without a word (or, with the tag outside too, the crash above); now it
+    is collected where effects can rewrite `custom_root`, an error naming it
+    where it cannot."""
+    fn = functools.partial(_sqrt_root, where=where)
+    handler = fx.Tag(mode="last")
+    if _ROOT_IS_HIJAX:
+        with pytest.raises(ValueError, match=rf"'in_{where}'.*`CustomRoot`"):
+            _run_root(wrap, fn, handler)
+        return
+    out, plain, found, root = _run_root(wrap, fn, handler)
+    assert_trees_close(out, plain)
+    # Newton's method has converged by its last iterations: the last value
+    # tagged inside is the root.
+    assert_trees_close(found, {"intermediates": {f"in_{where}": root, "root": root}})
