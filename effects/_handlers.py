@@ -337,10 +337,16 @@ class Handler:
     - `apply(call, leaves) -> (new_leaves, consumed)`: one execution. `leaves`
       are the value's arrays in program layout; `call.site.to_front(leaves)` and
       `call.site.from_front(value, what)` convert to and from the layout
-      `found` uses; `call.emit(value)` reports a value (under a `Reduce` mode it
-      returns the accumulator so far); `call.next_input()` takes the next
-      per-execution input. A consumed site is no longer visible to handlers
-      further out. The one method a subclass must define.
+      `found` uses for one execution (inside a `shard_map`, one shard's value,
+      without the shard axis); `call.emit(value)` reports a value in that
+      layout (under a `Reduce` mode it returns the accumulator so far);
+      `call.next_input()` takes the next per-execution input, in that layout.
+      `call.site.from_found(value, what)` takes a value in the layout `found`
+      has, shard axes included (each shard takes its own entry), as
+      `Substitute` does; `call.site.to_found(leaves)` gives one shard's value
+      with shard axes of size 1, and `from_found(value, what, this_shard=True)`
+      takes it back, as `Intervene` does. A consumed site is no longer visible
+      to handlers further out. The one method a subclass must define.
     - `matches(site) -> bool`: whether to act at a site (`site.kind`,
       `site.collection`, `site.name`). Default: sites of the class attribute
       `kind` (`"tag"` or `"perturb"`) in `self.collection`.
@@ -720,8 +726,9 @@ class Substitute(Handler):
     - `values`: a dict from name to the new value, a pytree of arrays (or
       numbers) with the tagged value's structure, shapes and dtypes (in the
       layout `Tag()` reports: under a `jax.vmap` inside the handled function,
-      batch axes first); with `per_call=True`, a tuple of such values per
-      name.
+      batch axes first; inside a `shard_map` or `pmap`, then one axis with an
+      entry per shard, each shard taking its own); with `per_call=True`, a
+      tuple of such values per name.
     - `collection`: the collection of the tags.
     - `per_call`: whether `values` holds one entry per execution.
 
@@ -735,9 +742,11 @@ class Substitute(Handler):
     - `TypeError`: `values` is not a dict, a value is not a pytree of arrays,
       or with `per_call=True` a name's entries are not a tuple or list.
     - `ValueError`, from [`handle`][effects.handle]: a name no tag has; a value
-      of another structure, shape or dtype than the tagged value; with
-      `per_call=True`, more or fewer entries than executions, or a tag inside a
-      `lax.while_loop`; a tag inside a `custom_jvp` or `custom_vjp` function.
+      of another structure, shape or dtype than the tagged value (inside a
+      `shard_map`, the message gives the layout); with `per_call=True`, more or
+      fewer entries than executions, or a tag inside a `lax.while_loop`; a tag
+      inside a `custom_jvp` or `custom_vjp` function; inside a `shard_map`, a
+      tag whose value every shard holds alike.
 
     **Example:**
 
@@ -784,8 +793,11 @@ class Substitute(Handler):
         return self.values if self.per_call else {}
 
     def apply(self, call, leaves):
-        value = call.next_input() if self.per_call else self.values[call.site.name]
-        return call.site.from_front(value, "Substitute value"), False
+        if self.per_call:
+            return call.site.from_front(call.next_input(), "Substitute value"), False
+        return call.site.from_found(
+            self.values[call.site.name], "Substitute value"
+        ), False
 
     def calls_user_code(self):
         return False
@@ -804,7 +816,9 @@ class Intervene(Handler):
 
     - `fns`: a dict from name to a function of the tagged value (in the layout
       `Tag()` reports, once per execution, so once per loop iteration)
-      returning a value of the same structure, shapes and dtypes.
+      returning a value of the same structure, shapes and dtypes. Inside a
+      `shard_map` or `pmap` it runs in each shard on that shard's value, with
+      a shard axis of size 1 where `Tag()` has the shard axis.
     - `collection`: the collection of the tags.
 
     **Returns:**
@@ -851,8 +865,9 @@ class Intervene(Handler):
         return tuple(self.fns)
 
     def apply(self, call, leaves):
-        new = self.fns[call.site.name](call.site.to_front(leaves))
-        return call.site.from_front(new, "The Intervene function's result"), False
+        new = self.fns[call.site.name](call.site.to_found(leaves))
+        what = "The Intervene function's result"
+        return call.site.from_found(new, what, this_shard=True), False
 
 
 #

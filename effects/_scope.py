@@ -62,8 +62,12 @@ class Scope:
         inputs=None,
         discovering: bool = False,
         replaying: bool = False,
+        shards: tuple = (),
     ):
         self.handlers = handlers
+        # The shard_maps of the handled function this region is in (see
+        # `Site.shards`).
+        self.shards = shards
         # Unbound methods: going through an `eqx.Module` instance would build a
         # bound-method module at every site, the bulk of the rewrite's cost.
         self.actions = _actions(handlers)
@@ -90,7 +94,12 @@ class Scope:
     def replay(self) -> Scope:
         """A scope for a region that recomputes executions reported elsewhere:
         the same handlers, and nothing it collects leaves it."""
-        return Scope(self.handlers, discovering=self.discovering, replaying=True)
+        return Scope(
+            self.handlers,
+            discovering=self.discovering,
+            replaying=True,
+            shards=self.shards,
+        )
 
     def where(self, key: Key) -> str:
         return self.sites[key].where()

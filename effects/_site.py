@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import _compat
+
 
 def strong(x):
     # Weak types would make the avals of a loop carry or of cond branches differ.
@@ -60,9 +62,12 @@ class Site:
     treedef: Any
     batch: tuple  # per leaf: ((axis or None, size), ...) outermost vmap first
     avals: tuple  # per leaf, program layout
+    # Per `shard_map` (or pmap) of the handled function the site runs in,
+    # outermost first: its manual mesh axes and its number of shards.
+    shards: tuple[tuple[tuple[str, ...], int], ...] = ()
 
     @classmethod
-    def from_eqn(cls, params, avals) -> Site:
+    def from_eqn(cls, params, avals, shards=()) -> Site:
         return cls(
             params["name"],
             params["collection"],
@@ -70,6 +75,7 @@ class Site:
             params["treedef"],
             params["batch"],
             tuple(avals),
+            shards,
         )
 
     @classmethod
@@ -118,6 +124,52 @@ class Site:
             out.append(x)
         return jax.tree.unflatten(self.treedef, out)
 
+    def to_found(self, leaves):
+        """Program layout -> the layout `found` has, for this execution: as
+        `to_front`, and inside a `shard_map` one axis of size 1 (this shard's
+        entry) per shard_map, after the batch axes, where `found` has one entry
+        per shard."""
+        value = self.to_front(leaves)
+        if not self.shards:
+            return value
+        ones = tuple(range(self.nbatch, self.nbatch + len(self.shards)))
+        return jax.tree.map(lambda x: jnp.expand_dims(x, ones), value)
+
+    def from_found(self, value, what: str, *, this_shard: bool = False):
+        """The layout `found` has -> program layout, checking structure, shape
+        and dtype. Inside a `shard_map`, `value` has one axis per shard_map
+        after the batch axes: with every shard's entry (each shard takes its
+        own), or with `this_shard`, of size 1 (as `to_found` gives)."""
+        if not self.shards:
+            return self.from_front(value, what)
+        sizes = tuple(1 if this_shard else n for _, n in self.shards)
+        front = jax.tree.leaves(self.front_avals())
+        leaves, treedef = jax.tree.flatten(value)
+        b = self.nbatch
+        want = [e.shape[:b] + sizes + e.shape[b:] for e in front]
+        if treedef == self.treedef and [jnp.shape(x) for x in leaves] != want:
+            expected = [jax.ShapeDtypeStruct(w, e.dtype) for w, e in zip(want, front)]
+            got = [shape_dtype(x) for x in leaves]
+            raise ValueError(
+                _SHARD_LAYOUT.format(
+                    what=what,
+                    where=self.where(),
+                    got=describe(jax.tree.unflatten(treedef, got)),
+                    expected=describe(jax.tree.unflatten(treedef, expected)),
+                    n=" and ".join(str(n) for _, n in self.shards),
+                    todo=_THIS_SHARD if this_shard else _EVERY_SHARD,
+                )
+            )
+        for axes, _ in self.shards if treedef == self.treedef else ():
+            # This shard's entry along the outermost shard axis left (shards
+            # are numbered as the shard_map rule splits and stacks them).
+            if this_shard:
+                leaves = [lax.index_in_dim(x, 0, b, keepdims=False) for x in leaves]
+            else:
+                i = lax.axis_index(axes)
+                leaves = [lax.dynamic_index_in_dim(x, i, b, False) for x in leaves]
+        return self.from_front(jax.tree.unflatten(treedef, leaves), what)
+
     def from_front(self, value, what: str):
         """Handler layout -> program layout, checking structure, shape and dtype."""
         expected = self.front_avals()
@@ -153,8 +205,43 @@ class Site:
                 dst = [a for a, _ in entries]
                 x = jnp.moveaxis(x, src, dst)
             assert x.shape == aval.shape
+            if self.shards:
+                x = self._vary_like(x, aval, what)
             out.append(x)
         return out
+
+    def _vary_like(self, x, aval, what: str):
+        """`x`, replacing a value of type `aval` in a shard_map's body, typed as
+        varying over the mesh axes that value varies over."""
+        extra = _compat.extra_varying_axes(x, aval)
+        if extra:
+            raise ValueError(
+                _NOT_VARYING.format(what=what, where=self.where(), axes=sorted(extra))
+            )
+        # A value built from a replicated one (a closed-over array, zeros)
+        # replaces one that differs per shard: it must be typed so.
+        return _compat.vary_like(x, aval)
+
+
+_SHARD_LAYOUT = (
+    "{what} for {where} is {got}, but inside a shard_map (or pmap) of {n} "
+    "shards the layout Tag() reports is {expected}: one entry per shard, after "
+    "the vmap batch axes. {todo}"
+)
+_EVERY_SHARD = (
+    "Give every shard's value, as Tag() reports it (`jnp.broadcast_to` gives "
+    "every shard the same one)."
+)
+_THIS_SHARD = (
+    "The function gets this shard's value, with a shard axis of size 1, and "
+    "must return it in the same layout."
+)
+_NOT_VARYING = (
+    "{what} for {where} differs per shard over the mesh axes {axes}, but the "
+    "tagged value is the same in every shard there (the program holds one "
+    "value for all of them), so it cannot be replaced per shard. Handle inside "
+    "the shard_map (call fx.handle within the function passed to it)."
+)
 
 
 #
