@@ -419,7 +419,29 @@ def vary_over_manual_axes(x):
     from shards can meet in one cond output or one stacked entry (jax 0.10)."""
     if not _config._check_vma.value:
         return x
-    axes = tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+    return _vary(x, getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+
+
+def vary_like(x, aval):
+    """`x` marked as varying over the manual mesh axes a value of type `aval`
+    varies over, where the current `shard_map` checks varying axes (jax 0.10):
+    a value built from a replicated one (a closed-over array, zeros) can then
+    replace one that differs per shard."""
+    if not _config._check_vma.value:
+        return x
+    return _vary(x, varying_axes(aval))
+
+
+def extra_varying_axes(x, aval) -> frozenset:
+    """The manual mesh axes `x` varies over but a value of type `aval` does not,
+    where the current `shard_map` checks varying axes (jax 0.10): `x` differs
+    per shard where `aval` says the program holds one value for every shard."""
+    if not _config._check_vma.value:
+        return frozenset()
+    return varying_axes(jax.typeof(x)) - varying_axes(aval)
+
+
+def _vary(x, axes):
     missing = tuple(a for a in axes if a not in varying_axes(jax.typeof(x)))
     if not missing:
         return x

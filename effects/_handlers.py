@@ -488,19 +488,36 @@ class Context:
 
     def example(self, value: PyTree) -> PyTree:
         """`value`, shaped like the site's value either for one example or in
-        the layout `Tag()` reports (batch axes first): the part for this
-        example."""
+        the layout `Tag()` reports (the batch axes of the vmaps inside the
+        handled function first, then one axis per `shard_map` around the
+        site, each entry one shard's): the part for this example and shard."""
         want = self.site.shape_dtype
-        if not self._axes or want is None:
+        shards = self.site.shards
+        if not (self._axes or shards) or want is None:
             return value
-        index = self.batch_index
-        nb = len(index)
+        # Shards are numbered as the shard_map rule splits and stacks them.
+        index = (*self.batch_index, *(jax.lax.axis_index(a) for a, _ in shards))
 
         def part(x, w):
             x = jnp.asarray(x)
-            return x[index] if x.ndim == len(w.shape) + nb else x
+            if x.ndim == len(w.shape):
+                return x
+            if x.shape != self._found_shape(w.shape):
+                raise ValueError(
+                    f"{self.site.where()}: a value of shape {x.shape} is neither "
+                    f"one example's ({w.shape}) nor in the layout Tag() reports "
+                    f"({self._found_shape(w.shape)}): one entry per example of "
+                    "each vmap inside the handled function, then per shard of "
+                    "each shard_map around the tag (`jnp.broadcast_to` gives "
+                    "every shard the same value)."
+                )
+            return x[index]
 
         return jax.tree.map(part, value, want)
+
+    def _found_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        sizes = tuple(n for _, n in self.site.shards)
+        return self.site.batch_sizes() + sizes + tuple(shape)
 
 
 NO_INPUT = object()

@@ -217,7 +217,8 @@ def handle_site(params, avals, invals, scope: Scope, effect=None) -> list[Any]:
     params, the avals of its leaves, their values). A site no handler consumes
     is bound again, for handlers further out (carrying the site effect if
     `effect`; by default, if the current handling state says so)."""
-    leaves, consumed = _act(Site.from_eqn(params, avals), list(invals), scope)
+    site = Site.from_eqn(params, avals, scope.shards)
+    leaves, consumed = _act(site, list(invals), scope)
     if consumed:
         return leaves
     if effect is None:
@@ -239,14 +240,14 @@ def _act(site: Site, leaves: list[Any], scope: Scope) -> tuple[list[Any], bool]:
     return leaves, False
 
 
-def site_of(eqn) -> Site | None:
+def site_of(eqn, shards=()) -> Site | None:
     """The site an equation is, if it is one: a `tag`/`perturb`, or a
     `checkpoint_name` seen as a tag (see `checkpoint_name_params`)."""
     if eqn.primitive is site_p:
-        return Site.from_eqn(eqn.params, [v.aval for v in eqn.invars])
+        return Site.from_eqn(eqn.params, [v.aval for v in eqn.invars], shards)
     if eqn.primitive is _compat.name_p:
         params = checkpoint_name_params(eqn.params["name"])
-        return Site.from_eqn(params, [eqn.invars[0].aval])
+        return Site.from_eqn(params, [eqn.invars[0].aval], shards)
     return None
 
 
@@ -254,7 +255,7 @@ def _checkpoint_name_rule(eqn, invals, scope: Scope) -> list[Any]:
     """Handlers act on a `checkpoint_name` as on a tag, and the name stays on
     the value they leave: remat policies that select by name keep working, and
     handlers further out see it again."""
-    site = site_of(eqn)
+    site = site_of(eqn, scope.shards)
     assert site is not None
     leaves, _ = _act(site, list(invals), scope)
     return _bind(eqn, leaves)
@@ -369,6 +370,7 @@ def discover(jaxpr, consts, in_avals, scope: Scope) -> Plan:
             accs=_zeros_of(entering),
             acc_batch=scope.acc_batch,
             custom=scope.custom,
+            shards=scope.shards,
         )
         outs = run(jaxpr, consts, args, sub)
         # Only types leave the trace: nothing may keep its tracers alive.
@@ -430,12 +432,14 @@ def trace_region(
     acc_avals=None,
     acc_in=None,
     acc_out=None,
+    shard=(),
 ):
     """Traces the region with the plan's state threaded through it:
     `(*args, *accs, *inputs) -> (*outs, *accs, *entries)`. Entries a run does not
     emit (a branch that did not tag a name) are filled with zeros. Returns the
     open jaxpr, with the constants it closes over as leading inputs, and those
-    constants."""
+    constants. `shard`: the region's shard_map, for a shard_map's body (see
+    `Site.shards`)."""
     acc_trees = list(plan.acc_avals.values())
     input_trees = [avals for _, specs in plan.inputs.items() for avals, _ in specs]
     n_args = len(in_avals)
@@ -458,6 +462,7 @@ def trace_region(
             acc_batch=plan.acc_batch,
             inputs=inputs,
             custom=scope.custom,
+            shards=scope.shards + shard,
         )
         outs = run(jaxpr, consts, args, sub)
         out_entries = []
@@ -1007,6 +1012,7 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
     for a in axes:
         n_shards *= mesh.shape[a]
     spec = jax.sharding.PartitionSpec(axes)
+    shard = ((axes, n_shards),)
     in_avals = [v.aval for v in body.invars]
     # An accumulator with a shard axis already (from this shard_map's previous
     # run in a loop, or another over the same axes) enters split along it; any
@@ -1027,6 +1033,7 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
         },
         acc_batch={k: b[:-1] if k in split else b for k, b in scope.acc_batch.items()},
         custom=scope.custom,
+        shards=scope.shards + shard,
     )
     with _compat.shard_map_body(p):
         plan = discover(body, (), in_avals, local)
@@ -1092,6 +1099,7 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
             acc_avals=acc_avals,
             acc_in=sliced_in,
             acc_out=stacked_out,
+            shard=shard,
         )
     n_out, n_acc = len(eqn.outvars), len(acc_in)
     n_entry = len(new_body.outvars) - n_out - n_acc

@@ -77,6 +77,7 @@ class Scope:
         discovering: bool = False,
         replaying: bool = False,
         custom: str | None = None,
+        shards: tuple = (),
     ):
         if not isinstance(handlers, Handlers):
             handlers = Handlers(handlers)
@@ -86,6 +87,9 @@ class Scope:
         # Inside a function with a custom derivative (the primitive's name):
         # a handler may look at values there, not change them.
         self.custom = custom
+        # The shard_maps of the handled function this region is in (see
+        # `Site.shards`).
+        self.shards = shards
         self.discovering = discovering
         # The backward pass's recomputation of a `jax.checkpoint` region (see
         # `replay`): per-execution inputs are refused here.
@@ -112,6 +116,7 @@ class Scope:
             discovering=self.discovering,
             replaying=True,
             custom=self.custom,
+            shards=self.shards,
         )
 
     def where(self, key: Key) -> str:
@@ -377,6 +382,8 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
             )
         if entries:  # batch axes back where the program has them
             x = jnp.moveaxis(x, list(range(len(entries))), [a for a, _ in entries])
+        if site.shards:
+            x = site.vary_like(x, site.avals[j], _name(handler))
         out[j] = x
     return out
 

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import _compat
+
 
 def strong(x):
     # Weak types would make the avals of a loop carry or of cond branches differ.
@@ -75,9 +77,12 @@ class Site:
     treedef: Any
     batch: tuple  # per leaf: ((axis or None, size), ...) outermost vmap first
     avals: tuple  # per leaf, program layout
+    # Per `shard_map` (or pmap) of the handled function the site runs in,
+    # outermost first: its manual mesh axes and its number of shards.
+    shards: tuple[tuple[tuple[str, ...], int], ...] = ()
 
     @classmethod
-    def from_eqn(cls, params, avals) -> Site:
+    def from_eqn(cls, params, avals, shards=()) -> Site:
         return cls(
             params["name"],
             params["collection"],
@@ -85,6 +90,7 @@ class Site:
             params["treedef"],
             params["batch"],
             tuple(avals),
+            shards,
         )
 
     @classmethod
@@ -148,6 +154,28 @@ class Site:
             out.append(x)
         return jax.tree.unflatten(self.treedef, out)
 
+    def vary_like(self, x, aval, handler: str):
+        """`x`, which a handler gives to replace a leaf of type `aval` in a
+        shard_map's body, typed as varying over the mesh axes that leaf
+        varies over (a value built from a replicated one, a closed-over array
+        or zeros, replaces one that differs per shard)."""
+        extra = _compat.extra_varying_axes(x, aval)
+        if extra:
+            raise ValueError(
+                _NOT_VARYING.format(
+                    handler=handler, where=self.where(), axes=sorted(extra)
+                )
+            )
+        return _compat.vary_like(x, aval)
+
+
+_NOT_VARYING = (
+    "{handler} gives a value for {where} that differs per shard over the mesh "
+    "axes {axes}, but the tagged value is the same in every shard there (the "
+    "program holds one value for all of them), so it cannot be replaced per "
+    "shard. Handle inside the shard_map (call fx.handle within the function "
+    "passed to it)."
+)
 
 #
 # Where the axes of stacked entries go

@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_trees_close, no_leak_checks
+from helpers import assert_trees_close, devices, no_leak_checks
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import effects as fx
 
@@ -796,3 +798,232 @@ def test_custom_root_with_a_tag_inside(where, wrap):
     # Newton's method has converged by its last iterations: the last value
     # tagged inside is the root.
     assert_trees_close(found, {"intermediates": {f"in_{where}": root, "root": root}})
+
+
+# Substitute, Perturb and Intervene inside a shard_map take the layout Tag() reports
+#
+
+_SHARDS = Mesh(np.array(devices(8)), ("i",))
+
+
+def _sharded(local, in_specs=P("i"), out_specs=P("i")):
+    return jax.shard_map(local, mesh=_SHARDS, in_specs=in_specs, out_specs=out_specs)
+
+
+def _times_h(x):
+    # The tag's value is per shard (2,); Tag() reports it stacked, (8, 2).
+    return x * fx.tag(jnp.sin(x), "h")
+
+
+_X16 = jnp.arange(16.0) / 5
+_V = (jnp.arange(16.0).reshape(8, 2) - 3) / 7  # shard s gets _V[s]
+
+
+def _substituted(handler):
+    return fx.handle(_sharded(_times_h), handler)
+
+
+@pytest.mark.parametrize("wrap", ["eager", "jit"])
+def test_shard_map_substitute_takes_the_tag_layout(wrap):
+    """The issue: Substitute({"h": v}) inside a shard_map refused v in the layout
+    Tag() reports ((8, 2): one entry per shard), and the per-shard value (2,)
+    crashed inside JAX on its varying-axes check. Per call, as before, the same
+    layout in a tuple."""
+    f = _sharded(_times_h)
+    found = fx.handle(f, fx.Tag())(_X16)[1]["intermediates"]["h"][0]
+    assert found.shape == (8, 2)
+
+    for per_call in (False, True):
+
+        def run(v):
+            value = (v,) if per_call else v
+            h = fx.handle(f, fx.Substitute({"h": value}, per_call=per_call))
+            return (jax.jit(h) if wrap == "jit" else h)(_X16)[0]
+
+        # What Tag() found leaves f unchanged; a made-up value reaches its shard.
+        assert_trees_close(run(found), f(_X16))
+        assert_trees_close(run(_V), _X16 * _V.reshape(16))
+
+
+def test_shard_map_substitute_grads():
+    """Gradients with respect to the input and to the substituted value, each
+    shard's slice its own."""
+    w = jnp.arange(16.0)
+    for per_call in (False, True):
+
+        def loss(x, v):
+            values = {"h": (v,) if per_call else v}
+            out = _substituted(fx.Substitute(values, per_call=per_call))(x)[0]
+            return jnp.sum(w * out)
+
+        gx, gv = jax.grad(loss, argnums=(0, 1))(_X16, _V)
+        # loss = sum_s sum_j w[2s+j] x[2s+j] v[s, j]
+        assert_trees_close(gx, w * _V.reshape(16))
+        assert_trees_close(gv, (w * _X16).reshape(8, 2))
+
+
+def test_shard_map_substitute_under_vmap():
+    """A vmap outside handle (the value batched with the input), and one inside
+    it (the batch axis first, then the shard axis, as Tag() reports)."""
+    xs = jnp.stack([_X16, 2 * _X16, -_X16])
+    vs = jnp.stack([_V, 2 * _V, _V + 1])
+    expected = xs * vs.reshape(3, 16)
+    batched = jax.vmap(_sharded(_times_h))
+    found = fx.handle(batched, fx.Tag())(xs)[1]["intermediates"]["h"][0]
+    assert found.shape == (3, 8, 2)
+    for per_call in (False, True):
+
+        def value(v):
+            return {"h": (v,) if per_call else v}
+
+        def one(x, v):
+            return _substituted(fx.Substitute(value(v), per_call=per_call))(x)[0]
+
+        assert_trees_close(jax.vmap(one)(xs, vs), expected)
+        inside = fx.handle(batched, fx.Substitute(value(vs), per_call=per_call))
+        assert_trees_close(inside(xs)[0], expected)
+        again = fx.handle(batched, fx.Substitute(value(found), per_call=per_call))
+        assert_trees_close(again(xs)[0], batched(xs))
+
+
+def _scan_of_sin(x):
+    def step(c, _):
+        return c + fx.tag(jnp.sin(c), "h"), None
+
+    return jax.lax.scan(step, x, None, length=3)[0]
+
+
+def test_shard_map_substitute_in_and_around_scans():
+    """A scan inside the shard_map, and one around it: a value for every
+    execution has the shard axis and no scan axis; per call, Tag()'s layout
+    (shards, then scan iterations) round-trips."""
+    inside = _sharded(_scan_of_sin)
+
+    def around(x):
+        def step(c, _):
+            return _sharded(lambda y: y + fx.tag(jnp.sin(y), "h"))(c), None
+
+        return jax.lax.scan(step, x, None, length=3)[0]
+
+    for f in (inside, around):
+        out, found = fx.handle(f, fx.Tag())(_X16)
+        h = found["intermediates"]["h"][0]
+        assert h.shape == (8, 3, 2)
+        again = fx.handle(f, fx.Substitute({"h": (h,)}, per_call=True))(_X16)[0]
+        assert_trees_close(again, out)
+        # Every iteration adds shard s's _V[s].
+        patched = fx.handle(f, fx.Substitute({"h": _V}))(_X16)[0]
+        assert_trees_close(patched, _X16 + 3 * _V.reshape(16))
+
+
+def test_shard_map_substitute_vmap_inside_the_body():
+    """A vmap inside the shard_map's body: its batch axis comes before the shard
+    axis in Tag()'s layout, and so in the value substituted."""
+
+    def local(x):  # per shard (2,), as a vmap over two rows of one
+        return jax.vmap(lambda r: r * fx.tag(jnp.cos(r), "h"))(x.reshape(2, 1))
+
+    f = _sharded(local, out_specs=P("i"))
+    found = fx.handle(f, fx.Tag())(_X16)[1]["intermediates"]["h"][0]
+    assert found.shape == (2, 8, 1)
+    assert_trees_close(fx.handle(f, fx.Substitute({"h": found}))(_X16)[0], f(_X16))
+    v = jnp.arange(16.0).reshape(2, 8, 1)  # v[j, s]: row j of shard s
+    out = fx.handle(f, fx.Substitute({"h": v}))(_X16)[0]
+    expected = _X16.reshape(8, 2, 1) * jnp.transpose(v, (1, 0, 2))
+    assert_trees_close(out, expected.reshape(16, 1))
+
+
+def test_pmap_substitute_takes_the_tag_layout():
+    """pmap lowers to a shard_map: its axis is the shard axis."""
+    f = jax.pmap(_times_h, devices=devices(8))
+    x = _X16.reshape(8, 2)
+    found = fx.handle(f, fx.Tag())(x)[1]["intermediates"]["h"][0]
+    assert found.shape == (8, 2)
+    assert_trees_close(fx.handle(f, fx.Substitute({"h": found}))(x)[0], f(x))
+    assert_trees_close(fx.handle(f, fx.Substitute({"h": _V}))(x)[0], x * _V)
+
+
+def test_shard_map_perturb_deltas():
+    """Perturb deltas inside a shard_map, in the layout Perturb() reports: the
+    gradient with respect to them is the one to each shard's value."""
+
+    def local(x):
+        return x * fx.perturb(jnp.sin(x), "h")
+
+    f = _sharded(local)
+    zeros = fx.handle(f, fx.Perturb())(_X16)[1]["perturbations"]
+    assert jax.tree.map(jnp.shape, zeros) == {"h": ((8, 2),)}
+
+    def loss(deltas):
+        return jnp.sum(fx.handle(f, fx.Perturb(deltas))(_X16)[0] ** 2)
+
+    assert_trees_close(loss(zeros), jnp.sum(f(_X16) ** 2))
+    out = fx.handle(f, fx.Perturb({"h": (_V,)}))(_X16)[0]
+    assert_trees_close(out, _X16 * (jnp.sin(_X16) + _V.reshape(16)))
+    grads = jax.jit(jax.grad(loss))(zeros)["h"][0]
+    # d/dh of sum((x h)^2) = 2 x^2 h
+    assert_trees_close(grads, (2 * _X16**2 * jnp.sin(_X16)).reshape(8, 2))
+
+    # A site every shard holds alike (out_specs=P()) takes no delta per shard:
+    # an error naming it, not JAX's internal one.
+    def alike(x, w):
+        return fx.perturb(2 * w, "w")
+
+    g = _sharded(alike, in_specs=(P("i"), P()), out_specs=P())
+    w = jnp.ones(3)
+    zeros = fx.handle(g, fx.Perturb())(_X16, w)[1]["perturbations"]
+    assert jax.tree.map(jnp.shape, zeros) == {"w": ((8, 3),)}
+    with pytest.raises(ValueError, match="'w'.*Handle inside the shard_map"):
+        fx.handle(g, fx.Perturb(zeros))(_X16, w)
+
+
+def test_shard_map_intervene_sees_one_shard():
+    """Intervene's function gets one shard's value (as it gets one example's
+    under a vmap), and may return a value built without the shard's (zeros),
+    which JAX's varying-axes check refused."""
+    seen = []
+
+    def double(h):
+        seen.append(h.shape)
+        return 2 * h
+
+    f = _sharded(_times_h)
+    out = fx.handle(f, fx.Intervene({"h": double}))(_X16)[0]
+    assert_trees_close(out, 2 * f(_X16))
+    assert set(seen) == {(2,)}
+    zero = fx.handle(f, fx.Intervene({"h": jnp.zeros_like}))(_X16)[0]
+    assert_trees_close(zero, jnp.zeros(16))
+    with pytest.raises(ValueError, match=r"'h'.*float32\[2\]"):
+        fx.handle(f, fx.Intervene({"h": lambda h: h[0]}))(_X16)
+
+
+def test_shard_map_substitute_of_one_shards_value_and_a_wrong_layout():
+    """One shard's value (2,) is every shard's (as one example's value is every
+    example's under a vmap; it crashed inside JAX's varying-axes check); a
+    value in neither layout is an error naming the tag and the layout."""
+    v = jnp.array([0.5, -2.0])
+    out, _ = _substituted(fx.Substitute({"h": v}))(_X16)
+    assert_trees_close(out, _X16 * jnp.tile(v, 8))
+    with pytest.raises(ValueError, match="'h'") as info:
+        _substituted(fx.Substitute({"h": jnp.ones((4, 2))}))(_X16)
+    message = str(info.value)
+    assert "(8, 2)" in message and "broadcast_to" in message
+    assert "jax-ml/jax/issues" not in message
+
+
+@pytest.mark.parametrize("per_call", [False, True])
+def test_shard_map_substitute_of_a_value_every_shard_holds_is_an_error(per_call):
+    """A tagged value every shard holds alike (out_specs=P()) cannot be replaced
+    by one value per shard: an error naming the tag, not JAX's internal one
+    (as under a vmap that leaves a leaf unbatched)."""
+
+    def local(x, w):
+        return fx.tag(2 * w, "w")
+
+    f = _sharded(local, in_specs=(P("i"), P()), out_specs=P())
+    w = jnp.ones(3)
+    found = fx.handle(f, fx.Tag())(_X16, w)[1]["intermediates"]["w"][0]
+    assert found.shape == (8, 3)
+    values = {"w": (found,) if per_call else found}
+    with pytest.raises(ValueError, match="'w'.*Handle inside the shard_map"):
+        fx.handle(f, fx.Substitute(values, per_call=per_call))(_X16, w)
