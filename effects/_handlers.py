@@ -106,11 +106,12 @@ class Reduce:
 
     **Arguments:**
 
-    - `fn`: `fn(acc, x) -> acc`, with `x` the tagged value in the layout
-      `Tag()` reports (the batch axes of a `jax.vmap` inside the handled
-      function first). It must keep the accumulator's shapes and dtypes.
+    - `fn`: `fn(acc, x) -> acc`, with `x` one example's tagged value (under a
+      `jax.vmap` inside the handled function, `fn` runs under it, and `found`
+      holds one accumulator per example, batch axes first). It must keep the
+      accumulator's shapes and dtypes.
     - `init`: `init(zeros) -> acc`, the accumulator before the first
-      execution, from zeros shaped like the tagged value.
+      execution, from zeros shaped like one example's tagged value.
 
     **Returns:**
 
@@ -768,10 +769,12 @@ class Substitute(Handler):
     **Arguments:**
 
     - `values`: a dict from name to the new value, a pytree of arrays (or
-      numbers) with the tagged value's structure, shapes and dtypes (in the
-      layout `Tag()` reports: under a `jax.vmap` inside the handled function,
-      batch axes first); with `per_call=True`, a tuple of such values per
-      name.
+      numbers) with the tagged value's structure, shapes and dtypes: one
+      example's (every example gets it), or in the layout `Tag()` reports
+      (under a `jax.vmap` inside the handled function batch axes first, inside
+      a `shard_map` one entry per shard: each gets its own); with
+      `per_call=True`, a tuple of values in the layout `Tag()` reports, one
+      per execution.
     - `collection`: the collection of the tags.
     - `per_call`: whether `values` holds one entry per execution.
 
@@ -854,9 +857,11 @@ class Intervene(Handler):
 
     **Arguments:**
 
-    - `fns`: a dict from name to a function of the tagged value (in the layout
-      `Tag()` reports, once per execution, so once per loop iteration)
-      returning a value of the same structure, shapes and dtypes.
+    - `fns`: a dict from name to a function of the tagged value, called once
+      per execution (so once per loop iteration) on one example's value
+      (under a `jax.vmap` inside the handled function it runs under that
+      vmap; inside a `shard_map`, on one shard's value), returning a value of
+      the same structure, shapes and dtypes.
     - `collection`: the collection of the tags.
 
     **Returns:**
