@@ -537,6 +537,7 @@ def hijax_flag(eqn) -> tuple[str, str] | None:
 
 
 def _hi_jaxprs(prim, found: list[Any]) -> None:
+    assert _HiPrim is not None and _stages is not None  # (only on jax 0.12+)
     # The jaxprs of a hijax primitive, as JAX finds them to print it: jaxprs
     # and traced functions among its params, and those of hijax primitives
     # among them. (Its Python functions, a `custom_root`'s `tangent_solve` say,

@@ -653,7 +653,9 @@ class _Check(Handler):
         if not self.backward:
             checkify.check(_finite(jax.tree.leaves(value)), f"{_CODE}{code}")
             return value
-        n = ctx.emit(jnp.int32(0)) - 1  # this execution's index
+        count = ctx.emit(jnp.int32(0))
+        assert count is not None  # (the mode is a reduction)
+        n = count - 1  # this execution's index
 
         def checked(x):
             if not jnp.issubdtype(x.dtype, jnp.inexact):

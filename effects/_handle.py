@@ -11,7 +11,7 @@ import threading
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, cast
 
 import equinox as eqx
 import jax
@@ -764,7 +764,11 @@ def _memoized(fn, handlers) -> _Handled:
     return memo.get(fn, key, handlers)
 
 
-def handle(fn: Callable, *handlers: Handler) -> Callable:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def handle(fn: Callable[_P, _R], *handlers: Handler) -> Callable[_P, tuple[_R, Found]]:
     """Returns `fn` with its sites handled: `wrapped(*args, **kwargs) -> (out,
     found)`.
 
@@ -899,7 +903,7 @@ def handle(fn: Callable, *handlers: Handler) -> Callable:
     for h in handlers:
         if not isinstance(h, Handler):
             raise TypeError(_NOT_HANDLER.format(h=h))
-    return _memoized(fn, handlers)
+    return cast(Callable[_P, tuple[_R, Found]], _memoized(fn, handlers))
 
 
 _NO_SITES = {
@@ -917,8 +921,8 @@ _NO_SITES = {
 
 
 def intermediate_grads(
-    fn: Callable, *, collection: str | None = None, kind: str = "perturb"
-) -> Callable:
+    fn: Callable[_P, Any], *, collection: str | None = None, kind: str = "perturb"
+) -> Callable[_P, tuple[Any, dict[str, Any]]]:
     """Returns a function computing `fn` and its gradients with respect to
     its sites: those of [`fx.perturb`][effects.perturb], or with `kind="tag"`
     those of [`fx.tag`][effects.tag].

@@ -57,6 +57,11 @@ class Handlers(tuple):
     read once: `matches` (unbound, the cheapest call at every site), the mode,
     whether it consumes, and the names it has per-call inputs for."""
 
+    matches: tuple
+    modes: tuple
+    consumes: tuple[bool, ...]
+    input_names: tuple[frozenset, ...]
+
     def __new__(cls, handlers):
         self = super().__new__(cls, handlers)
         self.matches = tuple(type(h).matches for h in handlers)
