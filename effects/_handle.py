@@ -199,8 +199,11 @@ class _Traced:
     out_tree: Any
     out_static: tuple  # the non-array outputs, by position
     sites: frozenset
-    # Sites a vmap inside `fn` ran for every branch of a cond (see `_branches`).
-    every_branch: frozenset
+    # Sites that may sit in a cond branch a vmap inside `fn` ran for every
+    # example (see `_branches`), and per set of them that handlers matched,
+    # those that do (found by tracing `fn` again: see `_every_branch`).
+    suspects: frozenset
+    every_branch: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 def _flat(fn, static, treedef, out_info: dict):
@@ -212,29 +215,54 @@ def _flat(fn, static, treedef, out_info: dict):
     return flat_fn
 
 
+def _named_after(fn, static, treedef, dynamic):
+    """What JAX's errors while tracing `fn` name."""
+    if fn is _call_module:
+        return type(_merge(dynamic, static, treedef)[0][0]).__call__
+    return fn
+
+
 def _trace(fn, static, treedef, dynamic) -> _Traced:
     out_info = {}
     avals = [aval(x) for x in dynamic]
-    named_after = fn  # what JAX's errors while tracing name
-    if fn is _call_module:
-        named_after = type(_merge(dynamic, static, treedef)[0][0]).__call__
     with handling(True):
         jaxpr, consts = _compat.trace(
-            _flat(fn, static, treedef, out_info), avals, named_after
+            _flat(fn, static, treedef, out_info),
+            avals,
+            _named_after(fn, static, treedef, dynamic),
         )
-
-    def retrace(keys):
-        with handling(True), probing(keys):
-            _compat.trace(_flat(fn, static, treedef, {}), avals, named_after)
-
     return _Traced(
         jaxpr,
         consts,
         out_info["tree"],
         out_info["static"],
         sites_in(jaxpr),
-        _branches.mixed(retrace, _branches.suspects(jaxpr)),
+        _branches.suspects(jaxpr),
     )
+
+
+def _every_branch(traced: _Traced, handlers, fn, static, treedef, dynamic):
+    """The sites the handlers match that a vmap inside `fn` ran for every
+    branch of a cond. Finding them traces `fn` again (see `_branches`): done
+    only where a handler matches a suspect, once per set of those."""
+    matched = frozenset(
+        s
+        for s in traced.suspects
+        if any(h.matches(Site.probe(*s[:3])) for h in handlers)
+    )
+    if not matched:
+        return frozenset()
+    found = traced.every_branch.get(matched)
+    if found is None:
+        avals = [aval(x) for x in dynamic]
+        named_after = _named_after(fn, static, treedef, dynamic)
+
+        def retrace(keys):
+            with handling(True), probing(keys):
+                _compat.trace(_flat(fn, static, treedef, {}), avals, named_after)
+
+        found = traced.every_branch[matched] = _branches.mixed(retrace, matched)
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,7 +495,8 @@ def _program(fn, config: _Config, h_leaves, static, treedef, dynamic):
             cache.put(sig, traced)
     _check_names(traced.sites, handlers)
     _check_reporters(traced.sites, handlers)
-    _check_branches(traced.every_branch, handlers)
+    every_branch = _every_branch(traced, handlers, fn, static, treedef, dynamic)
+    _check_branches(every_branch, handlers)
     staging = _compat.is_staging()
     key = None
     if cache is not None and config.key is not None:
@@ -843,11 +872,15 @@ def handle(fn: Callable, *handlers: Handler) -> Callable:
       pass arrays that change as arguments;
     - only functions are cached (a `def`, a lambda, a `functools.partial`, a
       jitted function, or a method of an object hashed by value, such as a
-      Flax linen module). Other callables (an object with `__call__`, a Flax
-      NNX module) may hold state that changes between calls, so each
-      `handle(obj, ...)` traces them again; the handled function it returns,
-      kept and called again, keeps what its first trace read, as
-      `jax.jit(obj)` does (an NNX module's state goes in at every call).
+      Flax linen module), and Equinox modules: `handle(model, ...)` called
+      outside any transformation shares its compiled calls with every model
+      of the same structure (pytree structure and non-array leaves) and
+      handlers, as `eqx.filter_jit` does. Other callables (an object with
+      `__call__`, a Flax NNX module) may hold state that changes between
+      calls, so each `handle(obj, ...)` traces them again; the handled
+      function it returns, kept and called again, keeps what its first trace
+      read, as `jax.jit(obj)` does (an NNX module's state goes in at every
+      call).
 
     `handle(fn, *handlers)` returns the same function for equal hashable
     handlers, so `jax.jit(fx.handle(f, fx.Tag()))` written inline in a loop

@@ -1331,3 +1331,30 @@ def test_eager_grad_of_handlers_with_arrays_compiles_once():
     assert len(calls) == n
     for (d, x), got in zip(inputs, results):
         assert_trees_close(got, 2.0 * (jnp.sin(x) + d))
+
+
+def test_a_handler_matching_no_site_traces_the_function_once():
+    # A vmapped tag and a select: a tag could sit in a cond branch the vmap ran
+    # for every example, which only a second trace can tell. That check is for
+    # handlers that see the tag; others cost one trace, as the plain function.
+    calls = []
+
+    def f(x):
+        calls.append(None)
+        h = jax.vmap(lambda r: fx.tag(jnp.sin(r), "h"))(x)
+        return jnp.sum(jnp.where(h > 0, h, 0.0))
+
+    def ref(x):
+        h = np.sin(np.asarray(x))
+        return np.float32(np.sum(np.where(h > 0, h, 0.0)))
+
+    out, found = fx.handle(f, fx.Tag(collection="other"))(XB)
+    assert len(calls) == 1
+    assert found == {"other": {}}
+    assert_trees_close(out, ref(XB))
+    assert_trees_close(out, jax.jit(f)(XB))
+    # A handler that sees the tag: checked (by tracing again), and right.
+    out, found = fx.handle(f, fx.Tag())(XB)
+    assert_trees_close(
+        (out, found), (ref(XB), {"intermediates": {"h": (jnp.sin(XB),)}})
+    )
