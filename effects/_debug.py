@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat, _nnx
-from ._handle import handle
+from ._handle import eager_cached, handle
 from ._handlers import (
     Append,
     Handler,
@@ -754,16 +754,41 @@ def find_nonfinite(
     print(fx.find_nonfinite(g, jnp.ones(2), backward=True).name)  # h
     ```
     """
+    # The sites and the compiled check, cached per function, argument signature
+    # and `backward`: checking every batch of a data loader compiles once.
+    nnx_call = _nnx.functional(fn, args, kwargs)
+    if nnx_call is not None:  # run on the NNX objects' state, left as it was
+        fn, args, kwargs = nnx_call[0], nnx_call[1], {}
+    what = ("find_nonfinite", backward, nnx_call is not None)
+    make = functools.partial(_nonfinite_check, backward, nnx_call is not None)
+    (listed, keys, check), dynamic = eager_cached(what, fn, args, kwargs, make)
+    if check is None:
+        return None
+    err, found = check(dynamic)
+    message = err.get()
+    if message is None or _CODE not in message:
+        return None
+    if backward:
+        code, n = message.split(_CODE)[1].split()[0].split(":")
+        collection, name = keys[int(code)]
+        return _bad_site(listed, collection, name, int(n), True)
+    collection, name = keys[int(message.split(_CODE)[1].split()[0])]
+    first = np.asarray(found[collection][name][1])
+    return _bad_site(listed, collection, name, int(first[first >= 0].min()), False)
+
+
+def _nonfinite_check(backward: bool, nnx: bool, call, dynamic):
+    """`(listed, keys, check)` for `find_nonfinite`: the sites of
+    `call(dynamic)`, the checked `(collection, name)`s (a message's code is an
+    index into them), and `check(dynamic) -> (checkify error, found)`, jitted;
+    `check` is None when there is nothing to check."""
     # Imported here: on jax 0.7-0.9 importing it registers checkify's rules in
     # JAX's tables, which `import effects` alone must not do.
     from jax.experimental import checkify
 
-    fn, dynamic = _traced_arguments(fn, args, kwargs)
+    fn = (lambda dynamic: call(dynamic)[0]) if nnx else call  # the state dropped
     listed = sites(fn)(dynamic)
     keys = [(c, n) for c, names in listed.items() for n in names]
-    if not keys:
-        return None
-    codes = {key: i for i, key in enumerate(keys)}
     if backward:
         # A tag inside a function with a custom derivative has no cotangent of
         # its own: the custom rule differentiates the function as a whole.
@@ -772,26 +797,21 @@ def find_nonfinite(
             for c, n in keys
             if not all("custom" in info.loops for info in listed[c][n])
         ]
-        codes = {key: i for i, key in enumerate(keys)}
-        return _find_backward(fn, dynamic, listed, keys, codes)
-    handlers = (
-        _Check(codes),
-        *(Tag(c, mode=_COUNTER) for c in listed),
-    )
-    checked = checkify.checkify(handle(fn, *handlers), errors=checkify.user_checks)
-    err, (_, found) = jax.jit(checked)(dynamic)
-    message = err.get()
-    if message is None or _CODE not in message:
-        return None
-    collection, name = keys[int(message.split(_CODE)[1].split()[0])]
-    _, first = found[collection][name]
-    first = np.asarray(first)
-    return _bad_site(listed, collection, name, int(first[first >= 0].min()), False)
+    if not keys:
+        return listed, keys, None
+    codes = {key: i for i, key in enumerate(keys)}
+    if backward:
+        check = _backward_check(fn, codes)
+    else:
+        handlers = (_Check(codes), *(Tag(c, mode=_COUNTER) for c in listed))
+
+        def check(dynamic):
+            return handle(fn, *handlers)(dynamic)[1]
+
+    return listed, keys, jax.jit(checkify.checkify(check, errors=checkify.user_checks))
 
 
-def _find_backward(fn, dynamic, listed, keys, codes) -> BadSite | None:
-    from jax.experimental import checkify
-
+def _backward_check(fn, codes):
     def output(zero, dynamic):
         out, _ = handle(fn, _Check(codes, zero))(dynamic)
         if not (isinstance(out, jax.Array) and out.shape == ()):
@@ -801,17 +821,10 @@ def _find_backward(fn, dynamic, listed, keys, codes) -> BadSite | None:
             )
         return out
 
-    def checked(dynamic):
+    def check(dynamic):
         return jax.grad(output)(jnp.float32(0), dynamic)
 
-    run = checkify.checkify(checked, errors=checkify.user_checks)
-    err, _ = jax.jit(run)(dynamic)
-    message = err.get()
-    if message is None or _CODE not in message:
-        return None
-    code, n = message.split(_CODE)[1].split()[0].split(":")
-    collection, name = keys[int(code)]
-    return _bad_site(listed, collection, name, int(n), True)
+    return check
 
 
 def _bad_site(listed, collection, name, k: int, backward: bool) -> BadSite:

@@ -196,8 +196,11 @@ class _Traced:
     out_tree: Any
     out_static: tuple  # the non-array outputs, by position
     sites: frozenset
-    # Sites a vmap inside `fn` ran for every branch of a cond (see `_branches`).
-    every_branch: frozenset
+    # Sites that may sit in a cond branch a vmap inside `fn` ran for every
+    # example (see `_branches`), and per set of them that handlers matched,
+    # those that do (found by tracing `fn` again: see `_every_branch`).
+    suspects: frozenset
+    every_branch: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 def _flat(fn, static, treedef, out_info: dict):
@@ -209,29 +212,54 @@ def _flat(fn, static, treedef, out_info: dict):
     return flat_fn
 
 
+def _named_after(fn, static, treedef, dynamic):
+    """What JAX's errors while tracing `fn` name."""
+    if fn is _call_module:
+        return type(_merge(dynamic, static, treedef)[0][0]).__call__
+    return fn
+
+
 def _trace(fn, static, treedef, dynamic) -> _Traced:
     out_info = {}
     avals = [aval(x) for x in dynamic]
-    named_after = fn  # what JAX's errors while tracing name
-    if fn is _call_module:
-        named_after = type(_merge(dynamic, static, treedef)[0][0]).__call__
     with handling(True):
         jaxpr, consts = _compat.trace(
-            _flat(fn, static, treedef, out_info), avals, named_after
+            _flat(fn, static, treedef, out_info),
+            avals,
+            _named_after(fn, static, treedef, dynamic),
         )
-
-    def retrace(keys):
-        with handling(True), probing(keys):
-            _compat.trace(_flat(fn, static, treedef, {}), avals, named_after)
-
     return _Traced(
         jaxpr,
         consts,
         out_info["tree"],
         out_info["static"],
         sites_in(jaxpr),
-        _branches.mixed(retrace, _branches.suspects(jaxpr)),
+        _branches.suspects(jaxpr),
     )
+
+
+def _every_branch(traced: _Traced, handlers, fn, static, treedef, dynamic):
+    """The sites the handlers match that a vmap inside `fn` ran for every
+    branch of a cond. Finding them traces `fn` again (see `_branches`): done
+    only where a handler matches a suspect, once per set of those."""
+    matched = frozenset(
+        s
+        for s in traced.suspects
+        if any(h.matches(Site.probe(*s[:3])) for h in handlers)
+    )
+    if not matched:
+        return frozenset()
+    found = traced.every_branch.get(matched)
+    if found is None:
+        avals = [aval(x) for x in dynamic]
+        named_after = _named_after(fn, static, treedef, dynamic)
+
+        def retrace(keys):
+            with handling(True), probing(keys):
+                _compat.trace(_flat(fn, static, treedef, {}), avals, named_after)
+
+        found = traced.every_branch[matched] = _branches.mixed(retrace, matched)
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -484,12 +512,30 @@ class _Config:
     handlers: tuple
     static: Any  # the handlers with None in place of arrays
     treedef: Any  # of their arrays
+    key: Any  # the configuration as a cache key, None when unhashable
 
     @classmethod
     def of(cls, handlers) -> tuple[_Config, list[Any]]:
         arrays, static = eqx.partition(handlers, eqx.is_array)
         leaves, treedef = jax.tree.flatten(arrays)
-        return cls(handlers, static, treedef), leaves
+        key = (static, treedef)
+        try:
+            hash(key)
+        except TypeError:  # a dict of arrays (`Perturb(deltas)`, `Substitute`)
+            key = _arrays_key(handlers)
+        return cls(handlers, static, treedef, key), leaves
+
+
+def _arrays_key(handlers):
+    """Handlers holding arrays as a cache key (their structure and their other
+    leaves, an array's place marked), or None when a leaf is unhashable."""
+    leaves, treedef = jax.tree.flatten(handlers)
+    key = (treedef, tuple(_ARRAY if eqx.is_array(x) else x for x in leaves))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _is_tracer(x) -> bool:
@@ -500,7 +546,7 @@ def _program(fn, config: _Config, h_leaves, static, treedef, dynamic):
     """`(traced, program)`: `fn` traced, and the rewritten program for these
     arguments and handlers, from the cache where it can be. The program is None
     where it is better run straight on the caller's trace (see `_apply`)."""
-    handlers, h_static, h_def = config.handlers, config.static, config.treedef
+    handlers = config.handlers
     # A check for branches a vmap evaluated traces with sites marked: never cache.
     cache = _cache_for(fn) if probing.value is None else None
     sig = _signature(static, treedef, dynamic) if cache is not None else None
@@ -513,15 +559,13 @@ def _program(fn, config: _Config, h_leaves, static, treedef, dynamic):
             cache.put(sig, traced)
     _check_names(traced.sites, handlers)
     _check_reporters(traced.sites, handlers)
-    _check_branches(traced.every_branch, handlers)
+    every_branch = _every_branch(traced, handlers, fn, static, treedef, dynamic)
+    _check_branches(every_branch, handlers)
     staging = _compat.is_staging()
     key = None
-    if cache is not None:
-        key = (sig, h_static, h_def, tuple(map(aval, h_leaves)), bool(handling.value))
-        try:
-            program = cache.get(key)
-        except TypeError:  # a handler's configuration is unhashable
-            key, program = None, None
+    if cache is not None and config.key is not None:
+        key = (sig, config.key, tuple(map(aval, h_leaves)), bool(handling.value))
+        program = cache.get(key)
         if program is not None:
             return traced, program
     if staging:
@@ -537,7 +581,7 @@ def _program(fn, config: _Config, h_leaves, static, treedef, dynamic):
         if cache.get(seen) is None:  # pyright: ignore[reportOptionalMemberAccess]
             cache.put(seen, True)  # pyright: ignore[reportOptionalMemberAccess]
             return traced, None
-    program = _rewrite(traced, h_static, h_def, h_leaves)
+    program = _rewrite(traced, config.static, config.treedef, h_leaves)
     program = dataclasses.replace(program, name=_name(fn))
     if key is not None and not any(map(_is_tracer, [*program.consts, *traced.consts])):
         cache.put(key, program)  # pyright: ignore[reportOptionalMemberAccess]
@@ -582,13 +626,14 @@ def _apply(fn, config: _Config, h_leaves, dynamic, static, treedef):
 class _Handled:
     """The function `handle` returns."""
 
-    def __init__(self, fn, handlers):
+    def __init__(self, fn, handlers, eager: _LRU | None = None):
         self.fn = fn
         self.handlers = handlers
         self._module = isinstance(fn, eqx.Module)
         self._config, self._h_leaves = _Config.of(handlers)
         # Per argument signature, outside any transformation: a jitted call.
-        self._eager = _LRU(_PER_FN_SIZE)
+        # `eager` is shared by the wrappers of Equinox modules of one structure.
+        self._eager = _LRU(_PER_FN_SIZE) if eager is None else eager
         # `updated=()`: copying `fn.__dict__` would copy a nested wrapper's state.
         # A module's `__call__` bound to it: the handled module's signature is
         # the call's, without `self` (`eqx.filter_jit` binds arguments to it).
@@ -688,6 +733,7 @@ class _Memo:
     def __init__(self, owner):
         self.owner = id(owner)
         self.wrappers = _LRU(self.size)
+        self.made = _LRU(self.size)  # what `eager_cached` made
 
     def get(self, fn, key, handlers) -> _Handled:
         wrapper = self.wrappers.get(key)
@@ -701,15 +747,11 @@ class _Memo:
         `Substitute(values)`): a new one each call, since the arrays differ, but
         sharing the eager caches of every wrapper whose handlers differ only in
         their arrays' values, which its jitted call takes as arguments."""
-        leaves, treedef = jax.tree.flatten(handlers)
-        is_array = [eqx.is_array(x) for x in leaves]
-        arrays = [x for x, a in zip(leaves, is_array) if a]
-        try:
-            static = tuple(_ARRAY if a else x for x, a in zip(leaves, is_array))
-            key = _HandlersKey((treedef, static))
-        except TypeError:  # an unhashable leaf that is not an array
+        key = _arrays_key(handlers)
+        if key is None:  # an unhashable leaf that is not an array
             return _Handled(fn, handlers)
-        return self.get(fn, key, handlers).with_arrays(handlers, arrays)
+        arrays = [x for x in jax.tree.leaves(handlers) if eqx.is_array(x)]
+        return self.get(fn, _HandlersKey(key), handlers).with_arrays(handlers, arrays)
 
 
 class _HandlersKey:
@@ -749,11 +791,38 @@ def _memo_for(fn) -> _Memo | None:
     return None
 
 
+# Per Equinox module structure (its treedef and leaves that are not arrays) and
+# handlers: the jitted calls that every `handle(model, ...)` of a model of that
+# structure shares, as `eqx.filter_jit` compiles once per structure and array
+# types. The models' arrays are inputs of those calls (see `_call_module`), and
+# the keys hold none of them.
+_module_eager = _LRU(32)
+
+
+def _module_handled(module, handlers) -> _Handled:
+    _, static, treedef = _split(module)
+    try:
+        key = _HandlersKey(handlers)
+    except TypeError:  # handlers holding arrays
+        key = _arrays_key(handlers)
+    key = (treedef, static, key)
+    try:
+        eager = _module_eager.get(key)
+    except TypeError:  # a leaf that is not an array is unhashable
+        return _Handled(module, handlers)
+    if eager is None:
+        eager = _LRU(_PER_FN_SIZE)
+        _module_eager.put(key, eager)
+    return _Handled(module, handlers, eager)
+
+
 def _memoized(fn, handlers) -> _Handled:
     if not _compat.is_top_level():
         # Inside a transformation, handlers may close over its tracers, which a
         # memo would keep alive.
         return _Handled(fn, handlers)
+    if isinstance(fn, eqx.Module):
+        return _module_handled(fn, handlers)
     memo = _memo_for(fn)
     if memo is None:
         return _Handled(fn, handlers)
@@ -762,6 +831,58 @@ def _memoized(fn, handlers) -> _Handled:
     except TypeError:  # handlers holding arrays are unhashable
         return memo.get_with_arrays(fn, handlers)
     return memo.get(fn, key, handlers)
+
+
+#
+# Tools that compile a function (`intermediate_grads`, `find_nonfinite`): what
+# they build for it, cached as `handle` caches its jitted calls
+#
+
+
+def eager_cached(what, fn, args, kwargs, make) -> tuple[Any, list[Any]]:
+    """`(made, dynamic)`: `dynamic` the arrays among `fn` (an Equinox module's)
+    and its arguments, every other leaf held static as `eqx.filter_jit` holds
+    it, and `made = make(call, dynamic)` with `call(dynamic)` calling `fn` on
+    them. Outside any transformation, `made` is cached per `what` (hashable),
+    `fn` and the arguments' signature, for the functions `handle` caches (an
+    Equinox module per structure, as `handle(model, ...)`): it may hold `call`,
+    which holds no array but what `fn` closes over."""
+    if isinstance(fn, eqx.Module):
+        fn, args = _call_module, (fn, *args)
+    dynamic, static, treedef = _split((args, kwargs))
+
+    def call(dynamic):
+        args, kwargs = _merge(dynamic, static, treedef)
+        return fn(*args, **kwargs)
+
+    memo = _memo_for(fn) if _compat.is_top_level() else None
+    key = _signature(static, treedef, dynamic) if memo is not None else None
+    if key is None:
+        return make(call, dynamic), dynamic
+    made = memo.made.get((what, key))  # pyright: ignore[reportOptionalMemberAccess]
+    if made is None:
+        made = make(call, dynamic)
+        memo.made.put((what, key), made)  # pyright: ignore[reportOptionalMemberAccess]
+    return made, dynamic
+
+
+class Jitted:
+    """`jax.jit(body)` for a `body` whose output may hold leaves that are not
+    arrays: those are taken from its trace, as `_Eager` takes them."""
+
+    def __init__(self, body):
+        self.body = body
+        self.out = None  # (out_static, out_tree), once traced
+        self.compiled = jax.jit(self._call)
+
+    def _call(self, *args):
+        out_dyn, *self.out = _split(self.body(*args))
+        return out_dyn
+
+    def __call__(self, *args):
+        outs = self.compiled(*args)
+        assert self.out is not None  # (set when traced)
+        return _merge(outs, *self.out)
 
 
 _P = ParamSpec("_P")
@@ -815,11 +936,15 @@ def handle(fn: Callable[_P, _R], *handlers: Handler) -> Callable[_P, tuple[_R, F
       pass arrays that change as arguments;
     - only functions are cached (a `def`, a lambda, a `functools.partial`, a
       jitted function, or a method of an object hashed by value, such as a
-      Flax linen module). Other callables (an object with `__call__`, a Flax
-      NNX module) may hold state that changes between calls, so each
-      `handle(obj, ...)` traces them again; the handled function it returns,
-      kept and called again, keeps what its first trace read, as
-      `jax.jit(obj)` does (an NNX module's state goes in at every call).
+      Flax linen module), and Equinox modules: `handle(model, ...)` called
+      outside any transformation shares its compiled calls with every model
+      of the same structure (pytree structure and non-array leaves) and
+      handlers, as `eqx.filter_jit` does. Other callables (an object with
+      `__call__`, a Flax NNX module) may hold state that changes between
+      calls, so each `handle(obj, ...)` traces them again; the handled
+      function it returns, kept and called again, keeps what its first trace
+      read, as `jax.jit(obj)` does (an NNX module's state goes in at every
+      call).
 
     `handle(fn, *handlers)` returns the same function for equal hashable
     handlers, so `jax.jit(fx.handle(f, fx.Tag()))` written inline in a loop
@@ -977,24 +1102,42 @@ def intermediate_grads(
         pure, kwargs = (fn, kwargs) if nnx_call is None else (nnx_call[0], {})
         if nnx_call is not None:
             args = nnx_call[1]
-        probe = Perturb(collection=collection, kind=kind)
-        _, shapes = eqx.filter_eval_shape(handle(pure, probe), *args, **kwargs)
-        if not shapes[probe.collection]:
-            raise ValueError(_NO_SITES[kind].format(collection=probe.collection))
-        zeros = jax.tree.map(
-            lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes[probe.collection]
+        # Outside any transformation, through a jit cached per function and
+        # argument signature: repeated calls neither trace nor compile.
+        top, nnx = _compat.is_top_level(), nnx_call is not None
+
+        def make(call, _):
+            grads = functools.partial(_grads, call, collection, kind, nnx)
+            return Jitted(grads) if top else grads
+
+        grads, dynamic = eager_cached(
+            ("intermediate_grads", collection, kind), pure, args, kwargs, make
         )
-
-        def loss(deltas):
-            perturb = Perturb(deltas, collection=collection, kind=kind)
-            out, _ = handle(pure, perturb)(*args, **kwargs)
-            return out  # with NNX objects: (value, their state)
-
+        out = grads(dynamic)
         if nnx_call is None:
-            return jax.value_and_grad(loss)(zeros)
-        (out, state), grads = jax.value_and_grad(loss, has_aux=True)(zeros)
+            return out
+        (out, state), grads = out
         nnx_call[2](state)
         return out, grads
 
     functools.update_wrapper(g, fn)
     return g
+
+
+def _grads(call, collection, kind, nnx: bool, dynamic):
+    """`intermediate_grads` of `call(dynamic)`: with `nnx`, `call` returns
+    `(value, state)`, and so does this, as `((value, state), grads)`."""
+    probe = Perturb(collection=collection, kind=kind)
+    _, shapes = jax.eval_shape(handle(call, probe), dynamic)
+    if not shapes[probe.collection]:
+        raise ValueError(_NO_SITES[kind].format(collection=probe.collection))
+    zeros = jax.tree.map(
+        lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes[probe.collection]
+    )
+
+    def loss(deltas):
+        perturb = Perturb(deltas, collection=collection, kind=kind)
+        out, _ = handle(call, perturb)(dynamic)
+        return out  # with NNX objects: (value, their state)
+
+    return jax.value_and_grad(loss, has_aux=nnx)(zeros)

@@ -97,3 +97,29 @@ def no_leak_checks():
     """Tracer-leak checking off, for a test that meets a false report (each use
     names the JAX-only reproduction)."""
     return leak_checks(False)
+
+
+class CountCompiles:
+    """Counts JAX traces-to-jaxpr and backend compilations while active."""
+
+    def __init__(self):
+        self.traces = 0
+        self.compiles = 0
+
+    def __call__(self, event, duration, **kwargs):
+        if event == "/jax/core/compile/jaxpr_trace_duration":
+            self.traces += 1
+        elif event == "/jax/core/compile/backend_compile_duration":
+            self.compiles += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc):
+        unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
+        if unregister is None:  # jax 0.6-0.7: only the private spelling
+            from jax._src import monitoring
+
+            unregister = monitoring._unregister_event_duration_listener_by_callback
+        unregister(self)

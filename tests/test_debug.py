@@ -477,3 +477,67 @@ def test_find_nonfinite_in_functions_with_custom_derivatives(x, forward, backwar
     assert (got and got.name) == backward
     grad_finite = bool(jnp.all(jnp.isfinite(jax.grad(custom_program)(x))))
     assert grad_finite == (backward is None)
+
+
+#
+# find_nonfinite called again compiles nothing
+#
+
+
+def test_find_nonfinite_compiles_once_per_signature():
+    from helpers import CountCompiles
+
+    calls = []
+
+    def f(x):
+        calls.append(None)
+        h = fx.tag(jnp.log(x), "h")
+        return jnp.sum(fx.tag(jnp.sqrt(h), "s"))
+
+    ok, log_bad = jnp.array([2.0, 3.0]), jnp.array([2.0, -1.0])
+    sqrt_bad = jnp.array([0.5, 3.0])  # log(0.5) < 0: sqrt is NaN
+    grad_bad = jnp.array([1.0, 3.0])  # sqrt(log(1)) = 0: an infinite derivative
+    for backward in (False, True):
+        fx.find_nonfinite(f, ok, backward=backward)
+        n = len(calls)
+        with CountCompiles() as counter:
+            got = [
+                fx.find_nonfinite(f, x, backward=backward)
+                for x in (log_bad, ok, sqrt_bad, grad_bad)
+            ]
+        assert counter.traces == 0 and counter.compiles == 0
+        assert len(calls) == n
+        names = [b and b.name for b in got]
+        if backward:
+            # The reference: whether each input's gradient is finite.
+            finite = [
+                bool(jnp.all(jnp.isfinite(jax.grad(f)(x))))
+                for x in (log_bad, ok, sqrt_bad, grad_bad)
+            ]
+            assert finite == [False, True, False, False]
+            assert names == ["h", None, "h", "h"]
+        else:
+            assert names == ["h", None, "s", None]
+
+
+def test_find_nonfinite_of_equinox_models_compiles_once():
+    from helpers import CountCompiles
+
+    class Model(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            h = fx.tag(jnp.log(self.w * x), "h")
+            return jnp.sum(fx.tag(2.0 * h, "y"))
+
+    x = jnp.array([1.0, 2.0])
+    models = [Model(jnp.array(w)) for w in ([1.0, 1.0], [1.0, -1.0], [3.0, 1.0])]
+    fx.find_nonfinite(models[0], x)
+    with CountCompiles() as counter:
+        # Models of the same structure with other weights: their own results.
+        bad, good = [fx.find_nonfinite(m, x) for m in models[1:]]
+    assert counter.traces == 0 and counter.compiles == 0
+    assert (bad.name, bad.call) == ("h", 0)
+    assert good is None
+    assert not bool(jnp.all(jnp.isfinite(models[1](x))))
+    assert bool(jnp.all(jnp.isfinite(models[2](x))))

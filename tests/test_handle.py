@@ -12,7 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_trees_close, mlp_params, optimized_hlo
+from helpers import (
+    CountCompiles,
+    assert_trees_close,
+    mlp_params,
+    no_leak_checks,
+    optimized_hlo,
+)
 
 import effects as fx
 
@@ -583,32 +589,6 @@ def test_equinox_module_as_the_handled_function():
 #
 
 
-class _CountCompiles:
-    """Counts JAX traces-to-jaxpr and backend compilations while active."""
-
-    def __init__(self):
-        self.traces = 0
-        self.compiles = 0
-
-    def __call__(self, event, duration, **kwargs):
-        if event == "/jax/core/compile/jaxpr_trace_duration":
-            self.traces += 1
-        elif event == "/jax/core/compile/backend_compile_duration":
-            self.compiles += 1
-
-    def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self)
-        return self
-
-    def __exit__(self, *exc):
-        unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
-        if unregister is None:  # jax 0.6-0.7: only the private spelling
-            from jax._src import monitoring
-
-            unregister = monitoring._unregister_event_duration_listener_by_callback
-        unregister(self)
-
-
 def _counted():
     calls = []
 
@@ -625,7 +605,7 @@ def test_eager_calls_trace_once():
     h = fx.handle(f, fx.Tag())
     xs = [X, X + 1.0, X * 2.0]
     results = [h(xs[0])]
-    with _CountCompiles() as counter:
+    with CountCompiles() as counter:
         results += [h(x) for x in xs[1:]]
     assert len(calls) == 1
     assert counter.traces == 0 and counter.compiles == 0
@@ -670,7 +650,7 @@ def test_handlers_with_arrays_share_compiled_evaluation():
         return jnp.sum(h**2)
 
     results = [fx.handle(f, fx.Perturb(deltas[0]))(X)]
-    with _CountCompiles() as counter:
+    with CountCompiles() as counter:
         for d in deltas[1:]:
             results.append(fx.handle(f, fx.Perturb(d))(X))
     assert counter.traces == 0 and counter.compiles == 0
@@ -720,7 +700,7 @@ def test_methods_of_objects_hashed_by_value_trace_once():
     results = [fx.handle(model.apply, fx.Tag())(xs[0])]
     results.append(jax.jit(fx.handle(model.apply, fx.Tag()))(xs[0]))
     calls = len(_SCALED_CALLS)
-    with _CountCompiles() as counter:
+    with CountCompiles() as counter:
         for x in xs[1:]:
             results.append(fx.handle(model.apply, fx.Tag())(x))
             results.append(jax.jit(fx.handle(model.apply, fx.Tag()))(x))
@@ -758,7 +738,7 @@ def test_inline_jit_of_handle_traces_once():
     f, calls = _counted()
     xs = [X + i for i in range(5)]
     results = [jax.jit(fx.handle(f, fx.Tag()))(xs[0])]
-    with _CountCompiles() as counter:
+    with CountCompiles() as counter:
         for x in xs[1:]:
             results.append(jax.jit(fx.handle(f, fx.Tag()))(x))
     assert len(calls) == 1
@@ -1089,7 +1069,7 @@ def test_flax_linen_tag_collects_what_sow_does():
     # `tagged.apply` is a new bound method each time; the module is hashed by
     # value, so repeated calls reuse one wrapper and its compiled evaluation.
     assert fx.handle(tagged.apply, fx.Tag()) is fx.handle(Net(False).apply, fx.Tag())
-    with _CountCompiles() as counter:
+    with CountCompiles() as counter:
         again = fx.handle(tagged.apply, fx.Tag())(variables, x)
     assert counter.traces == 0 and counter.compiles == 0
     assert_trees_close(again, (want_out, expected))
@@ -1195,3 +1175,188 @@ def test_jax_errors_while_tracing_name_the_users_function():
             match=f"tracing the function {name} at .*test_handle.py:\\d+ for fx.handle",
         ):
             fx.handle(fn, fx.Tag())(1.0)
+
+
+#
+# Equinox modules and `intermediate_grads`, called eagerly: compiled once
+#
+
+
+class _Counted(eqx.Module):
+    """A tagged two-layer network counting how often its body runs (traces)."""
+
+    w1: jax.Array
+    w2: jax.Array
+    scale: float = 2.0  # a leaf that is not an array: static
+
+    def __call__(self, x):
+        _MODULE_CALLS.append(None)
+        h = fx.tag(jnp.tanh(self.w1 @ x), "h")
+        return jnp.sum(self.scale * (self.w2 @ h))
+
+
+_MODULE_CALLS = []
+
+
+def _counted_model(seed: int) -> _Counted:
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return _Counted(jax.random.normal(k1, (4, 3)), jax.random.normal(k2, (2, 4)))
+
+
+def _counted_ref(model, x):
+    h = np.tanh(np.asarray(model.w1) @ np.asarray(x))
+    return model.scale * np.sum(np.asarray(model.w2) @ h), h
+
+
+def test_inline_handle_of_an_equinox_module_compiles_once():
+    # `fx.handle(model, ...)(x)` written inline makes a new wrapper each call;
+    # models of one structure share its jitted call, each with its own arrays.
+    models = [_counted_model(i) for i in range(3)]
+    models.append(eqx.tree_at(lambda m: m.w1, models[0], models[0].w1 + 1.0))
+    xs = [X, X + 1.0, 2.0 * X, -X]
+    del _MODULE_CALLS[:]
+    results = [fx.handle(models[0], fx.Tag())(xs[0])]
+    assert len(_MODULE_CALLS) == 1
+    with CountCompiles() as counter:
+        for model, x in zip(models[1:], xs[1:]):
+            results.append(fx.handle(model, fx.Tag())(x))
+    assert counter.traces == 0 and counter.compiles == 0
+    # Another `Tag` is another configuration: a new program, not a new trace.
+    results.append(fx.handle(models[1], fx.Tag(names="h"))(xs[1]))
+    assert len(_MODULE_CALLS) == 1
+    for model, x, (out, found) in zip([*models, models[1]], [*xs, xs[1]], results):
+        want, h = _counted_ref(model, x)
+        assert_trees_close(out, jnp.float32(want), rtol=1e-5)
+        assert_trees_close(found, {"intermediates": {"h": (jnp.asarray(h),)}})
+        assert_trees_close(out, model(x))
+    # Another static field is another structure: traced again, and right.
+    other = dataclasses.replace(models[1], scale=3.0)
+    n = len(_MODULE_CALLS)
+    out, _ = fx.handle(other, fx.Tag())(X)
+    assert len(_MODULE_CALLS) == n + 1
+    assert_trees_close(out, jnp.float32(_counted_ref(other, X)[0]))
+
+
+def test_inline_handle_of_tag_modules_compiles_once():
+    # As the capture-every-layer guide writes it, with the model updated
+    # between calls.
+    model = eqx.nn.MLP(3, 2, width_size=8, depth=2, key=jax.random.key(0))
+    x = X
+
+    def layers_ref(m):
+        h, outs = x, []
+        for i, layer in enumerate(m.layers):
+            h = layer.weight @ h + layer.bias
+            outs.append(h)
+            if i < len(m.layers) - 1:
+                h = jax.nn.relu(h)
+        return h, outs
+
+    def update(m, i):
+        return eqx.tree_at(lambda m: m.layers[0].bias, m, m.layers[0].bias + i)
+
+    fx.handle(fx.tag_modules(model), fx.Tag())(x)
+    updated = [update(model, float(i)) for i in range(1, 4)]
+    with CountCompiles() as counter:
+        results = [(m, fx.handle(fx.tag_modules(m), fx.Tag())(x)) for m in updated]
+    assert counter.traces == 0 and counter.compiles == 0
+    for m, (out, found) in results:
+        want, outs = layers_ref(m)
+        assert_trees_close(out, m(x))
+        assert_trees_close(out, want)
+        got = found["intermediates"]
+        assert_trees_close([got[f"layers.{i}"][0] for i in range(3)], outs)
+
+
+def test_the_module_cache_keeps_no_model_arrays():
+    import gc
+    import weakref
+
+    model = _counted_model(7)
+    ref = weakref.ref(model.w1)
+    want = _counted_ref(model, X)[0]
+    out, _ = fx.handle(model, fx.Tag())(X)
+    assert_trees_close(out, jnp.float32(want))
+    del model, out
+    gc.collect()
+    assert ref() is None
+
+
+def test_eager_intermediate_grads_compile_once():
+    calls = []
+    w = jnp.array([[0.5, -1.0, 2.0], [1.5, 0.2, -0.3]])
+
+    def loss(x):
+        calls.append(None)
+        h = fx.tag(jnp.tanh(w @ x), "h")
+        return jnp.sum(h**2)
+
+    def ref(x):  # d loss / d h = 2 h
+        h = jnp.tanh(w @ x)
+        return jnp.sum(h**2), {"h": (2.0 * h,)}
+
+    g = fx.intermediate_grads(loss, kind="tag")
+    xs = [X, X + 1.0, 2.0 * X, -X]
+    results = [g(xs[0])]
+    n = len(calls)
+    with CountCompiles() as counter:
+        results += [g(x) for x in xs[1:3]]
+        # Written inline, a new `intermediate_grads` each call: the same.
+        results.append(fx.intermediate_grads(loss, kind="tag")(xs[3]))
+    assert counter.traces == 0 and counter.compiles == 0
+    assert len(calls) == n
+    for x, result in zip(xs, results):
+        assert_trees_close(result, ref(x))
+
+
+def test_eager_grad_of_handlers_with_arrays_compiles_once():
+    # `Perturb(deltas)` under an eager `jax.grad`: the handlers hold tracers,
+    # and the rewritten program is still cached (by the arrays' types).
+    calls = []
+
+    def f(x):
+        calls.append(None)
+        return jnp.sum(fx.perturb(jnp.sin(x), "h") ** 2)
+
+    def loss(d, x):
+        return fx.handle(f, fx.Perturb({"h": (d,)}))(x)[0]
+
+    grad = jax.grad(loss)
+    inputs = [(jnp.full_like(X, d), s * X) for d, s in ((0, 1), (0.1, 1), (0, 2))]
+    # JAX's caches of derivatives are off while it checks for leaked tracers.
+    with no_leak_checks():
+        results = [grad(*inputs[0])]
+        n = len(calls)
+        with CountCompiles() as counter:
+            results += [grad(*args) for args in inputs[1:]]
+    assert counter.compiles == 0
+    assert len(calls) == n
+    for (d, x), got in zip(inputs, results):
+        assert_trees_close(got, 2.0 * (jnp.sin(x) + d))
+
+
+def test_a_handler_matching_no_site_traces_the_function_once():
+    # A vmapped tag and a select: a tag could sit in a cond branch the vmap ran
+    # for every example, which only a second trace can tell. That check is for
+    # handlers that see the tag; others cost one trace, as the plain function.
+    calls = []
+
+    def f(x):
+        calls.append(None)
+        h = jax.vmap(lambda r: fx.tag(jnp.sin(r), "h"))(x)
+        return jnp.sum(jnp.where(h > 0, h, 0.0))
+
+    def ref(x):
+        h = np.sin(np.asarray(x))
+        return np.float32(np.sum(np.where(h > 0, h, 0.0)))
+
+    out, found = fx.handle(f, fx.Tag(collection="other"))(XB)
+    assert len(calls) == 1
+    assert found == {"other": {}}
+    assert_trees_close(out, ref(XB))
+    assert_trees_close(out, jax.jit(f)(XB))
+    # A handler that sees the tag: checked (by tracing again), and right.
+    out, found = fx.handle(f, fx.Tag())(XB)
+    assert_trees_close(
+        (out, found), (ref(XB), {"intermediates": {"h": (jnp.sin(XB),)}})
+    )
