@@ -210,13 +210,22 @@ def diff(before, after):
 problems = []
 
 
+def plain(tree):
+    # `found` is an `fx.Found`, a dict whose pytree structure keeps its order.
+    if isinstance(tree, dict):
+        return {k: plain(v) for k, v in tree.items()}
+    if type(tree) in (tuple, list):
+        return type(tree)(plain(v) for v in tree)
+    return tree
+
+
 def check(what, run, expected):
     """Records in `problems` (rather than raising, so that the snapshots are
     still compared) if `run()` raises or differs from `expected`."""
     try:
         actual = run()
-        a_leaves, a_tree = jax.tree.flatten(actual)
-        e_leaves, e_tree = jax.tree.flatten(expected)
+        a_leaves, a_tree = jax.tree.flatten(plain(actual))
+        e_leaves, e_tree = jax.tree.flatten(plain(expected))
         assert a_tree == e_tree, f"structure {a_tree} != {e_tree}"
         for a, e in zip(a_leaves, e_leaves):
             a, e = np.asarray(a), np.asarray(e)
