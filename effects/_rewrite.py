@@ -281,7 +281,7 @@ def per_state(jaxpr):
     birth = _state()
     hit = _per_state_cache.get(jaxpr)
     if hit is not None and hit[0] == birth:
-        return hit[1] or jaxpr
+        return jaxpr if hit[1] is None else hit[1]
     eqns = []
     for eqn in jaxpr.eqns:
         params = _compat.map_jaxprs_in_params(eqn.params, per_state)
@@ -292,10 +292,11 @@ def per_state(jaxpr):
     changed = any(a is not b for a, b in zip(eqns, jaxpr.eqns))
     new = jaxpr.replace(eqns=eqns) if changed else None
     _per_state_cache[jaxpr] = (birth, new)  # (None: the jaxpr itself, kept weakly)
-    return new or jaxpr
+    return jaxpr if new is None else new
 
 
 def _per_state_thunk(thunk, birth):
+    """`thunk`, made in the state `birth`, as a thunk memoized per state."""
     traces = {}
 
     def traced(*zeros):
