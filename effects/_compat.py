@@ -194,6 +194,13 @@ def trace(
     return _pe.convert_constvars_jaxpr(jaxpr), list(consts)
 
 
+def constvars_as_invars(jaxpr: Jaxpr) -> Jaxpr:
+    """`jaxpr` with its constants as leading inputs (jax 0.10; in jax 0.12 a
+    jaxpr traced with its constants apart has them as leading inputs already,
+    and this returns it as it is)."""
+    return _pe.convert_constvars_jaxpr(jaxpr)
+
+
 def trace_closed(fn: Callable, in_avals: Sequence[Any]) -> tuple[Jaxpr, list[Any]]:
     """Like `trace`, but keeps the constants as the jaxpr's constvars."""
     dbg = _nameless_debug_info(fn)
@@ -582,3 +589,48 @@ def jaxprs_in_params(params) -> list[Any]:
     # jax 0.10: `jax.extend.core.jaxprs_in_params`; jax 0.7-0.9 have it only in
     # `jax._src.core`.
     return list(getattr(jex_core, "jaxprs_in_params", _core.jaxprs_in_params)(params))
+
+
+def map_jaxprs_in_params(params, fn: Callable[[Jaxpr], Jaxpr]):
+    """`params` with `fn` applied to every sub-jaxpr that `open_jaxprs_in_params`
+    finds (given open; a closed one keeps its constants); `params` itself where
+    `fn` changes none. (jax 0.10: a `ClosedJaxpr` holds an open `Jaxpr`; jax
+    0.12: `ClosedJaxpr` is `Jaxpr`, with its constants attached, which
+    `Jaxpr.replace` keeps.)"""
+
+    def one(x):
+        if ClosedJaxpr is not Jaxpr and isinstance(x, ClosedJaxpr):
+            new = fn(x.jaxpr)
+            return x if new is x.jaxpr else x.replace(jaxpr=new)
+        if isinstance(x, Jaxpr):
+            return fn(x)
+        return x
+
+    changed = {}
+    for key, v in params.items():
+        if isinstance(v, tuple):
+            items = [one(x) for x in v]
+            if any(a is not b for a, b in zip(items, v)):
+                # (a named tuple of jaxprs is rebuilt field by field)
+                changed[key] = tuple(items) if type(v) is tuple else type(v)(*items)  # pyright: ignore[reportArgumentType]
+        else:
+            new = one(v)
+            if new is not v:
+                changed[key] = new
+    return dict(params, **changed) if changed else params
+
+
+# The params of a custom_jvp/custom_vjp equation holding the thunk that traces
+# its rule when a transformation first needs it (jax 0.7-0.12: an
+# `lu.WrappedFun` returning the rule's jaxpr with its constants, and for
+# custom_jvp the tangents that are symbolic zeros; memoized by `pe._memoize`).
+rule_thunk_params = {
+    custom_jvp_call_p: "jvp_jaxpr_fun",
+    custom_vjp_call_p: "fwd_jaxpr_thunk",
+}
+
+
+def like_thunk(fn: Callable, thunk) -> Any:
+    """`fn` as a rule thunk that JAX accepts in place of `thunk` (jax 0.7-0.12:
+    an `lu.WrappedFun` with its debug info)."""
+    return _lu.wrap_init(fn, debug_info=thunk.debug_info)

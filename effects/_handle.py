@@ -19,7 +19,7 @@ import jax
 from . import _branches, _compat, _nnx
 from ._handlers import Handler, Perturb, mode_of
 from ._primitives import handling, probing
-from ._rewrite import run, sites_in
+from ._rewrite import per_state, run, sites_in
 from ._scope import Scope
 from ._site import CHECKPOINT_NAME, Site, aval
 
@@ -228,6 +228,9 @@ def _trace(fn, static, treedef, dynamic) -> _Traced:
             avals,
             _named_after(fn, static, treedef, dynamic),
         )
+        # Rewritten programs run outside `handle` too: the custom rules in it
+        # must not trace there for `handle` (see `_rewrite.per_state`).
+        jaxpr = per_state(jaxpr)
     return _Traced(
         jaxpr,
         consts,

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _compat
 from ._handlers import Handler
-from ._primitives import bind_site, handling, site_effect, site_p
+from ._primitives import bind_site, handling, probing, site_effect, site_p
 from ._scope import Key, Scope, act, grow, types_of, zeros
 from ._site import (
     CHECKPOINT_NAME,
@@ -259,6 +259,82 @@ def _checkpoint_name_rule(eqn, invals, scope: Scope) -> list[Any]:
     assert site is not None
     leaves, _ = _act(site, list(invals), scope)
     return _bind(eqn, leaves)
+
+
+#
+# Custom rules, traced once per handling state
+#
+
+# A custom_jvp/custom_vjp equation traces its rule when a transformation first
+# needs it, through a thunk that JAX memoizes by which tangents are zero, not by
+# the trace context (`pe._memoize`). `handle` traces with sites carrying their
+# effect; the `jax.jit` functions it meets are traced in that state, and jit's
+# cache serves those traces to every later `handle`. If a program rewritten from
+# such a trace runs the thunk outside `handle` (`jax.grad(fx.handle(f))`), the
+# rule is traced with effect-free sites, and a later `fx.handle(jax.grad(f))` is
+# served that trace: the tags the rule discards are gone. (Run first inside
+# `handle`, the thunk would put sites carrying the effect into unhandled
+# programs.) So a jaxpr `handle` traced has its thunks replaced by ones that run
+# the original only in the state it was made in, and bind its trace again in
+# any other state, once per state.
+
+
+def _state() -> tuple[bool, Any]:
+    return bool(handling.value), probing.value
+
+
+_per_state_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def per_state(jaxpr):
+    """`jaxpr`, traced in the current state, with the rule thunk of every
+    custom_jvp/custom_vjp equation in it and its sub-jaxprs made one that gives
+    each state its own trace of the rule."""
+    birth = _state()
+    hit = _per_state_cache.get(jaxpr)
+    if hit is not None and hit[0] == birth:
+        return jaxpr if hit[1] is None else hit[1]
+    eqns = []
+    for eqn in jaxpr.eqns:
+        params = _compat.map_jaxprs_in_params(eqn.params, per_state)
+        name = _compat.rule_thunk_params.get(eqn.primitive)
+        if name is not None:
+            params = dict(params, **{name: _per_state_thunk(params[name], birth)})
+        eqns.append(eqn if params is eqn.params else eqn.replace(params=params))
+    changed = any(a is not b for a, b in zip(eqns, jaxpr.eqns))
+    new = jaxpr.replace(eqns=eqns) if changed else None
+    _per_state_cache[jaxpr] = (birth, new)  # (None: the jaxpr itself, kept weakly)
+    return jaxpr if new is None else new
+
+
+def _per_state_thunk(thunk, birth):
+    """`thunk`, made in the state `birth`, as a thunk memoized per state."""
+    traces = {}
+
+    def traced(*zeros):
+        state = _state()
+        out = traces.get((state, zeros))
+        if out is None:
+            with handling(birth[0]), probing(birth[1]):
+                jaxpr, consts, *rest = thunk.call_wrapped(*zeros)
+                jaxpr = per_state(jaxpr)
+            if state != birth:
+                jaxpr, consts = _bound_again(jaxpr, consts)
+            out = traces[(state, zeros)] = (jaxpr, consts, *rest)
+        return out
+
+    return _compat.like_thunk(traced, thunk)
+
+
+def _bound_again(jaxpr, consts):
+    """`(jaxpr, consts)` traced again in the current handling state: its sites
+    bound again, carrying the effect or not as that state says."""
+    opened = _compat.constvars_as_invars(jaxpr)
+    n = len(consts)
+    return _compat.trace_closed(
+        lambda *args: run(opened, (), [*consts, *args], Scope(())),
+        [v.aval for v in opened.invars[n:]],
+    )
 
 
 #

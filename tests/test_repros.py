@@ -1027,3 +1027,140 @@ def test_shard_map_substitute_of_a_value_every_shard_holds_is_an_error(per_call)
     values = {"w": (found,) if per_call else found}
     with pytest.raises(ValueError, match="'w'.*Handle inside the shard_map"):
         fx.handle(f, fx.Substitute(values, per_call=per_call))(_X16, w)
+
+
+# A jitted custom_vjp/custom_jvp function handled after another order of
+# `handle` and a transformation (diffrax's BacksolveAdjoint)
+#
+
+
+def _custom_loop_loss(rule: str, loop: str):
+    """`x -> solve(x) ** 2`, `solve` a `jax.jit` (whose trace JAX caches) of a
+    `rule` ("custom_vjp" or "custom_jvp") function running `loop` ("while",
+    "scan": 2 steps, "cond": 1) over a step that tags a discarded count "n" and
+    the used value "h"; its rules run the loop once more. A new function at each
+    call: new caches."""
+
+    def step(x):
+        fx.tag(jnp.float32(1.0), "n")  # discarded: counts executions
+        return fx.tag(jnp.sin(x), "h")
+
+    def inner(x):
+        if loop == "while":
+            body = lambda c: (c[0] + 1, step(c[1]))  # noqa: E731
+            return jax.lax.while_loop(lambda c: c[0] < 2, body, (0, x))[1]
+        if loop == "scan":
+            return jax.lax.scan(lambda c, _: (step(c), None), x, None, length=2)[0]
+        return jax.lax.cond(x > 0, step, lambda x: x, x)
+
+    if rule == "custom_vjp":
+        g = jax.custom_vjp(inner)
+        g.defvjp(lambda x: (inner(x), x), lambda x, ct: (ct * inner(x),))
+    else:
+        g = jax.custom_jvp(inner)
+
+        @g.defjvp
+        def _(primals, tangents):
+            y = inner(primals[0])
+            return y, tangents[0] * jnp.cos(y)
+
+    solve = jax.jit(g)
+    return lambda x: solve(x) ** 2
+
+
+_X = 0.5
+
+
+def _custom_loop_reference(rule: str, loop: str, rules_run: bool):
+    """Hand-written: the gradient, and what Tag(mode="sum") finds where the
+    primal runs once (`rules_run` False) or the rules run instead (a
+    custom_vjp's forward and backward rules run the loop twice)."""
+    hs = [float(np.sin(np.float32(_X)))]
+    if loop != "cond":
+        hs.append(float(np.sin(np.float32(hs[-1]))))
+    y = hs[-1]
+    times = 2 if rules_run and rule == "custom_vjp" else 1
+    grad = 2 * y * y if rule == "custom_vjp" else 2 * y * np.cos(y)
+    found = {"intermediates": {"h": times * sum(hs), "n": times * len(hs)}}
+    return jnp.float32(grad), jax.tree.map(jnp.float32, found)
+
+
+# (rule, loop) pairs whose discarded tag a stale trace lost: the custom_jvp's
+# rule keeps its scan and cond tag either way.
+_CUSTOM_LOOPS = [
+    ("custom_vjp", "while"),
+    ("custom_vjp", "scan"),
+    ("custom_vjp", "cond"),
+    ("custom_jvp", "while"),
+]
+
+
+def _handled(loss):
+    return lambda x: fx.handle(loss, fx.Tag(mode="sum"))(x)
+
+
+# Transformations of `handle(loss)` that trace the custom rule outside `handle`.
+_DIFFERENTIATED_HANDLE = {
+    "grad": lambda loss, x: jax.grad(_handled(loss), has_aux=True)(x),
+    "linearize": lambda loss, x: jax.linearize(lambda x: _handled(loss)(x)[0], x),
+    "jit_grad": lambda loss, x: jax.jit(jax.grad(_handled(loss), has_aux=True))(x),
+    "grad_jit": lambda loss, x: jax.grad(jax.jit(_handled(loss)), has_aux=True)(x),
+    "vmap_grad": lambda loss, x: jax.vmap(jax.grad(_handled(loss), has_aux=True))(
+        jnp.stack([x, x])
+    ),
+    "grad_vmap": lambda loss, x: jax.grad(
+        lambda xs: jnp.sum(jax.vmap(_handled(loss))(xs)[0])
+    )(jnp.stack([x, x])),
+}
+
+
+@pytest.mark.parametrize(
+    "rule, loop, before",
+    [(rule, loop, "grad") for rule, loop in _CUSTOM_LOOPS]
+    + [("custom_vjp", "scan", b) for b in _DIFFERENTIATED_HANDLE if b != "grad"],
+)
+def test_handle_of_grad_after_a_transformed_handle(rule, loop, before):
+    """bug_stale_trace_after_grad_of_handle.py: handle(grad(f)) lost a tag."""
+    # After jax.grad(handle(loss)) (or any transformation that differentiates
+    # it), handle(jax.grad(loss)) lost the discarded tag in the custom rule: JAX
+    # had traced the rule for that call outside `handle` and served the trace
+    # again.
+    x = jnp.float32(_X)
+    want = fx.handle(jax.grad(_custom_loop_loss(rule, loop)), fx.Tag(mode="sum"))(x)
+    assert_trees_close(want, _custom_loop_reference(rule, loop, rules_run=True))
+    loss = _custom_loop_loss(rule, loop)
+    _DIFFERENTIATED_HANDLE[before](loss, x)
+    got = fx.handle(jax.grad(loss), fx.Tag(mode="sum"))(x)
+    assert_trees_close(got, want)
+    got = fx.handle(jax.jit(jax.grad(loss)), fx.Tag(mode="sum"))(x)
+    assert_trees_close(got, want)
+
+
+@pytest.mark.parametrize(
+    "rule, loop, before",
+    [(rule, loop, "jit") for rule, loop in _CUSTOM_LOOPS]
+    + [("custom_vjp", "scan", "vmap")],
+)
+def test_grad_of_handle_after_a_handle_of_grad(rule, loop, before):
+    """bug_stale_trace_after_grad_of_handle.py, the other order."""
+    # The custom rule traced for handle(jax.grad(loss)) was served to a later
+    # jax.grad(handle(loss)), whose program then held sites carrying the effect
+    # `handle` gives them while it traces: a program with no handler left in it
+    # stayed effectful, off jit's fast path.
+    x = jnp.float32(_X)
+    fresh = _custom_loop_loss(rule, loop)
+    want = jax.grad(_handled(fresh), has_aux=True)(x)
+    assert_trees_close(want, _custom_loop_reference(rule, loop, rules_run=False))
+    want_effects = jax.make_jaxpr(jax.grad(_handled(fresh), has_aux=True))(x).effects
+    loss = _custom_loop_loss(rule, loop)
+    inner = jax.grad(loss) if before == "vmap" else jax.jit(jax.grad(loss))
+    if before == "vmap":
+        jax.vmap(fx.handle(inner, fx.Tag(mode="sum")))(jnp.stack([x, x]))
+    else:
+        jax.jit(fx.handle(inner, fx.Tag(mode="sum")))(x)
+    for transformed in [
+        jax.grad(_handled(loss), has_aux=True),
+        jax.grad(jax.jit(_handled(loss)), has_aux=True),
+    ]:
+        assert_trees_close(transformed(x), want)
+        assert jax.make_jaxpr(transformed)(x).effects == want_effects
