@@ -510,11 +510,17 @@ def _walk(jaxpr, around: tuple, recomputed: bool = False):
     for eqn in jaxpr.eqns:
         site = site_of(eqn)
         if site is not None:
-            if not recomputed:
+            if not recomputed and not eqn.params.get("recompute"):
                 yield site, around
             continue
+        inner = recomputed or recomputes(eqn)
+        if eqn.primitive is _compat.closed_call_p:
+            # A call JAX makes, not the user: the forward part of a checkpoint
+            # or scan that it split for differentiation. It adds no control flow.
+            for sub in _compat.open_jaxprs_in_params(eqn.params):
+                yield from _walk(sub, around, inner)
+            continue
         for label, loop, sub in _labelled_jaxprs(eqn):
-            inner = recomputed or recomputes(eqn)
             yield from _walk(sub, (*around, (label, loop)), inner)
 
 

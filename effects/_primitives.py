@@ -55,7 +55,9 @@ class _SitePrimitive(Primitive):
     # the effect flag from the current handling state, so a site bound outside
     # `handle` never carries the effect.
     def bind(self, *args, **params):
-        effect: bool | str = bool(handling.value)
+        # A recomputation's copy of a site (see `_site_partial_eval_custom`)
+        # never carries it: JAX may drop it, and a loop may hold it.
+        effect: bool | str = bool(handling.value) and not params.get("recompute")
         probe = probing.value if effect else None
         if probe:
             key = (params["kind"], params["collection"], params["name"])
@@ -131,20 +133,35 @@ def _site_partial_eval_custom(saveable, unks_in, inst_in, eqn):
     # `jax.checkpoint` under differentiation splits its region into the forward
     # pass's part (known) and the backward pass's recomputation (staged). A site
     # with known inputs executes in the former; the latter gets an effect-free
-    # copy of it, the identity on the same inputs, which the rewriter treats as a
-    # recomputation (see `_rewrite.recomputes`): handlers act on it, so the
-    # backward pass sees the values the forward pass saw, but it reports nothing.
-    # JAX's rule for an effectful equation would save its outputs as residuals
-    # instead: a `lax.while_loop` in the region, which cannot save residuals,
-    # then fails on an assertion.
+    # copy of it, the identity on the same inputs, marked `recompute`: handlers
+    # act on it, so the backward pass sees the values the forward pass saw, but
+    # it reports nothing (see `_rewrite._site_rule`). JAX's rule for an
+    # effectful equation would save its outputs as residuals instead: a
+    # `lax.while_loop` in the region, which cannot save residuals, then fails on
+    # an assertion. A site with unknown inputs executes only where it is staged.
+    #
+    # The site itself is marked `forward`. JAX marks a `remat` region
+    # `differentiated` both when it is the backward pass's recomputation and
+    # when it is the forward part of a checkpoint in a scan in another
+    # checkpoint (the scan's rule partially evaluates that part again, to hoist
+    # what does not vary over the iterations); a `forward` site in it tells the
+    # rewriter which (see `_rewrite.recomputes`). Marks are params, which every
+    # later bind keeps, through transposition too.
     del saveable
     n = len(eqn.outvars)
     residuals = [
         v for v, inst in zip(eqn.invars, inst_in) if not inst and type(v) is _compat.Var
     ]
+    copy = eqn  # a copy already (a region partially evaluated again) stays one
+    if not eqn.params.get("recompute"):
+        params = dict(eqn.params, forward=True)
+        copy = eqn.replace(
+            params=dict(params, forward=False, effect=False, recompute=True),
+            effects=set(),
+        )
+        eqn = eqn.replace(params=params)
     if any(unks_in):
         return None, eqn, [True] * n, [True] * n, residuals
-    copy = eqn.replace(params=dict(eqn.params, effect=False), effects=set())
     return eqn, copy, [False] * n, [True] * n, residuals
 
 

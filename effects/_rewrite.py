@@ -96,8 +96,34 @@ def _plain_runs(jaxpr) -> dict[int, tuple[int, Any, list[Any]]]:
 def recomputes(eqn) -> bool:
     """Whether `eqn` is the backward pass's recomputation of a `jax.checkpoint`
     region: the sites in it are executions of the forward pass's, computed
-    again, not executions of their own (see `_remat_rule`)."""
-    return eqn.primitive is _compat.remat_p and bool(eqn.params.get("differentiated"))
+    again, not executions of their own (see `_remat_rule`). JAX marks it
+    `differentiated`, but also the forward part of a checkpoint in a scan in
+    another checkpoint, which holds the tags that JAX's partial evaluation
+    kept where they execute, marked `forward` (see
+    `_primitives._site_partial_eval_custom`); the recomputation holds their
+    copies, and those of its loops JAX recomputes whole. A region holding only
+    `checkpoint_name`s has JAX's mark alone to go by: it is taken for a
+    recomputation."""
+    if eqn.primitive is not _compat.remat_p or not eqn.params.get("differentiated"):
+        return False
+    return not _holds_forward(eqn.params["jaxpr"])
+
+
+_forward_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _holds_forward(jaxpr) -> bool:
+    """Whether `jaxpr` or a sub-jaxpr holds a site marked `forward`."""
+    found = _forward_cache.get(jaxpr)
+    if found is None:
+        found = any(
+            eqn.params.get("forward")
+            if eqn.primitive is site_p
+            else any(map(_holds_forward, _compat.open_jaxprs_in_params(eqn.params)))
+            for eqn in jaxpr.eqns
+        )
+        _forward_cache[jaxpr] = found
+    return found
 
 
 def sites_in(jaxpr) -> frozenset[tuple[str, str, str]]:
@@ -209,6 +235,8 @@ def needs_rewrite(handlers, sites, effects, handling_outside: bool) -> bool:
 
 
 def _site_rule(eqn, invals, scope: Scope) -> list[Any]:
+    if eqn.params.get("recompute") and not scope.replaying:
+        scope = scope.replay()  # a copy: its execution is reported by the original
     return handle_site(eqn.params, [v.aval for v in eqn.invars], invals, scope)
 
 

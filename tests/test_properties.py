@@ -11,7 +11,9 @@ shape (3,), (4,) or (2, 3):
 - `Fork` (`a(v) + b(v)`) and `Discard` (run a subtree, drop its result: a
   discarded tag);
 - higher-order nodes: `jax.jit`, `jax.checkpoint` (with no policy,
-  `nothing_saveable`, or `save_only_these_names` of its checkpoint_names),
+  `nothing_saveable`, or `save_only_these_names` of its checkpoint_names; also
+  drawn as `checkpoint(scan(checkpoint(...)))` in one level, as Equinox's
+  bounded while loops nest them),
   `lax.cond` / `lax.switch`
   (each branch tags its own names, and some names are shared across branches),
   `lax.scan` (forward or `reverse=True`, over `xs` derived from the carry, with
@@ -52,6 +54,11 @@ node is shape-preserving. A predicate is either "data" (from `sum(v)`) or
   `jax.checkpoint` region adds no executions; sites under a custom derivative
   are then gone (grad runs the rule), and checkpoint_names in a `Discard` may
   be (dead code, which JAX drops: unlike a tag, no effect keeps them).
+- the inner region of `checkpoint(scan(checkpoint(...)))` holds a tag: under
+  `handle(jax.grad(f))`, JAX marks the inner region's forward part
+  `differentiated`, as it marks the backward pass's recomputation, and only the
+  copies of tags that `effects` makes for the latter tell them apart; a region
+  holding only checkpoint_names is taken for a recomputation (a known gap).
 
 Each program is rendered as Python source and `exec`-ed: that source is the
 program under test, and `repr(program)` prints it (with its input), so a failing
@@ -939,8 +946,18 @@ def _draw_structure(draw, kind: str, scope: _Scope, counter: list):
     body = functools.partial(_draw_body, draw, counter=counter)
     if kind == "jit":
         return Jit(body(scope.inner()))
-    if kind == "checkpoint":
+    if kind == "checkpoint" and draw(st.integers(0, 3)):
         return Checkpoint(body(scope.inner()), draw(st.sampled_from(POLICIES)))
+    if kind == "checkpoint":
+        # checkpoint(scan(checkpoint(body))), as one level: JAX differentiates
+        # the inner region's forward part inside the outer one's. The inner
+        # body starts with a tag: see the module docstring.
+        counter[0] += 1
+        tag = Site("tag", f"t{counter[0]}", "loop" if scope.in_while else TAGGED[0])
+        drawn = body(scope.inner(has_index=True))
+        inner = Checkpoint(Seq((tag, *drawn.items)))
+        scan = Scan(Seq((inner,)), draw(st.sampled_from([2, 3])), False, False)
+        return Checkpoint(Seq((scan,)), draw(st.sampled_from(POLICIES)))
     if kind == "fork":
         return Fork(body(scope.inner()), body(scope.inner()))
     if kind == "discard":
@@ -1560,6 +1577,9 @@ def test_the_generator_covers_every_construct():
             seen.add("reverse")
         if isinstance(node, Checkpoint):
             seen.add(f"policy {node.policy}")
+            (scan,) = node.body.items if len(node.body.items) == 1 else (None,)
+            if isinstance(scan, Scan) and isinstance(scan.body.items[0], Checkpoint):
+                seen.add("checkpoint(scan(checkpoint))")
         if not isinstance(node, (Seq, Op, Site)):
             around = around | {type(node).__name__}
         for child in _children(node):
@@ -1608,6 +1628,7 @@ def test_the_generator_covers_every_construct():
         "custom_perturbations",
         CN,
         *(f"policy {p}" for p in POLICIES),
+        "checkpoint(scan(checkpoint))",
         *(
             f"{CN} in {kind}"
             for kind in ("Fork", "Discard", "Jit", "Checkpoint", "CustomJvp")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -1164,3 +1165,141 @@ def test_grad_of_handle_after_a_handle_of_grad(rule, loop, before):
     ]:
         assert_trees_close(transformed(x), want)
         assert jax.make_jaxpr(transformed)(x).effects == want_effects
+
+
+# Tags in a checkpoint inside a scan inside a checkpoint, under handle(grad(f))
+#
+
+
+def _nested_checkpoints(x):
+    """`checkpoint(scan(checkpoint(body)))`, the nesting Equinox's bounded while
+    loops build; "n" counts the body's executions."""
+
+    @jax.checkpoint
+    def body(c):
+        fx.tag(c * 0.0 + 1.0, "n")
+        return fx.tag(jnp.sin(c), "x")
+
+    @jax.checkpoint
+    def region(c):
+        return jax.lax.scan(lambda c, _: (body(c), None), c, None, length=3)[0]
+
+    return jnp.sum(region(x))
+
+
+@pytest.mark.parametrize("mode", ["append", "sum", "last"])
+@pytest.mark.parametrize("wrap", ["eager", "jit"])
+def test_grad_collects_tags_in_nested_checkpoints_as_the_forward_pass(mode, wrap):
+    """bug_grad_nested_checkpoint_scan.py: handle(jax.grad(f), Tag()) lost the
+    tags in checkpoint(scan(checkpoint(body))), or reported them from the
+    backward pass."""
+    x = jnp.array([0.5, -1.0], jnp.float32)
+    h = fx.handle(jax.grad(_nested_checkpoints), fx.Tag(mode=mode))
+    grad, found = (jax.jit(h) if wrap == "jit" else h)(x)
+    _, want = fx.handle(_nested_checkpoints, fx.Tag(mode=mode))(x)
+    assert_trees_close(grad, jax.grad(_nested_checkpoints)(x))
+    assert_trees_close(found, want)
+    # The forward pass by hand: three executions, stacked over the iterations.
+    xs = [np.sin(np.asarray(x))]
+    for _ in range(2):
+        xs.append(np.sin(xs[-1]))
+    by_mode = {
+        "append": ((np.ones((3, 2), np.float32),), (np.stack(xs),)),
+        "sum": (np.full(2, 3.0, np.float32), sum(xs)),
+        "last": (np.ones(2, np.float32), xs[-1]),
+    }
+    n, xs_want = by_mode[mode]
+    assert_trees_close(found, {"intermediates": {"n": n, "x": xs_want}})
+
+
+def test_grad_substitutes_in_nested_checkpoints():
+    """bug_grad_nested_checkpoint_scan.py: under handle(jax.grad(f)) the
+    substituted value is the one the backward pass differentiates at, and a
+    Tag after the Substitute collects it, once per execution."""
+    x, v = jnp.array([0.5, -1.0], jnp.float32), jnp.full(2, 0.1, jnp.float32)
+    handled = fx.handle(
+        jax.grad(_nested_checkpoints), fx.Substitute({"x": v}), fx.Tag(names="x")
+    )
+    grad, found = handled(x)
+
+    # By hand: each `sin` is differentiated at its input, which after the
+    # first iteration is the substituted value; the tangent passes through.
+    def straight_through(x):
+        c = x
+        for _ in range(3):
+            h = jnp.sin(c)
+            c = h + jax.lax.stop_gradient(v - h)
+        return jnp.sum(c)
+
+    assert_trees_close(grad, jax.grad(straight_through)(x))
+    assert_trees_close(grad, np.float32(np.cos(0.1) ** 2) * np.cos(np.asarray(x)))
+    substituted = np.full((3, 2), 0.1, np.float32)
+    assert_trees_close(found, {"intermediates": {"x": (substituted,)}})
+
+
+def test_sites_of_grad_lists_the_sites_in_nested_checkpoints():
+    """bug_grad_nested_checkpoint_scan.py: fx.sites(jax.grad(f)) listed none of
+    the sites in checkpoint(scan(checkpoint(body)))."""
+    x = jnp.array([0.5, -1.0], jnp.float32)
+    forward = fx.sites(_nested_checkpoints)(x)["intermediates"]
+    under_grad = fx.sites(jax.grad(_nested_checkpoints))(x)["intermediates"]
+    assert list(under_grad) == list(forward) == ["n", "x"]
+    for name in ("n", "x"):
+        (info,) = under_grad[name]
+        assert info == dataclasses.replace(forward[name][0], where=info.where)
+        assert forward[name][0].where == "checkpoint > scan(length=3) > checkpoint"
+        # JAX computes the outer region's forward part outside any checkpoint.
+        assert info.where == "scan(length=3) > checkpoint"
+        assert info.loops == (3, "other")
+
+
+def _bounded_while(x):
+    """Equinox's bounded while loop: over 256 steps, checkpointed scans of
+    checkpointed scans."""
+
+    def body(state):
+        i, c = state
+        return i + 1, fx.tag(jnp.sin(c) + 0.5, "c")
+
+    state = (0, x)
+    return jnp.sum(
+        eqxi.while_loop(lambda s: s[0] < 5, body, state, max_steps=300, kind="bounded")[
+            1
+        ]
+    )
+
+
+def _checkpointed_blocks(x):
+    """An Equinox model's blocks: a scan over `eqx.filter_checkpoint` blocks in
+    an outer `eqx.filter_checkpoint`."""
+    weights = np.array([0.5, -1.5, 2.0], np.float32)
+
+    @eqx.filter_checkpoint
+    def block(c, w):
+        return fx.tag(jnp.tanh(c * w), "block")
+
+    @eqx.filter_checkpoint
+    def blocks(c):
+        return jax.lax.scan(lambda c, w: (block(c, w), None), c, weights)[0]
+
+    return jnp.sum(blocks(x) ** 2)
+
+
+@pytest.mark.parametrize(
+    "fn, modes",
+    [(_bounded_while, ["sum", "last"]), (_checkpointed_blocks, ["append", "sum"])],
+    ids=["eqxi_bounded_while", "eqx_checkpointed_blocks"],
+)
+def test_grad_collects_tags_in_equinox_nested_checkpoints(fn, modes, request):
+    """bug_grad_nested_checkpoint_scan.py: handle(eqx.filter_grad(f), Tag())
+    returned {} for an Equinox bounded while loop of over 256 steps, and for a
+    scan over eqx.filter_checkpoint blocks in an outer one."""
+    if fn is _bounded_while:  # a tag kept in a scan under grad (see the fixture)
+        request.getfixturevalue("jax_leak_check_false_report")
+    x = jnp.array([0.5, -1.0], jnp.float32)
+    for mode in modes:
+        grad, found = fx.handle(eqx.filter_grad(fn), fx.Tag(mode=mode))(x)
+        _, want = fx.handle(fn, fx.Tag(mode=mode))(x)
+        assert_trees_close(grad, jax.grad(fn)(x))
+        assert_trees_close(found, want)
+        assert found["intermediates"]
