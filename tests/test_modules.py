@@ -609,10 +609,16 @@ def test_linen_and_nnx_from_threads_leave_classes_as_they_were():
             errors.append(e)
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    # Without JAX's leak checker: it is process-wide, and once (1 run in 4, a
+    # loaded machine) it reported a tracer of one thread's NNX trace held by
+    # Flax's `graphlib._get_sorted_leaves._flatten`, a self-referencing
+    # closure that only the garbage collector frees, while 7 other threads
+    # traced. What this test checks is the classes and the values.
+    with no_leak_checks():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     assert not errors, errors
     assert _class_dicts(classes) == before
 
