@@ -11,9 +11,10 @@ shape (3,), (4,) or (2, 3):
 - `Fork` (`a(v) + b(v)`) and `Discard` (run a subtree, drop its result: a
   discarded tag);
 - higher-order nodes: `jax.jit`, `jax.checkpoint` (with no policy,
-  `nothing_saveable`, or `save_only_these_names` of its checkpoint_names; also
-  drawn as `checkpoint(scan(checkpoint(...)))` in one level, as Equinox's
-  bounded while loops nest them),
+  `nothing_saveable`, or `save_only_these_names` of its checkpoint_names; with
+  `EFFECTS_FUZZ_NESTED_CHECKPOINTS=1` also drawn as
+  `checkpoint(scan(checkpoint(...)))` in one level, as Equinox's bounded while
+  loops nest them),
   `lax.cond` / `lax.switch`
   (each branch tags its own names, and some names are shared across branches),
   `lax.scan` (forward or `reverse=True`, over `xs` derived from the carry, with
