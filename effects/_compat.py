@@ -270,9 +270,9 @@ def copy_into_trace(jaxpr: Jaxpr, args: Sequence[Any]) -> list[Any] | None:
             return None
     if getattr(jaxpr, "is_high", False):
         # jax 0.10+: copying equations skips the staging that marks the jaxpr
-        # being built as holding hijax equations (see `_is_high_eqn`); mark it
-        # as JAX's own staging of a `jit` inlined there does.
-        trace.frame.is_high = True
+        # being built as holding hijax equations (see `_is_high_eqn`); binding
+        # them again goes through JAX's own staging, which marks it.
+        return None
     return _pe.inline_jaxpr_into_trace(trace, src, jaxpr, (), *tracers)
 
 
