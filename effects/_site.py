@@ -127,15 +127,12 @@ class Site:
         return jax.tree.unflatten(self.treedef, leaves)
 
     def front_avals(self):
-        """The value's structure and shapes as handlers see it."""
-        leaves = []
-        for aval, entries in zip(self.avals, self.batch):
-            shape = list(aval.shape)
-            for a, _ in sorted((e for e in entries if e[0] is not None), reverse=True):
-                del shape[a]
-            shape = [size for _, size in entries] + shape
-            leaves.append(jax.ShapeDtypeStruct(tuple(shape), aval.dtype))
-        return jax.tree.unflatten(self.treedef, leaves)
+        """The value's structure and shapes in the layout `found` has: one
+        example's, after the vmap batch axes."""
+        sizes = self.batch_sizes()
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(sizes + a.shape, a.dtype), self.shape_dtype
+        )
 
     def to_front(self, leaves):
         """Program layout -> handler layout: batch axes moved (or, for a leaf that
