@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -507,14 +508,16 @@ def scan_params(params, jaxpr, *, n_consts: int, n_carry: int, n_xs: int, n_ys: 
 # `jax.custom_vjp` and `jax.custom_jvp` under the `jax_remat3`,
 # `jax_custom_vjp3` and `jax_custom_jvp3` flags (`RematTraced`,
 # `CustomVJPTraced`, `CustomJVPTraced`).
+# The module is taken only where JAX itself imported it: on jax 0.7 importing it
+# registers rules for its primitives in JAX's tables, which is JAX's business.
+_hijax = sys.modules.get("jax._src.hijax")
 try:
-    from jax._src import hijax as _hijax
     from jax._src import stages as _stages
 
     call_hi_primitive_p = _hijax.call_hi_primitive_p
     # jax 0.12: `HiPrim`; jax 0.10: `VJPHiPrimitive`.
     _HiPrim = getattr(_hijax, "HiPrim", None) or _hijax.VJPHiPrimitive
-except (ImportError, AttributeError):  # pragma: no cover - jax 0.7-0.9
+except AttributeError:  # pragma: no cover - jax 0.7-0.9
     call_hi_primitive_p = _HiPrim = _stages = None
 
 
