@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 from . import _compat
 from ._handlers import NO_INPUT, Context, Handler, mode_of
-from ._site import Axis, Lead, Site, describe, shape_dtype, strong
+from ._layout import Axis, Lead, grow
+from ._site import Site, describe, shape_dtype, strong
 
 Key = tuple[int, str]  # (handler index, site name)
 
@@ -257,20 +258,6 @@ def _check_input(value, avals, site: Site, key: Key, handlers) -> None:
 
 def types_of(tree):
     return jax.tree.map(shape_dtype, tree)
-
-
-def grow(tree, have: tuple[Axis, ...], want: tuple[Axis, ...]):
-    """`tree`, whose leaves lead with vmap batch axes of sizes `have`, broadcast
-    to lead with `want` (`have` outermost-first is a prefix of `want`)."""
-    new = tuple(range(len(have), len(want)))
-
-    sizes = tuple(s if isinstance(s, int) else s[1] for s in want)
-
-    def one(x):
-        x = jnp.expand_dims(x, new)
-        return jnp.broadcast_to(x, sizes + x.shape[len(want) :])
-
-    return jax.tree.map(one, tree)
 
 
 def _acc_init(reduce, site: Site):

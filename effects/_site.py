@@ -4,7 +4,7 @@ the layout users see (vmap batch axes first, outermost first)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -173,57 +173,3 @@ _NOT_VARYING = (
     "shard. Handle inside the shard_map (call fx.handle within the function "
     "passed to it)."
 )
-
-#
-# Where the axes of stacked entries go
-#
-
-
-# An axis an accumulator has per example or per shard, outermost first: a vmap
-# batch axis by its size, a shard_map's as `("shard", size)`.
-Axis = int | tuple[str, int]
-
-
-class Lead(NamedTuple):
-    """The leading axes of an entry in the layout handlers see: its vmap batch
-    axes, then one axis per `shard_map` it came out of (outermost first); the
-    axes of the scans it came out of follow them."""
-
-    batch: int
-    shard: int = 0
-
-
-def stack_axis(lead: Lead, kind: str) -> int:
-    """Where leaving a region of `kind` ("scan" or "shard") adds its axis to an
-    entry: a scan's after the batch and shard axes, a shard_map's after the
-    batch axes and before those of shard_maps inside it."""
-    return lead.batch + lead.shard if kind == "scan" else lead.batch
-
-
-def after(lead: Lead, kind: str) -> Lead:
-    """An entry's leading axes once it has left a region of `kind`."""
-    return lead if kind == "scan" else Lead(lead.batch, lead.shard + 1)
-
-
-def stacked_avals(avals, lead: Lead, kind: str, size: int):
-    """The types of an entry's values stacked over a region of `kind`."""
-    axis = stack_axis(lead, kind)
-    return jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(
-            a.shape[:axis] + (size,) + a.shape[axis:], a.dtype
-        ),
-        avals,
-    )
-
-
-def to_region(value, lead: Lead, kind: str):
-    """Stacked values (layout above) -> the stacked axis first, as a scan slices
-    its inputs and a shard_map splits them."""
-    axis = stack_axis(lead, kind)
-    return jax.tree.map(lambda x: jnp.moveaxis(x, axis, 0), value)
-
-
-def from_region(value, lead: Lead, kind: str):
-    """Values stacked along their first axis by a region -> the layout above."""
-    axis = stack_axis(lead, kind)
-    return jax.tree.map(lambda x: jnp.moveaxis(x, 0, axis), value)

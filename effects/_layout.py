@@ -1,0 +1,156 @@
+"""Where the axes go: the one place that knows where vmap batch axes, shard_map
+shard axes and scan iteration axes sit in what handlers emit, and how a region's
+state (accumulators, per-execution inputs, appended entries) crosses the
+boundary of a loop body, a branch or a shard_map's body.
+
+In the layout `found` has, a value leads with its vmap batch axes (outermost
+first), then one axis per `shard_map` it came out of, then one per `lax.scan`
+it came out of (outermost first)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from . import _compat
+
+# An axis an accumulator has per example or per shard, outermost first: a vmap
+# batch axis by its size, a shard_map's as `("shard", size)`.
+Axis = int | tuple[str, int]
+
+
+class Lead(NamedTuple):
+    """The leading axes of an entry in the layout handlers see: its vmap batch
+    axes, then one axis per `shard_map` it came out of (outermost first); the
+    axes of the scans it came out of follow them."""
+
+    batch: int
+    shard: int = 0
+
+
+def grow(tree, have: tuple[Axis, ...], want: tuple[Axis, ...]):
+    """`tree`, whose leaves lead with the axes `have`, broadcast to lead with
+    `want` (`have` is a prefix of `want`, both outermost first)."""
+    new = tuple(range(len(have), len(want)))
+    sizes = tuple(s if isinstance(s, int) else s[1] for s in want)
+
+    def one(x):
+        x = jnp.expand_dims(x, new)
+        return jnp.broadcast_to(x, sizes + x.shape[len(want) :])
+
+    return jax.tree.map(one, tree)
+
+
+def _same(x):
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+    """How a region's state crosses into it and out of it.
+
+    - `stack`: None, or how entries leave the region stacked along a new axis:
+      `"scan"` (one per iteration, after the batch and shard axes) or
+      `"shard"` (one per shard, after the batch axes and before the axes of
+      shard_maps inside). Per-execution inputs enter stacked the same way.
+    - `size`: the number of iterations or shards.
+    - `params`: a shard_map's params (its body sees one shard of what is stacked).
+    - `vary`: entries leave varying over the manual mesh axes (the branches of a
+      cond inside a shard_map must agree on it).
+    """
+
+    stack: str | None = None
+    size: int = 0
+    params: Any = None
+    vary: bool = False
+
+    @classmethod
+    def shard_map(cls, params) -> Boundary:
+        mesh, manual = params["mesh"], _compat.shard_map_manual_axes(params)
+        size = 1
+        for a in mesh.axis_names:
+            size *= mesh.shape[a] if a in manual else 1
+        return cls("shard", size, params)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """A shard_map's manual mesh axes, in mesh order."""
+        manual = _compat.shard_map_manual_axes(self.params)
+        return tuple(a for a in self.params["mesh"].axis_names if a in manual)
+
+    @property
+    def spec(self):
+        """A shard_map's spec for what is stacked over its shards."""
+        return jax.sharding.PartitionSpec(self.axes)
+
+    # Stacked entries and inputs, outside the region -------------------------
+
+    def _axis(self, lead: Lead) -> int:
+        return lead.batch + lead.shard if self.stack == "scan" else lead.batch
+
+    def after(self, lead: Lead) -> Lead:
+        """An entry's leading axes once it has left the region."""
+        if self.stack == "shard":
+            return Lead(lead.batch, lead.shard + 1)
+        return lead
+
+    def stacked(self, avals, lead: Lead):
+        """The types of an entry's values stacked over the region."""
+        if self.stack is None:
+            return avals
+        axis = self._axis(lead)
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(
+                a.shape[:axis] + (self.size,) + a.shape[axis:], a.dtype
+            ),
+            avals,
+        )
+
+    def to_inside(self, value, lead: Lead):
+        """Stacked values (layout above) -> the stacked axis first, as a scan
+        slices its inputs and a shard_map splits them."""
+        if self.stack is None:
+            return value
+        axis = self._axis(lead)
+        return jax.tree.map(lambda x: jnp.moveaxis(x, axis, 0), value)
+
+    def from_inside(self, value, lead: Lead):
+        """Values stacked along their first axis by the region -> the layout
+        above."""
+        if self.stack is None:
+            return value
+        axis = self._axis(lead)
+        return jax.tree.map(lambda x: jnp.moveaxis(x, 0, axis), value)
+
+    # Flat values crossing the boundary --------------------------------------
+
+    def input_aval(self, aval):
+        """The type inside of a per-execution input leaf of type `aval` outside."""
+        if self.stack == "scan":
+            return _compat.mapped_aval(self.size, aval)
+        return self.acc_aval(aval)
+
+    def acc_aval(self, aval):
+        """The type inside of an accumulator leaf of type `aval` outside (a
+        shard_map's, stacked over its shards, enters split)."""
+        if self.stack == "shard":
+            return _compat.shard_aval(self.params, self.spec, aval)
+        return aval
+
+    def enter(self, x):
+        """An input or accumulator leaf inside, from what the region gives."""
+        if self.stack == "shard":  # this shard's slice of size 1
+            return _compat.vary_over_manual_axes(x[0])
+        return x
+
+    def leave(self, x):
+        """An accumulator or entry leaf, as the region returns it."""
+        if self.stack == "shard":
+            return _compat.vary_over_manual_axes(x)[None]
+        return _compat.vary_over_manual_axes(x) if self.vary else x
+
+
+WHOLE = Boundary()

@@ -1,0 +1,764 @@
+"""The rules for higher-order primitives (jit, checkpoint, scan, while_loop,
+cond, custom_jvp/custom_vjp, shard_map): each threads what the handlers emit in
+its sub-jaxprs through a `Region`, and keeps only its binder order and params.
+
+A region is traced twice, as `jax.experimental.checkify` does: discovery traces
+it abstractly to learn what the handlers emit inside (a `Plan`: accumulators,
+entries, per-execution inputs, with their types), then the real pass traces it
+with that state as extra inputs and outputs. A region met while discovering an
+enclosing one is not traced again: its plan says what it emits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _compat
+from ._layout import WHOLE, Axis, Boundary, Lead, grow
+from ._rewrite import _bind, _matched, recomputes, rules, run, sites_in
+from ._scope import Key, Scope, types_of, zeros
+from ._site import Site, describe
+
+#
+# Plans: what a region emits
+#
+
+
+@dataclasses.dataclass
+class Plan:
+    """What the handlers emit inside one region, learnt by discovery."""
+
+    accs: dict[Key, Any]  # key -> init thunk, for those first made inside
+    acc_avals: dict[Key, Any]  # key -> avals tree
+    acc_batch: dict[Key, tuple[Axis, ...]]  # key -> its per-example axes
+    entries: dict[Key, list[tuple[Any, Lead]]]  # key -> [(avals tree, lead)]
+    inputs: dict[Key, list[tuple[Any, Lead]]]
+    sites: dict[Key, Site]
+
+    def acc(self, scope: Scope, key: Key):
+        """One accumulator's value entering the region (made, or grown by the
+        vmap batch axes it has inside)."""
+        if key not in scope.accs:
+            scope.acc_inits.setdefault(key, self.accs[key])
+            scope.accs[key] = self.accs[key]()
+            scope.acc_batch[key] = self.acc_batch[key]
+        scope.touched[key] = None
+        acc, have = scope.accs[key], scope.acc_batch[key]
+        if have != self.acc_batch[key]:
+            acc = scope.accs[key] = grow(acc, have, self.acc_batch[key])
+            scope.acc_batch[key] = self.acc_batch[key]
+        return acc
+
+    def forbid(self, loop: str, scope: Scope) -> None:
+        """Refuses what a loop cannot do: a single value, and in a while_loop
+        (whose number of iterations is unknown) appends and per-execution
+        inputs."""
+        unbounded = loop == "lax.while_loop"
+        for key in self.entries:
+            mode, where = scope.modes[key[0]], self.sites[key].where()
+            if mode.single:
+                instead = _INSTEAD_IN_WHILE if unbounded else _INSTEAD_IN_SCAN
+                raise ValueError(
+                    _STRICT_IN_LOOP.format(
+                        where=where, what=loop, mode=mode.label, instead=instead
+                    )
+                )
+            if unbounded:
+                raise ValueError(_APPEND_IN_WHILE.format(where=where, mode=mode.label))
+        for key in self.inputs if unbounded else ():
+            raise ValueError(
+                _INPUT_IN_WHILE.format(
+                    where=self.sites[key].where(),
+                    handler=type(scope.handlers[key[0]]).__name__,
+                )
+            )
+
+    @classmethod
+    def merged(cls, plans: list[Plan]) -> Plan:
+        """One plan for the branches of a cond: every branch threads what any
+        of them emits."""
+        merged = cls({}, {}, {}, {}, {}, {})
+        for plan in plans:
+            merged.sites.update(plan.sites)
+            merged.accs.update(plan.accs)
+            for key, avals in plan.acc_avals.items():
+                # Where branches differ, the accumulator of the branch under
+                # more vmaps (the other's grows to it).
+                batch = plan.acc_batch[key]
+                if len(batch) >= len(merged.acc_batch.get(key, ())):
+                    merged.acc_avals[key], merged.acc_batch[key] = avals, batch
+            for ours, theirs in [
+                (merged.entries, plan.entries),
+                (merged.inputs, plan.inputs),
+            ]:
+                for key, specs in theirs.items():
+                    have = ours.setdefault(key, [])
+                    for j, spec in enumerate(specs):
+                        if j == len(have):
+                            have.append(spec)
+                        elif _spec_key(have[j]) != _spec_key(spec):
+                            raise ValueError(
+                                _BRANCHES_DIFFER.format(
+                                    where=plan.sites[key].where(),
+                                    one=describe(spec[0]),
+                                    other=describe(have[j][0]),
+                                )
+                            )
+        return merged
+
+
+_INSTEAD_IN_SCAN = "Use mode='append' (stacked over iterations), 'last' or 'sum'."
+_INSTEAD_IN_WHILE = (
+    "Use mode='last' or a reduction ('sum' or fx.Reduce); to keep every "
+    "iteration, write the loop as a lax.scan."
+)
+_STRICT_IN_LOOP = (
+    "{where} is inside a {what}, but {mode} collects a single value. {instead}"
+)
+_APPEND_IN_WHILE = (
+    "{where} is inside a lax.while_loop, whose number of iterations is unknown, so "
+    "{mode} cannot append its executions. Use Tag(mode='last'), a reduction "
+    "('sum' or fx.Reduce), or a lax.scan."
+)
+_INPUT_IN_WHILE = (
+    "{where} is inside a lax.while_loop, so {handler} cannot give it one value per "
+    "execution. Give one value for every execution (Substitute without "
+    "per_call), or use a lax.scan."
+)
+_BRANCHES_DIFFER = (
+    "{where} has {one} in one branch of a lax.cond and {other} in another; a "
+    "tag's shape and dtype must agree across branches."
+)
+
+
+def _spec_key(spec):
+    avals, lead = spec
+    leaves, tree = jax.tree.flatten(avals)
+    return tree, tuple((a.shape, a.dtype) for a in leaves), lead
+
+
+def discover(jaxpr, consts, in_avals, scope: Scope, shards=()) -> Plan:
+    """Traces `jaxpr` once, abstractly, to learn what the handlers emit in it
+    (`shards`: the shard_map the region is the body of, see `Site.shards`)."""
+    plans = []
+    # The region starts from the accumulators entering it (a reduction may grow
+    # one there, by vmap batch axes).
+    entering = {k: types_of(v) for k, v in scope.accs.items()}
+
+    def fn(*args):
+        sub = Scope(
+            scope.handlers,
+            discovering=True,
+            accs={
+                k: jax.tree.map(_compat.vary_over_manual_axes, zeros(t))
+                for k, t in entering.items()
+            },
+            acc_batch=scope.acc_batch,
+            custom=scope.custom,
+            shards=scope.shards + shards,
+        )
+        outs = run(jaxpr, consts, args, sub)
+        # Only types leave the trace: nothing may keep its tracers alive.
+        plans.append(
+            Plan(
+                accs=dict(sub.acc_inits),
+                acc_avals={k: types_of(sub.accs[k]) for k in sub.touched},
+                acc_batch={k: sub.acc_batch[k] for k in sub.touched},
+                entries={
+                    k: [(types_of(v), lead) for v, lead in vs]
+                    for k, vs in sub.entries.items()
+                },
+                inputs=dict(sub.input_avals),
+                sites=dict(sub.sites),
+            )
+        )
+        return outs
+
+    _compat.trace(fn, in_avals)
+    return plans[0]
+
+
+def _flat(trees) -> list[Any]:
+    return [leaf for t in trees for leaf in jax.tree.leaves(t)]
+
+
+def _unflat(trees, leaves) -> list[Any]:
+    out, i = [], 0
+    for t in trees:
+        tree = jax.tree.structure(t)
+        out.append(tree.unflatten(leaves[i : i + tree.num_leaves]))
+        i += tree.num_leaves
+    return out
+
+
+#
+# Regions
+#
+
+
+class Region:
+    """A sub-jaxpr (a called function, a loop body, a branch, a shard_map's
+    body) with what the handlers emit in it threaded through. Made, it has
+    taken from the enclosing scope the accumulators entering the region
+    (`accs`) and its per-execution inputs (`inputs`), flat; `trace` traces the
+    body with those as extra inputs and outputs, and `leave` gives what came out
+    back to the scope. A rule reads:
+
+        region = Region.of(scope, jaxpr, consts, in_avals)
+        if scope.discovering:
+            return region.discovered(eqn, invals)
+        body, hoisted = region.trace(jaxpr, consts, in_avals)
+        # body: (*hoisted, *args, *accs, *inputs) -> (*outs, *accs, *entries)
+        outs = _bind(eqn, [*hoisted, *invals, *region.accs, *region.inputs], ...)
+        region.leave(outs[n_out:])
+        return outs[:n_out]
+    """
+
+    def __init__(self, scope: Scope, plan: Plan, boundary: Boundary = WHOLE, accs=None):
+        self.scope, self.plan, self.boundary = scope, plan, boundary
+        for key, site in plan.sites.items():  # known in order of first execution
+            scope.sites.setdefault(key, site)
+        if accs is None:
+            accs = _flat(plan.acc(scope, key) for key in plan.acc_avals)
+        self.accs = accs
+        self.inputs = self._take_inputs()
+
+    @classmethod
+    def of(cls, scope, jaxpr, consts, in_avals, boundary=WHOLE, loop=None) -> Region:
+        plan = discover(jaxpr, consts, in_avals, scope)
+        if loop is not None:
+            plan.forbid(loop, scope)
+        return cls(scope, plan, boundary)
+
+    def _take_inputs(self) -> list[Any]:
+        b, flat = self.boundary, []
+        for key, specs in self.plan.inputs.items():
+            outside = [(b.stacked(avals, lead), b.after(lead)) for avals, lead in specs]
+            values = self.scope.take_inputs(key, outside, self.plan.sites[key])
+            for value, (_, lead) in zip(values, specs):
+                flat += jax.tree.leaves(b.to_inside(value, lead))
+        return flat
+
+    @property
+    def shards(self) -> tuple:
+        b = self.boundary
+        inner = ((b.axes, b.size),) if b.stack == "shard" else ()
+        return self.scope.shards + inner
+
+    def trace(self, jaxpr, consts, in_avals):
+        """Traces the region `(*args, *accs, *inputs) -> (*outs, *accs,
+        *entries)`; entries a run does not emit (a branch that did not tag a
+        name) are zeros. Returns the open jaxpr, which takes the constants it
+        closes over first, and those constants."""
+        plan, scope, b = self.plan, self.scope, self.boundary
+        acc_trees = list(plan.acc_avals.values())
+        input_trees = [avals for specs in plan.inputs.values() for avals, _ in specs]
+        n_args, n_acc = len(in_avals), len(self.accs)
+
+        def fn(*flat):
+            accs = _unflat(acc_trees, [b.enter(x) for x in flat[n_args:][:n_acc]])
+            given = iter(
+                _unflat(input_trees, [b.enter(x) for x in flat[n_args + n_acc :]])
+            )
+            sub = Scope(
+                scope.handlers,
+                accs=dict(zip(plan.acc_avals, accs)),
+                acc_batch=plan.acc_batch,
+                inputs={k: [next(given) for _ in v] for k, v in plan.inputs.items()},
+                custom=scope.custom,
+                shards=self.shards,
+            )
+            outs = run(jaxpr, consts, flat[:n_args], sub)
+            entries = []
+            for key, specs in plan.entries.items():
+                got = sub.entries.get(key, [])
+                for j, (avals, _) in enumerate(specs):
+                    entries.append(got[j][0] if j < len(got) else zeros(avals))
+            accs = [sub.accs[k] for k in plan.acc_avals]
+            return [*outs, *map(b.leave, _flat(accs)), *map(b.leave, _flat(entries))]
+
+        avals = [
+            *in_avals,
+            *(b.acc_aval(jax.typeof(x)) for x in self.accs),
+            *(b.input_aval(jax.typeof(x)) for x in self.inputs),
+        ]
+        return _compat.trace(fn, avals)
+
+    def leave(self, leaves) -> None:
+        """Gives the enclosing scope what the region returned after its own
+        outputs: the accumulators, then the entries (stacked along their first
+        axis by a scan or shard_map)."""
+        plan, scope, b = self.plan, self.scope, self.boundary
+        n_acc = len(self.accs)
+        self.set_accs(leaves[:n_acc])
+        entries, i = leaves[n_acc:], 0
+        for key, specs in plan.entries.items():
+            for avals, lead in specs:
+                tree = jax.tree.structure(avals)
+                value = tree.unflatten(entries[i : i + tree.num_leaves])
+                i += tree.num_leaves
+                value = b.from_inside(value, lead)
+                scope.add_entry(key, value, b.after(lead), plan.sites[key])
+
+    def set_accs(self, leaves) -> None:
+        """The accumulators leaving the region (a shard_map's, one per shard,
+        after the batch axes)."""
+        plan, scope, b = self.plan, self.scope, self.boundary
+        trees = list(plan.acc_avals.values())
+        for key, value in zip(plan.acc_avals, _unflat(trees, list(leaves))):
+            scope.accs[key] = value
+            if b.stack == "shard":
+                batch = plan.acc_batch[key]
+                scope.accs[key] = b.from_inside(value, Lead(len(batch)))
+                scope.acc_batch[key] = (*batch, ("shard", b.size))
+
+    def discovered(self, eqn, invals) -> list[Any]:
+        """The region, met while discovering an enclosing one: what it emits is
+        known from its plan, so it is not traced again (that would make
+        discovery cost grow exponentially with nesting depth). The equation
+        gives the outputs' types; entries are zeros of their types outside."""
+        b = self.boundary
+        for key, specs in self.plan.entries.items():
+            for avals, lead in specs:
+                zero = zeros(b.stacked(avals, lead))
+                self.scope.add_entry(key, zero, b.after(lead), self.plan.sites[key])
+        return _bind(eqn, invals)
+
+
+#
+# Call-like primitives: jit, closed_call, checkpoint
+#
+
+
+def _call_rule(eqn, invals, scope: Scope, *, body_of, rebuild) -> list[Any]:
+    jaxpr, consts = body_of(eqn.params)
+    in_avals = [v.aval for v in eqn.invars]
+    region = Region.of(scope, jaxpr, consts, in_avals)
+    if scope.discovering:
+        return region.discovered(eqn, invals)
+    body, hoisted = region.trace(jaxpr, consts, in_avals)
+    n_out = len(eqn.outvars)
+    n_in = len(region.accs) + len(region.inputs)
+    params = rebuild(eqn.params, body, len(hoisted), n_in, len(body.outvars) - n_out)
+    outs = _bind(eqn, [*hoisted, *invals, *region.accs, *region.inputs], **params)
+    region.leave(outs[n_out:])
+    return outs[:n_out]
+
+
+def _pad(seq, before: int, after: int, fill) -> tuple:
+    return (fill,) * before + tuple(seq) + (fill,) * after
+
+
+def _rebuild_jit(params, body, n_hoisted, n_extra_in, n_extra_out):
+    unspec = _compat.UNSPECIFIED
+    return dict(
+        jaxpr=_compat.ClosedJaxpr(body, ()),
+        in_shardings=_pad(params["in_shardings"], n_hoisted, n_extra_in, unspec),
+        in_layouts=_pad(params["in_layouts"], n_hoisted, n_extra_in, None),
+        donated_invars=_pad(params["donated_invars"], n_hoisted, n_extra_in, False),
+        out_shardings=_pad(params["out_shardings"], 0, n_extra_out, unspec),
+        out_layouts=_pad(params["out_layouts"], 0, n_extra_out, None),
+    )
+
+
+def _closed_body(name):
+    return lambda params: (params[name].jaxpr, params[name].consts)
+
+
+rules[_compat.pjit_p] = functools.partial(
+    _call_rule, body_of=_closed_body("jaxpr"), rebuild=_rebuild_jit
+)
+rules[_compat.closed_call_p] = functools.partial(
+    _call_rule,
+    body_of=_closed_body("call_jaxpr"),
+    rebuild=lambda p, body, *_: dict(call_jaxpr=_compat.ClosedJaxpr(body, ())),
+)
+
+
+def _remat_rule(eqn, invals, scope: Scope) -> list[Any]:
+    # In the backward pass's recomputation of a region, handlers act on its sites
+    # so that it computes the values the forward pass did (a substituted value,
+    # a perturbation), but what they report there is dropped: each execution is
+    # reported once, by the forward pass.
+    if recomputes(eqn):
+        scope = scope.replay()
+    return _call_rule(
+        eqn,
+        invals,
+        scope,
+        body_of=lambda p: (p["jaxpr"], ()),
+        rebuild=lambda p, body, *_: dict(jaxpr=body),
+    )
+
+
+rules[_compat.remat_p] = _remat_rule
+
+#
+# scan
+#
+
+
+def _scan_rule(eqn, invals, scope: Scope) -> list[Any]:
+    p = eqn.params
+    closed, length = p["jaxpr"], p["length"]
+    n_consts, n_carry = _compat.scan_counts(p)
+    n_xs, n_ys = len(invals) - n_consts - n_carry, len(eqn.outvars) - n_carry
+    in_avals = closed.in_avals
+    boundary = Boundary("scan", length)
+    region = Region.of(
+        scope, closed.jaxpr, closed.consts, in_avals, boundary, "lax.scan"
+    )
+    if scope.discovering:
+        return region.discovered(eqn, invals)
+    body, hoisted = region.trace(closed.jaxpr, closed.consts, in_avals)
+    # The region is (hoisted, consts, carry, xs, accs, inputs) -> (carry, ys, accs,
+    # entries); scan wants the accumulators in the carry: (hoisted, consts, carry,
+    # accs, xs, inputs) -> (carry, accs, ys, entries).
+    n_h, n_acc = len(hoisted), len(region.accs)
+    iv, ov = list(body.invars), list(body.outvars)
+    c_end = n_h + n_consts + n_carry
+    x_end = c_end + n_xs
+    iv = iv[:c_end] + iv[x_end : x_end + n_acc] + iv[c_end:x_end] + iv[x_end + n_acc :]
+    y_end = n_carry + n_ys
+    ov = (
+        ov[:n_carry]
+        + ov[y_end : y_end + n_acc]
+        + ov[n_carry:y_end]
+        + ov[y_end + n_acc :]
+    )
+    params = _compat.scan_params(
+        p,
+        _compat.ClosedJaxpr(body.replace(invars=iv, outvars=ov), ()),
+        n_consts=n_h + n_consts,
+        n_carry=n_carry + n_acc,
+        n_xs=n_xs + len(region.inputs),
+        n_ys=len(ov) - n_carry - n_acc,
+    )
+    carry_end = n_consts + n_carry
+    outs = _bind(
+        eqn,
+        [
+            *hoisted,
+            *invals[:carry_end],
+            *region.accs,
+            *invals[carry_end:],
+            *region.inputs,
+        ],
+        **params,
+    )
+    region.leave(outs[n_carry : n_carry + n_acc] + outs[n_carry + n_acc + n_ys :])
+    return outs[:n_carry] + outs[n_carry + n_acc : n_carry + n_acc + n_ys]
+
+
+rules[_compat.scan_p] = _scan_rule
+
+#
+# while_loop
+#
+
+
+def _while_rule(eqn, invals, scope: Scope) -> list[Any]:
+    p = eqn.params
+    cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+    n_cc, n_bc = p["cond_nconsts"], p["body_nconsts"]
+    matched = _matched(scope.handlers, sites_in(cond.jaxpr))
+    if matched:
+        raise ValueError(
+            f"{Site.probe(*matched[0]).where()} is inside the "
+            "cond_fun of a lax.while_loop, which handlers cannot collect from. "
+            "Tag the value in body_fun instead."
+        )
+    region = Region.of(
+        scope, body.jaxpr, body.consts, body.in_avals, loop="lax.while_loop"
+    )
+    if scope.discovering:
+        return region.discovered(eqn, invals)
+    new_body, hoisted = region.trace(body.jaxpr, body.consts, body.in_avals)
+    # (hoisted, body_consts, carry, accs) -> (carry, accs): the accumulators
+    # extend the carry; cond_fun ignores them.
+    accs = region.accs
+    new_cond = _compat.insert_invars(
+        cond.jaxpr, len(cond.jaxpr.invars), [jax.typeof(x) for x in accs]
+    )
+    params = dict(
+        cond_jaxpr=_compat.ClosedJaxpr(new_cond, cond.consts),
+        body_jaxpr=_compat.ClosedJaxpr(new_body, ()),
+        body_nconsts=len(hoisted) + n_bc,
+    )
+    cond_consts, rest = invals[:n_cc], invals[n_cc:]
+    outs = _bind(eqn, [*cond_consts, *hoisted, *rest, *accs], **params)
+    n_carry = len(rest) - n_bc
+    region.leave(outs[n_carry:])
+    return outs[:n_carry]
+
+
+rules[_compat.while_p] = _while_rule
+
+#
+# cond / switch
+#
+
+
+def _cond_rule(eqn, invals, scope: Scope) -> list[Any]:
+    branches = eqn.params["branches"]
+    in_avals = branches[0].in_avals
+    plan = Plan.merged([discover(b.jaxpr, b.consts, in_avals, scope) for b in branches])
+    # Inside a shard_map, one branch's entry may vary over the mesh where another
+    # branch's (or a zeros fill) does not; cond needs them alike.
+    region = Region(scope, plan, Boundary(vary=True))
+    if scope.discovering:
+        return region.discovered(eqn, invals)
+    traced = [region.trace(b.jaxpr, b.consts, in_avals) for b in branches]
+    hoisted_avals = [[jax.typeof(c) for c in h] for _, h in traced]
+    new_branches = []
+    for i, (body, hoisted) in enumerate(traced):
+        # Every branch takes every branch's constants: its own, with the others'
+        # as unused inputs around them.
+        before = [a for h in hoisted_avals[:i] for a in h]
+        after = [a for h in hoisted_avals[i + 1 :] for a in h]
+        body = _compat.insert_invars(body, len(hoisted), after)
+        body = _compat.insert_invars(body, 0, before)
+        new_branches.append(_compat.ClosedJaxpr(body, ()))
+    all_hoisted = [c for _, hoisted in traced for c in hoisted]
+    index, ops = invals[0], invals[1:]
+    extra = [*region.accs, *region.inputs]
+    outs = _bind(eqn, [index, *all_hoisted, *ops, *extra], branches=tuple(new_branches))
+    n_out = len(eqn.outvars)
+    region.leave(outs[n_out:])
+    return outs[:n_out]
+
+
+rules[_compat.cond_p] = _cond_rule
+
+#
+# custom_jvp / custom_vjp
+#
+
+
+def _custom_rule(eqn, invals, scope: Scope) -> list[Any]:
+    # Handlers may look at values inside, not change them (`_scope.act`
+    # refuses): the custom rule would not know of the change.
+    outer, scope.custom = scope.custom, eqn.primitive.name
+    try:
+        return _custom(eqn, invals, scope)
+    finally:
+        scope.custom = outer
+
+
+def _custom(eqn, invals, scope: Scope) -> list[Any]:
+    closed = eqn.params["call_jaxpr"]
+    if scope.discovering:
+        outs = _bind(eqn, invals)
+        run(closed.jaxpr, closed.consts, invals, scope)  # types only: nothing runs
+        return outs
+    # The equation with its sites re-bound (dropping the effect they carried
+    # while `handle` traced): its custom rule differentiates the function.
+    stripped, consts = _compat.trace_closed(
+        lambda *args: run(closed.jaxpr, closed.consts, args, Scope(())),
+        closed.in_avals,
+    )
+    # (the original's debug info names the function in the equation)
+    stripped = stripped.replace(debug_info=closed.jaxpr.debug_info)
+    call_jaxpr = _compat.ClosedJaxpr(stripped, consts)
+    if not _matched(scope.handlers, sites_in(closed.jaxpr)):
+        return _bind(eqn, invals, call_jaxpr=call_jaxpr)
+    # One region computes the outputs and what the handlers collect, so the
+    # function runs once; differentiating it differentiates the equation, by its
+    # own rule, and collects by running the region once more. What is collected
+    # inside carries no gradient: the custom rule defines none for it.
+    in_avals = [v.aval for v in eqn.invars]
+    region = Region.of(scope, closed.jaxpr, closed.consts, in_avals)
+    body, hoisted = region.trace(closed.jaxpr, closed.consts, in_avals)
+    traced = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(body, ()))
+    n_out = len(eqn.outvars)
+
+    def original(*args):
+        return _bind(eqn, args, call_jaxpr=call_jaxpr)
+
+    if eqn.primitive is _compat.custom_vjp_call_p:
+        collecting = _collecting_custom_vjp(original, traced, n_out)
+    else:
+        collecting = _collecting_custom_jvp(original, traced, n_out)
+    outs = collecting(hoisted, invals, region.accs)
+    region.leave(outs[n_out:])
+    return outs[:n_out]
+
+
+def _collecting_custom_vjp(original, region, n_out):
+    @jax.custom_vjp
+    def collecting(hoisted, args, accs):
+        return region(*hoisted, *args, *accs)
+
+    def fwd(hoisted, args, accs):
+        # Only the inputs JAX perturbs are differentiated, as the equation's
+        # own forward rule expects (Equinox's asserts it).
+        hoisted, accs = _values(hoisted), _values(accs)
+        values = _values(args)
+        perturbed = tuple(i for i, a in enumerate(args) if a.perturbed)
+
+        def of_perturbed(*xs):
+            full = list(values)
+            for i, x in zip(perturbed, xs):
+                full[i] = x
+            return original(*full)
+
+        outs, vjp = jax.vjp(of_perturbed, *(values[i] for i in perturbed))
+        extra = region(*hoisted, *values, *accs)[n_out:]
+        # (the perturbed positions travel as a residual with no leaves)
+        where = jax.tree_util.Partial(
+            functools.partial(_positions, perturbed, len(args))
+        )
+        return [*outs, *extra], (vjp, where)
+
+    def bwd(residual, cts):
+        vjp, where = residual
+        grads = iter(vjp([_materialized(c) for c in cts[:n_out]]))
+        return None, [next(grads) if p else None for p in where()], None
+
+    collecting.defvjp(fwd, bwd, symbolic_zeros=True)
+    return collecting
+
+
+def _values(primals) -> list[Any]:
+    return [p.value for p in primals]
+
+
+def _positions(perturbed: tuple[int, ...], n: int) -> list[bool]:
+    return [i in perturbed for i in range(n)]
+
+
+def _materialized(ct):
+    return _zero_tangent(ct) if isinstance(ct, _SymbolicZero) else ct
+
+
+_SymbolicZero = jax.custom_derivatives.SymbolicZero
+
+
+def _collecting_custom_jvp(original, region, n_out):
+    @jax.custom_jvp
+    def collecting(hoisted, args, accs):
+        return region(*hoisted, *args, *accs)
+
+    @collecting.defjvp
+    def jvp(primals, tangents):
+        hoisted, args, accs = primals
+        outs, t_outs = jax.jvp(lambda *a: original(*a), list(args), list(tangents[1]))
+        extra = region(*hoisted, *args, *accs)[n_out:]
+        return [*outs, *extra], [*t_outs, *map(_zero_tangent, extra)]
+
+    return collecting
+
+
+def _zero_tangent(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+rules[_compat.custom_jvp_call_p] = _custom_rule
+rules[_compat.custom_vjp_call_p] = _custom_rule
+
+#
+# shard_map (and pmap, which lowers to it)
+#
+
+_ACC_GROWS_IN_SHARD_MAP = (
+    "{where} is reduced in a shard_map (or pmap) that gives its per-shard "
+    "accumulator vmap batch axes it did not have: reduce it under one vmap "
+    "throughout, give the tags different names, or use Tag(mode='append')."
+)
+
+
+def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
+    # Shards run in parallel, like the examples of a vmap: entries come out
+    # stacked over the shards and an accumulator is one per shard, its shard
+    # axis after the vmap batch axes (see `_layout`). Inside, each shard holds
+    # a slice of size 1 of what is stacked.
+    p = eqn.params
+    b = Boundary.shard_map(p)
+    marker = ("shard", b.size)
+    # An accumulator with this shard axis already (from this shard_map's previous
+    # run in a loop, or another over the same axes) enters split along it; any
+    # other enters whole in every shard.
+    split = {k for k, batch in scope.acc_batch.items() if batch[-1:] == (marker,)}
+    split &= set(scope.accs)
+    local = Scope(
+        scope.handlers,
+        accs={
+            k: _without_axis(types_of(v), len(scope.acc_batch[k]) - 1)
+            if k in split
+            else types_of(v)
+            for k, v in scope.accs.items()
+        },
+        acc_batch={k: v[:-1] if k in split else v for k, v in scope.acc_batch.items()},
+        custom=scope.custom,
+        shards=scope.shards,
+    )
+    body = p["jaxpr"]
+    in_avals = [v.aval for v in body.invars]
+    with _compat.shard_map_body(p):
+        plan = discover(body, (), in_avals, local, ((b.axes, b.size),))
+    accs = []
+    for key in plan.acc_avals:
+        inside = plan.acc_batch[key]
+        if key in split:
+            if scope.acc_batch[key][:-1] != inside:
+                raise ValueError(
+                    _ACC_GROWS_IN_SHARD_MAP.format(where=plan.sites[key].where())
+                )
+            scope.touched[key] = None
+            value = b.to_inside(scope.accs[key], Lead(len(inside)))
+        else:
+            value = _stacked(plan.acc(scope, key), b.size)
+        accs += jax.tree.leaves(value)
+    region = Region(scope, plan, b, accs)
+    if scope.discovering:
+        region.set_accs(
+            [_stacked(zeros(a), b.size) for a in _flat(plan.acc_avals.values())]
+        )
+        for key in plan.accs:  # first made here: what it starts as, stacked
+            lead = Lead(len(plan.acc_batch[key]))
+            scope.acc_inits[key] = functools.partial(
+                _stacked_init, plan.accs[key], b, lead
+            )
+        return region.discovered(eqn, invals)
+    with _compat.shard_map_body(p):
+        new_body, hoisted = region.trace(body, (), in_avals)
+    n_out, n_acc = len(eqn.outvars), len(accs)
+    n_entries = len(new_body.outvars) - n_out - n_acc
+    replicated = jax.sharding.PartitionSpec()
+    params = dict(
+        jaxpr=new_body,
+        in_specs=(replicated,) * len(hoisted)
+        + tuple(p["in_specs"])
+        + (b.spec,) * (n_acc + len(region.inputs)),
+        out_specs=tuple(p["out_specs"]) + (b.spec,) * (n_acc + n_entries),
+    )
+    outs = _bind(eqn, [*hoisted, *invals, *accs, *region.inputs], **params)
+    region.leave(outs[n_out:])
+    return outs[:n_out]
+
+
+def _stacked(tree, size: int):
+    """`tree` repeated along a new leading axis of `size`."""
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (size, *x.shape)), tree)
+
+
+def _stacked_init(init, b: Boundary, lead: Lead):
+    return b.from_inside(_stacked(init(), b.size), lead)
+
+
+def _without_axis(types, axis: int):
+    return jax.tree.map(
+        lambda t: jax.ShapeDtypeStruct(t.shape[:axis] + t.shape[axis + 1 :], t.dtype),
+        types,
+    )
+
+
+rules[_compat.shard_map_p] = _shard_map_rule
