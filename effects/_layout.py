@@ -10,28 +10,27 @@ it came out of (outermost first)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from . import _compat
 
-# An axis an accumulator has per example or per shard, outermost first: a vmap
-# batch axis by its size, a shard_map's as `("shard", size)`.
-Axis = int | tuple[str, int]
+# The leading axes of a value in `found`'s layout, outermost first: a vmap batch
+# axis by its size, then a shard_map's by its manual mesh axes and number of
+# shards (`Boundary.marker`). The axes of the scans a value came out of follow
+# them, and are not among these.
+Axis = int | tuple[tuple[str, ...], int]
+Axes = tuple[Axis, ...]
 
 
-class Lead(NamedTuple):
-    """The leading axes of an entry in the layout handlers see: its vmap batch
-    axes, then one axis per `shard_map` it came out of (outermost first); the
-    axes of the scans it came out of follow them."""
-
-    batch: int
-    shard: int = 0
+def n_batch(axes: Axes) -> int:
+    """How many of `axes` are vmap batch axes (they come first)."""
+    return sum(isinstance(a, int) for a in axes)
 
 
-def grow(tree, have: tuple[Axis, ...], want: tuple[Axis, ...]):
+def grow(tree, have: Axes, want: Axes):
     """`tree`, whose leaves lead with the axes `have`, broadcast to lead with
     `want` (`have` is a prefix of `want`, both outermost first)."""
     new = tuple(range(len(have), len(want)))
@@ -88,20 +87,28 @@ class Boundary:
 
     # Stacked entries and inputs, outside the region -------------------------
 
-    def _axis(self, lead: Lead) -> int:
-        return lead.batch + lead.shard if self.stack == "scan" else lead.batch
+    @property
+    def marker(self) -> Axis:
+        """A shard_map's axis among a value's leading axes."""
+        return (self.axes, self.size)
 
-    def after(self, lead: Lead) -> Lead:
-        """An entry's leading axes once it has left the region."""
+    def _axis(self, axes: Axes) -> int:
+        # A scan's axis after the batch and shard axes; a shard_map's after the
+        # batch axes, before those of shard_maps inside it.
+        return len(axes) if self.stack == "scan" else n_batch(axes)
+
+    def after(self, axes: Axes) -> Axes:
+        """A value's leading axes once it has left the region."""
         if self.stack == "shard":
-            return Lead(lead.batch, lead.shard + 1)
-        return lead
+            i = n_batch(axes)
+            return (*axes[:i], self.marker, *axes[i:])
+        return axes
 
-    def stacked(self, avals, lead: Lead):
+    def stacked(self, avals, axes: Axes):
         """The types of an entry's values stacked over the region."""
         if self.stack is None:
             return avals
-        axis = self._axis(lead)
+        axis = self._axis(axes)
         return jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(
                 a.shape[:axis] + (self.size,) + a.shape[axis:], a.dtype
@@ -109,20 +116,20 @@ class Boundary:
             avals,
         )
 
-    def to_inside(self, value, lead: Lead):
+    def to_inside(self, value, axes: Axes):
         """Stacked values (layout above) -> the stacked axis first, as a scan
         slices its inputs and a shard_map splits them."""
         if self.stack is None:
             return value
-        axis = self._axis(lead)
+        axis = self._axis(axes)
         return jax.tree.map(lambda x: jnp.moveaxis(x, axis, 0), value)
 
-    def from_inside(self, value, lead: Lead):
+    def from_inside(self, value, axes: Axes):
         """Values stacked along their first axis by the region -> the layout
         above."""
         if self.stack is None:
             return value
-        axis = self._axis(lead)
+        axis = self._axis(axes)
         return jax.tree.map(lambda x: jnp.moveaxis(x, 0, axis), value)
 
     # Flat values crossing the boundary --------------------------------------

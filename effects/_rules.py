@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat
-from ._layout import WHOLE, Axis, Boundary, Lead, grow
+from ._layout import WHOLE, Axes, Boundary, grow
 from ._rewrite import _bind, _matched, recomputes, rules, run, sites_in
 from ._scope import Key, Scope, types_of, zeros
 from ._site import Site, describe
@@ -36,9 +36,9 @@ class Plan:
 
     accs: dict[Key, Any]  # key -> init thunk, for those first made inside
     acc_avals: dict[Key, Any]  # key -> avals tree
-    acc_batch: dict[Key, tuple[Axis, ...]]  # key -> its per-example axes
-    entries: dict[Key, list[tuple[Any, Lead]]]  # key -> [(avals tree, lead)]
-    inputs: dict[Key, list[tuple[Any, Lead]]]
+    acc_batch: dict[Key, Axes]  # key -> its per-example axes
+    entries: dict[Key, list[tuple[Any, Axes]]]  # key -> [(avals tree, lead)]
+    inputs: dict[Key, list[tuple[Any, Axes]]]
     sites: dict[Key, Site]
 
     def acc(self, scope: Scope, key: Key):
@@ -314,9 +314,9 @@ class Region:
         for key, value in zip(plan.acc_avals, _unflat(trees, list(leaves))):
             scope.accs[key] = value
             if b.stack == "shard":
-                batch = plan.acc_batch[key]
-                scope.accs[key] = b.from_inside(value, Lead(len(batch)))
-                scope.acc_batch[key] = (*batch, ("shard", b.size))
+                axes = plan.acc_batch[key]
+                scope.accs[key] = b.from_inside(value, axes)
+                scope.acc_batch[key] = b.after(axes)
 
     def discovered(self, eqn, invals) -> list[Any]:
         """The region, met while discovering an enclosing one: what it emits is
@@ -682,21 +682,22 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
     # a slice of size 1 of what is stacked.
     p = eqn.params
     b = Boundary.shard_map(p)
-    marker = ("shard", b.size)
     # An accumulator with this shard axis already (from this shard_map's previous
     # run in a loop, or another over the same axes) enters split along it; any
     # other enters whole in every shard.
-    split = {k for k, batch in scope.acc_batch.items() if batch[-1:] == (marker,)}
-    split &= set(scope.accs)
+    m = b.marker
+    split = {k for k in scope.accs if m in scope.acc_batch.get(k, ())}
     local = Scope(
         scope.handlers,
         accs={
-            k: _without_axis(types_of(v), len(scope.acc_batch[k]) - 1)
+            k: _without_axis(types_of(v), scope.acc_batch[k].index(m))
             if k in split
             else types_of(v)
             for k, v in scope.accs.items()
         },
-        acc_batch={k: v[:-1] if k in split else v for k, v in scope.acc_batch.items()},
+        acc_batch={
+            k: tuple(a for a in v if a != m) for k, v in scope.acc_batch.items()
+        },
         custom=scope.custom,
         shards=scope.shards,
     )
@@ -705,27 +706,24 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
     with _compat.shard_map_body(p):
         plan = discover(body, (), in_avals, local, ((b.axes, b.size),))
     accs = []
-    for key in plan.acc_avals:
-        inside = plan.acc_batch[key]
+    for key, inside in plan.acc_batch.items():
         if key in split:
-            if scope.acc_batch[key][:-1] != inside:
+            if scope.acc_batch[key] != b.after(inside):
                 raise ValueError(
                     _ACC_GROWS_IN_SHARD_MAP.format(where=plan.sites[key].where())
                 )
             scope.touched[key] = None
-            value = b.to_inside(scope.accs[key], Lead(len(inside)))
+            value = b.to_inside(scope.accs[key], inside)
         else:
             value = _stacked(plan.acc(scope, key), b.size)
         accs += jax.tree.leaves(value)
     region = Region(scope, plan, b, accs)
     if scope.discovering:
-        region.set_accs(
-            [_stacked(zeros(a), b.size) for a in _flat(plan.acc_avals.values())]
-        )
+        stacked = [_stacked(zeros(a), b.size) for a in _flat(plan.acc_avals.values())]
+        region.set_accs(stacked)
         for key in plan.accs:  # first made here: what it starts as, stacked
-            lead = Lead(len(plan.acc_batch[key]))
             scope.acc_inits[key] = functools.partial(
-                _stacked_init, plan.accs[key], b, lead
+                _stacked_init, plan.accs[key], b, plan.acc_batch[key]
             )
         return region.discovered(eqn, invals)
     with _compat.shard_map_body(p):
@@ -750,8 +748,8 @@ def _stacked(tree, size: int):
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (size, *x.shape)), tree)
 
 
-def _stacked_init(init, b: Boundary, lead: Lead):
-    return b.from_inside(_stacked(init(), b.size), lead)
+def _stacked_init(init, b: Boundary, axes: Axes):
+    return b.from_inside(_stacked(init(), b.size), axes)
 
 
 def _without_axis(types, axis: int):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from . import _compat
 from ._handlers import NO_INPUT, Context, Handler, mode_of
-from ._layout import Axis, Lead, grow
+from ._layout import Axes, grow
 from ._site import Site, describe, shape_dtype, strong
 
 Key = tuple[int, str]  # (handler index, site name)
@@ -100,7 +100,7 @@ class Scope:
         # The backward pass's recomputation of a `jax.checkpoint` region (see
         # `replay`): per-execution inputs are refused here.
         self.replaying = replaying
-        self.entries: dict[Key, list[tuple[Any, Lead]]] = {}
+        self.entries: dict[Key, list[tuple[Any, Axes]]] = {}
         self.accs: dict[Key, Any] = dict(accs or {})
         self.inputs: dict[Key, list[Any]] = {
             k: list(v) for k, v in (inputs or {}).items()
@@ -110,8 +110,8 @@ class Scope:
         self.touched: dict[Key, None] = {}  # accumulators updated here, in order
         # Per accumulator: the sizes of the vmap batch axes it has, outermost
         # first (leading, in the layout handlers see).
-        self.acc_batch: dict[Key, tuple[Axis, ...]] = dict(acc_batch or {})
-        self.input_avals: dict[Key, list[tuple[Any, Lead]]] = {}
+        self.acc_batch: dict[Key, Axes] = dict(acc_batch or {})
+        self.input_avals: dict[Key, list[tuple[Any, Axes]]] = {}
         self.sites: dict[Key, Site] = {}
 
     def replay(self) -> Scope:
@@ -133,10 +133,10 @@ class Scope:
 
     # Appended entries -------------------------------------------------------
 
-    def add_entry(self, key: Key, value, lead: Lead, site: Site) -> None:
+    def add_entry(self, key: Key, value, axes: Axes, site: Site) -> None:
         self.sites.setdefault(key, site)
         entries = self.entries.setdefault(key, [])
-        entries.append((_strong_tree(value), lead))
+        entries.append((_strong_tree(value), axes))
         mode = self.mode(key)
         if len(entries) > 1 and mode.single:
             raise ValueError(
@@ -202,7 +202,7 @@ class Scope:
     # Per-execution inputs ---------------------------------------------------
 
     def take_inputs(
-        self, key: Key, expected: list[tuple[Any, Lead]], site: Site, placeholders=None
+        self, key: Key, expected: list[tuple[Any, Axes]], site: Site, placeholders=None
     ):
         """Takes one input entry per `(avals, lead)` in `expected`: for one
         execution of a site, or for all executions in a region inside this one."""
@@ -314,7 +314,7 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
     nb = site.nbatch
     entry, has_input = None, site.name in scope.input_names[index]
     if has_input:
-        expected = [(site.front_avals(), Lead(nb))]
+        expected = [(site.front_avals(), site.batch_sizes())]
         entry = scope.take_inputs(key, expected, site, [front])[0]
     acc, extra = None, 0
     if mode is not None and mode.reduces:
@@ -352,7 +352,7 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
         fn = jax.vmap(fn, axis_name=name)
     changed, appended, acc = fn(front, entry, acc)
     for value in appended:
-        scope.add_entry(key, value, Lead(nb), site)
+        scope.add_entry(key, value, site.batch_sizes(), site)
     if mode is not None and mode.reduces:
         scope.accs[key] = acc
     if all(same):

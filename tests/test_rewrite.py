@@ -1411,3 +1411,30 @@ def test_reduction_in_nested_scans_in_a_shard_map():
         out, found = jax.jit(fx.handle(f, fx.Tag(mode=mode)))(x)
         assert_trees_close(out, f(x))
         assert_trees_close(found, found_of(t=expected))
+
+
+def test_nested_shard_maps_stack_their_axes_outermost_first():
+    # A shard_map over "b" inside one over "a": entries and accumulators lead
+    # with the outer shard axis, then the inner one (as Tag() documents), each
+    # shard holding its own slice.
+    mesh = Mesh(np.array(devices(4)).reshape(2, 2), ("a", "b"))
+
+    def inner(x):
+        return fx.tag(jnp.sin(x), "h") + fx.tag(x * 1.0, "r")
+
+    def outer(x):
+        here = jax.sharding.get_abstract_mesh()
+        return jax.shard_map(
+            inner, mesh=here, in_specs=P("b"), out_specs=P("b"), axis_names={"b"}
+        )(x)
+
+    f = jax.shard_map(
+        outer, mesh=mesh, in_specs=P("a"), out_specs=P("a"), axis_names={"a"}
+    )
+    x = lin(-1.0, 1.0, 4)
+    out, found = jax.jit(fx.handle(f, fx.Tag(names="h")))(x)
+    assert_trees_close(out, f(x))
+    h = np.sin(np.asarray(x)).reshape(2, 2, 1)  # [a, b, one shard's value]
+    assert_trees_close(found, found_of(h=(h,)))
+    _, found = fx.handle(f, fx.Tag(mode="sum", names="r"))(x)
+    assert_trees_close(found, found_of(r=np.asarray(x).reshape(2, 2, 1)))
