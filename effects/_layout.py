@@ -43,8 +43,39 @@ def grow(tree, have: Axes, want: Axes):
     return jax.tree.map(one, tree)
 
 
-def _same(x):
+# A site's value under vmaps inside the handled function: per leaf, one
+# `(axis, size)` per vmap, outermost first, the axis where the program holds
+# it, or None where that vmap left the leaf unbatched.
+
+
+def one_example(aval, batch) -> jax.ShapeDtypeStruct:
+    """The type of one example's value of a leaf of type `aval`."""
+    shape = list(aval.shape)
+    for axis in sorted((a for a, _ in batch if a is not None), reverse=True):
+        del shape[axis]
+    return jax.ShapeDtypeStruct(tuple(shape), aval.dtype)
+
+
+def to_found(x, batch):
+    """A leaf as the program holds it -> its batch axes first, outermost first
+    (an unbatched leaf broadcast along them): the layout `found` has."""
+    if not batch:
+        return x
+    src = [a for a, _ in batch if a is not None]
+    x = jnp.moveaxis(x, src, list(range(len(src))))
+    for i, (a, size) in enumerate(batch):
+        if a is None:
+            x = jnp.expand_dims(x, i)
+            x = jnp.broadcast_to(x, x.shape[:i] + (size,) + x.shape[i + 1 :])
     return x
+
+
+def to_program(x, batch):
+    """A leaf with its batch axes first -> where the program holds them (every
+    one batched)."""
+    if not batch:
+        return x
+    return jnp.moveaxis(x, list(range(len(batch))), [a for a, _ in batch])
 
 
 @dataclasses.dataclass(frozen=True)

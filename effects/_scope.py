@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from . import _compat
 from ._handlers import NO_INPUT, Context, Handler, mode_of
-from ._layout import Axes, grow
+from ._layout import Axes, grow, to_program
 from ._site import Site, describe, shape_dtype, strong
 
 Key = tuple[int, str]  # (handler index, site name)
@@ -372,8 +372,7 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
             raise ValueError(
                 _CHANGED_UNBATCHED.format(handler=_name(handler), where=site.where())
             )
-        if entries:  # batch axes back where the program has them
-            x = jnp.moveaxis(x, list(range(len(entries))), [a for a, _ in entries])
+        x = to_program(x, entries)
         if site.shards:
             x = site.vary_like(x, site.avals[j], _name(handler))
         out[j] = x

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _compat
+from ._layout import one_example, to_found
 
 
 def strong(x):
@@ -118,13 +119,8 @@ class Site:
         site known only by name."""
         if self.treedef is None:
             return None
-        leaves = []
-        for aval, entries in zip(self.avals, self.batch):
-            shape = list(aval.shape)
-            for a, _ in sorted((e for e in entries if e[0] is not None), reverse=True):
-                del shape[a]
-            leaves.append(jax.ShapeDtypeStruct(tuple(shape), aval.dtype))
-        return jax.tree.unflatten(self.treedef, leaves)
+        leaves = map(one_example, self.avals, self.batch)
+        return jax.tree.unflatten(self.treedef, list(leaves))
 
     def front_avals(self):
         """The value's structure and shapes in the layout `found` has: one
@@ -135,21 +131,8 @@ class Site:
         )
 
     def to_front(self, leaves):
-        """Program layout -> handler layout: batch axes moved (or, for a leaf that
-        vmap left unbatched, broadcast) to the front."""
-        out = []
-        for x, entries in zip(leaves, self.batch):
-            if entries:
-                src = [a for a, _ in entries if a is not None]
-                x = jnp.moveaxis(x, src, list(range(len(src))))
-                for i, (a, size) in enumerate(entries):
-                    if a is None:
-                        x = jnp.expand_dims(x, i)
-                        x = jnp.broadcast_to(
-                            x, x.shape[:i] + (size,) + x.shape[i + 1 :]
-                        )
-            out.append(x)
-        return jax.tree.unflatten(self.treedef, out)
+        """Program layout -> the layout `found` has (see `_layout.to_found`)."""
+        return jax.tree.unflatten(self.treedef, list(map(to_found, leaves, self.batch)))
 
     def vary_like(self, x, aval, handler: str):
         """`x`, which a handler gives to replace a leaf of type `aval` in a
