@@ -145,11 +145,26 @@ def _spec_key(spec):
 
 def discover(jaxpr, consts, in_avals, scope: Scope, shards=()) -> Plan:
     """Traces `jaxpr` once, abstractly, to learn what the handlers emit in it
-    (`shards`: the shard_map the region is the body of, see `Site.shards`)."""
-    plans = []
+    (`shards`: the shard_map the region is the body of, see `Site.shards`).
+    A region is discovered once per state entering it in one rewrite: the
+    rules of the regions around it, discovering and then tracing, meet it
+    again in the same state."""
     # The region starts from the accumulators entering it (a reduction may grow
     # one there, by vmap batch axes).
     entering = {k: types_of(v) for k, v in scope.accs.items()}
+    key = (
+        id(jaxpr),
+        tuple(map(id, consts)),
+        tuple(in_avals),
+        shards,
+        scope.custom,
+        scope.shards,
+        tuple((k, *_types_key(t), scope.acc_batch.get(k)) for k, t in entering.items()),
+    )
+    hit = scope.plans.get(key)
+    if hit is not None and hit[0] is jaxpr:
+        return hit[1]
+    plans = []
 
     def fn(*args):
         sub = Scope(
@@ -162,6 +177,7 @@ def discover(jaxpr, consts, in_avals, scope: Scope, shards=()) -> Plan:
             acc_batch=scope.acc_batch,
             custom=scope.custom,
             shards=scope.shards + shards,
+            plans=scope.plans,
         )
         outs = run(jaxpr, consts, args, sub)
         # Only types leave the trace: nothing may keep its tracers alive.
@@ -181,7 +197,13 @@ def discover(jaxpr, consts, in_avals, scope: Scope, shards=()) -> Plan:
         return outs
 
     _compat.trace(fn, in_avals)
+    scope.plans[key] = (jaxpr, plans[0])  # (the jaxpr kept: its id stays its own)
     return plans[0]
+
+
+def _types_key(types) -> tuple:
+    leaves, tree = jax.tree.flatten(types)
+    return tree, tuple((t.shape, t.dtype) for t in leaves)
 
 
 def _flat(trees) -> list[Any]:
@@ -273,6 +295,7 @@ class Region:
                 inputs={k: [next(given) for _ in v] for k, v in plan.inputs.items()},
                 custom=scope.custom,
                 shards=self.shards,
+                plans=scope.plans,
             )
             outs = run(jaxpr, consts, flat[:n_args], sub)
             entries = []
@@ -700,6 +723,7 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
         },
         custom=scope.custom,
         shards=scope.shards,
+        plans=scope.plans,
     )
     body = p["jaxpr"]
     in_avals = [v.aval for v in body.invars]

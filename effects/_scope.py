@@ -84,6 +84,7 @@ class Scope:
         replaying: bool = False,
         custom: str | None = None,
         shards: tuple = (),
+        plans: dict | None = None,
     ):
         if not isinstance(handlers, Handlers):
             handlers = Handlers(handlers)
@@ -113,6 +114,9 @@ class Scope:
         self.acc_batch: dict[Key, Axes] = dict(acc_batch or {})
         self.input_avals: dict[Key, list[tuple[Any, Axes]]] = {}
         self.sites: dict[Key, Site] = {}
+        # The plans of the regions met in one rewrite, shared by all its scopes
+        # (see `_rules.discover`).
+        self.plans: dict = {} if plans is None else plans
 
     def replay(self) -> Scope:
         """A scope for a region that recomputes executions reported elsewhere:
@@ -123,6 +127,7 @@ class Scope:
             replaying=True,
             custom=self.custom,
             shards=self.shards,
+            plans=self.plans,
         )
 
     def where(self, key: Key) -> str:
