@@ -287,11 +287,13 @@ def _check_names(sites, handlers) -> None:
     """Each handler's required names exist among the sites it sees: those no
     handler before it consumes, as in `handle(handle(f, A), B)` (a
     `checkpoint_name` is never consumed)."""
-    probes = [Site.probe(*s) for s in sorted(sites)]
+    probes = None  # built only where a handler requires names: one per site
     for i, h in enumerate(handlers):
         names = h.required_names()
         if not names:
             continue
+        if probes is None:
+            probes = [Site.probe(*s) for s in sorted(sites)]
 
         def consumer(site):
             """The handler before `h` that consumes `site`, if any."""

@@ -311,8 +311,14 @@ def per_state(jaxpr):
         return jaxpr if hit[1] is None else hit[1]
     eqns = []
     for eqn in jaxpr.eqns:
-        params = _compat.map_jaxprs_in_params(eqn.params, per_state)
         name = _compat.rule_thunk_params.get(eqn.primitive)
+        # Most equations hold no jaxpr: finding none costs less than mapping.
+        if name is None and (
+            eqn.primitive is site_p or not _compat.open_jaxprs_in_params(eqn.params)
+        ):
+            eqns.append(eqn)
+            continue
+        params = _compat.map_jaxprs_in_params(eqn.params, per_state)
         if name is not None:
             params = dict(params, **{name: _per_state_thunk(params[name], birth)})
         eqns.append(eqn if params is eqn.params else eqn.replace(params=params))

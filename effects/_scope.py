@@ -346,6 +346,9 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
 
         ctx = Context(site, emit, entry if has_input else NO_INPUT, axes)
         new = type(handler).apply(handler, site, value, ctx)
+        if new is value:  # kept whole, as a handler that only looks keeps it
+            same[:] = [True] * len(leaves)
+            return [], appended, state[0]
         old_leaves = jax.tree.leaves(value)
         new_leaves = _checked(new, value, site, handler)
         same[:] = [a is b for a, b in zip(new_leaves, old_leaves)]
