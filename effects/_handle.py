@@ -9,7 +9,6 @@ import dataclasses
 import functools
 import threading
 import types
-import weakref
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar, cast
 
@@ -105,7 +104,7 @@ def _call_module(module, *args, **kwargs):
 
 
 #
-# Caches, bounded: per function, least recently used entries dropped
+# Caches, bounded: one object per function, least recently used entries dropped
 #
 
 
@@ -132,52 +131,71 @@ class _LRU:
                 del self.items[next(iter(self.items))]
 
 
+_SIZE = 64  # entries of each kind per function
+
+
+class _Cache:
+    """What is cached for one function, each kind in its own LRU so that one
+    kind filling up drops none of another."""
+
+    def __init__(self, owner=None):
+        self.owner = id(owner)  # (see `_cache_for`)
+        self.traces = _LRU(_SIZE)  # argument signature -> `_Traced`
+        # (signature, handler configuration, handlers' array types) -> `_Program`
+        self.programs = _LRU(_SIZE)
+        self.wrappers = _LRU(_SIZE)  # handlers -> the `_Handled` for them
+        # (signature, handler configuration) -> the `Jitted` call used outside
+        # any transformation
+        self.eager = _LRU(_SIZE)
+        self.made = _LRU(_SIZE)  # what `eager_cached` made
+
+
 # Functions whose trace may be cached: their arrays are read when traced, as
 # `jax.jit` reads them. Other callables (a Flax NNX module, an object with
 # `__call__`) may hold state that changes between calls, and are traced again
-# at every `handle(obj, ...)`, as are functions that are unhashable or not
-# weakly referenceable; the handled function, kept, caches per argument
-# signature as `jax.jit(obj)` does.
+# at every `handle(obj, ...)`; the handled function, kept, caches in a cache of
+# its own, as `jax.jit(obj)` does.
 _CACHEABLE = (types.FunctionType, functools.partial, type(jax.jit(lambda: None)))
-_PER_FN_SIZE = 64
+_CACHE = "_effects_cache"  # a function's `__dict__` entry holding its `_Cache`
 
-_per_fn: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_per_method = _LRU(64)  # bound methods: a new object per attribute access
-_per_fn_lock = threading.Lock()
-
-
-def _per_method_entry(table: _LRU, method, make):
-    """`table`'s entry for a bound method, made by `make()` if missing; None
-    if the method's object is hashed by identity or unhashable. An object
-    hashed by value (a Flax linen module, a frozen dataclass) is the same object
-    to us when equal, as to `jax.jit`'s static arguments; one hashed by
-    identity may change between calls."""
-    owner = method.__self__
-    if type(owner).__hash__ is object.__hash__:
-        return None
-    key = (method.__func__, owner)
-    try:
-        entry = table.get(key)
-    except TypeError:  # unhashable after all (a field holding an array)
-        return None
-    if entry is None:
-        entry = make()
-        table.put(key, entry)
-    return entry
+# Bound methods (a new object per attribute access) by function and object, and
+# Equinox modules by structure (see `_cache_for`).
+_per_method = _LRU(_SIZE)
+_per_module = _LRU(_SIZE)
 
 
-def _cache_for(fn) -> _LRU | None:
+def _cache_for(fn) -> _Cache | None:
+    """`fn`'s cache, None when it has none. A function keeps it in its own
+    `__dict__`: it lives exactly as long as the function (a cycle the garbage
+    collector frees). A bound method of an object hashed by value (a Flax
+    linen module, a frozen dataclass) shares it with every equal object, as
+    `jax.jit`'s static arguments do; one hashed by identity may change between
+    calls. Every Equinox module of one structure (its treedef and leaves that
+    are not arrays) shares one, as `eqx.filter_jit` compiles once per
+    structure: its arrays are inputs (see `_call_module`), and the keys hold
+    none of them."""
     if isinstance(fn, types.MethodType):
-        return _per_method_entry(_per_method, fn, lambda: _LRU(_PER_FN_SIZE))
-    if not isinstance(fn, _CACHEABLE):
-        return None
-    with _per_fn_lock:
-        try:
-            cache = _per_fn.get(fn)
-            if cache is None:
-                cache = _per_fn[fn] = _LRU(_PER_FN_SIZE)
-        except TypeError:
+        if type(fn.__self__).__hash__ is object.__hash__:
             return None
+        table, key = _per_method, (fn.__func__, fn.__self__)
+    elif isinstance(fn, eqx.Module):
+        table, key = _per_module, _split(fn)[1:]
+    elif isinstance(fn, _CACHEABLE):
+        cache = vars(fn).get(_CACHE)
+        # `functools.wraps` copies `__dict__` entries, so a wrapper of `fn` (say
+        # `jax.vmap(fn)`) can hold `fn`'s cache: it needs its own.
+        if cache is None or cache.owner != id(fn):
+            cache = vars(fn)[_CACHE] = _Cache(fn)
+        return cache
+    else:
+        return None
+    try:
+        cache = table.get(key)
+    except TypeError:  # unhashable after all (a field holding a list)
+        return None
+    if cache is None:
+        cache = _Cache()
+        table.put(key, cache)
     return cache
 
 
@@ -473,36 +491,23 @@ def _report(scope: Scope, handlers) -> Found:
     return found
 
 
-def _body(traced: _Traced, h_static, h_def, n_h: int):
-    """The rewritten function: takes the handlers' arrays, the function's
-    constants and the arrays among its arguments, and returns the function's
-    arrays and what the handlers found, flat; `info` gets the found tree and
-    order once it has run."""
+def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:
+    """`traced` rewritten by the handlers, as a program taking the handlers'
+    arrays, the function's constants and the arrays among its arguments."""
     info = {}
 
     def rewritten(*flat):
-        handlers = _combine(h_static, h_def, flat[:n_h])
+        handlers = _combine(config.static, config.treedef, flat[: len(h_leaves)])
         scope = _scope(handlers)
-        outs = run(traced.jaxpr, (), flat[n_h:], scope)
+        outs = run(traced.jaxpr, (), flat[len(h_leaves) :], scope)
         found = _report(scope, handlers)
         leaves, info["tree"] = jax.tree.flatten(found)
         return [*outs, *leaves]
 
-    return rewritten, info
-
-
-def _rewrite(traced: _Traced, h_static, h_def, h_leaves) -> _Program:
-    rewritten, info = _body(traced, h_static, h_def, len(h_leaves))
     in_avals = [*map(aval, h_leaves), *(v.aval for v in traced.jaxpr.invars)]
     jaxpr, consts = _compat.trace(rewritten, in_avals)
     closed = _compat.ClosedJaxpr(jaxpr, ())
-    return _Program(
-        closed,
-        consts,
-        traced,
-        info["tree"],
-        "handled",
-    )
+    return _Program(closed, consts, traced, info["tree"], name)
 
 
 def _combine(h_static, h_def, h_leaves):
@@ -517,7 +522,10 @@ class _Config:
     handlers: tuple
     static: Any  # the handlers with None in place of arrays
     treedef: Any  # of their arrays
-    key: Any  # the configuration as a cache key, None when unhashable
+    # The configuration as a cache key; where a leaf that is not an array is
+    # unhashable, a key of this object's own, so that a handled function kept
+    # and called again still finds what it cached.
+    key: Any
 
     @classmethod
     def of(cls, handlers) -> tuple[_Config, list[Any]]:
@@ -528,7 +536,7 @@ class _Config:
             hash(key)
         except TypeError:  # a dict of arrays (`Perturb(deltas)`, `Substitute`)
             key = _arrays_key(handlers)
-        return cls(handlers, static, treedef, key), leaves
+        return cls(handlers, static, treedef, object() if key is None else key), leaves
 
 
 def _arrays_key(handlers):
@@ -543,57 +551,41 @@ def _arrays_key(handlers):
     return key
 
 
+_ARRAY = object()  # an array's place in a key of handlers holding arrays
+
+
 def _is_tracer(x) -> bool:
     return isinstance(x, _compat.Tracer)
 
 
-def _program(fn, config: _Config, h_leaves, static, treedef, dynamic):
-    """`(traced, program)`: `fn` traced, and the rewritten program for these
-    arguments and handlers, from the cache where it can be. The program is None
-    where it is better run straight on the caller's trace (see `_apply`)."""
-    handlers = config.handlers
+def _program(
+    cache: _Cache, fn, config: _Config, h_leaves, static, treedef, dynamic
+) -> _Program:
+    """`fn` traced and rewritten by the handlers for these arguments, from
+    `cache` where it can be. Nothing holding a tracer is
+    cached: it belongs to one trace."""
     # A check for branches a vmap evaluated traces with sites marked: never cache.
-    cache = _cache_for(fn) if probing.value is None else None
-    sig = _signature(static, treedef, dynamic) if cache is not None else None
-    if sig is None:
-        cache = None
-    traced = cache.get(sig) if cache is not None else None
+    sig = _signature(static, treedef, dynamic) if probing.value is None else None
+    traced = None if sig is None else cache.traces.get(sig)
     if traced is None:
         traced = _trace(fn, static, treedef, dynamic)
-        if cache is not None and not any(map(_is_tracer, traced.consts)):
-            cache.put(sig, traced)
+        if sig is not None and not any(map(_is_tracer, traced.consts)):
+            cache.traces.put(sig, traced)
+    handlers = config.handlers
     _check_names(traced.sites, handlers)
     _check_reporters(traced.sites, handlers)
     every_branch = _every_branch(traced, handlers, fn, static, treedef, dynamic)
     _check_branches(every_branch, handlers)
-    staging = _compat.is_staging()
     key = None
-    if cache is not None and config.key is not None:
+    if sig is not None:
         key = (sig, config.key, tuple(map(aval, h_leaves)), bool(handling.value))
-        program = cache.get(key)
+        program = cache.programs.get(key)
         if program is not None:
-            return traced, program
-    if staging:
-        # Building the program as a jaxpr, to have the caller's trace inline
-        # it, would copy it once more than running the rewrite on that trace.
-        # Done the second time it is asked for: most are asked for once.
-        if key is None:
-            return traced, None
-        # Marked by the key's hash, not the key: a handler may close over
-        # tracers, which the cache must not keep alive. Two keys of one hash
-        # cost only a program built on its first use.
-        seen = (_SEEN, hash(key))
-        if cache.get(seen) is None:  # pyright: ignore[reportOptionalMemberAccess]
-            cache.put(seen, True)  # pyright: ignore[reportOptionalMemberAccess]
-            return traced, None
-    program = _rewrite(traced, config.static, config.treedef, h_leaves)
-    program = dataclasses.replace(program, name=_name(fn))
+            return program
+    program = _rewrite(traced, config, h_leaves, _name(fn))
     if key is not None and not any(map(_is_tracer, [*program.consts, *traced.consts])):
-        cache.put(key, program)  # pyright: ignore[reportOptionalMemberAccess]
-    return traced, program
-
-
-_SEEN = object()  # a cache key's mark: its program was asked for once
+        cache.programs.put(key, program)
+    return program
 
 
 def _name(fn) -> str:
@@ -601,44 +593,54 @@ def _name(fn) -> str:
     return f"handled_{name}"
 
 
-def _apply(fn, config: _Config, h_leaves, dynamic, static, treedef):
-    """Runs `fn` with its sites handled, on the current trace: as one call of
-    the rewritten program (so `jax.grad` and `jax.vmap` reuse JAX's cached
-    derivative and batching of it), or, where the current trace builds a
-    jaxpr and would inline that call anyway, by running the rewrite on it."""
-    traced, program = _program(fn, config, h_leaves, static, treedef, dynamic)
-    n_out = sum(s is None for s in traced.out_static)
-    if program is None:
-        body, info = _body(traced, config.static, config.treedef, len(h_leaves))
-        outs = body(*h_leaves, *traced.consts, *dynamic)
-        found_tree = info["tree"]
+def _apply(cache: _Cache, fn, config: _Config, static, treedef, h_leaves, dynamic):
+    """Runs `fn` with its sites handled on the current trace, the one way a
+    handled call reaches it: one call of the rewritten program. Where that
+    trace builds a jaxpr (under `jax.jit`), JAX copies the call's equations
+    into it; under `jax.grad` and `jax.vmap`, JAX's cached derivative and
+    batching of the whole program apply. Outside any transformation (our
+    `Jitted` call under `jax.disable_jit`, or re-run by `jax_debug_nans` to
+    find the operation that made a NaN), op by op, as JAX runs a function
+    there: a call bound there would be compiled, and raise JAX's internal
+    NaN error instead of naming the operation."""
+    program = _program(cache, fn, config, h_leaves, static, treedef, dynamic)
+    traced, n = program.traced, program.n_out
+    args = [*program.consts, *h_leaves, *traced.consts, *dynamic]
+    if _compat.is_top_level():
+        outs = _compat.eval_jaxpr(program.jaxpr.jaxpr, program.jaxpr.consts, *args)
     else:
-        args = [*program.consts, *h_leaves, *traced.consts, *dynamic]
-        if _compat.is_top_level():
-            # Outside any transformation and outside our cached jit: `jax.jit`'s
-            # de-optimized re-run looking for a NaN (`jax_debug_nans`),
-            # `disable_jit`, or unhashable static arguments. Op by op, as JAX
-            # runs a function there.
-            outs = _compat.eval_jaxpr(program.jaxpr.jaxpr, program.jaxpr.consts, *args)
-        else:
-            outs = _compat.call_jaxpr(program.jaxpr, args, program.name)
-        found_tree = program.found_tree
-    out = _merge(outs[:n_out], traced.out_static, traced.out_tree)
-    found = jax.tree.unflatten(found_tree, outs[n_out:])
-    return out, found
+        outs = _compat.call_jaxpr(program.jaxpr, args, program.name)
+    out = _merge(outs[:n], traced.out_static, traced.out_tree)
+    return out, jax.tree.unflatten(program.found_tree, outs[n:])
+
+
+class Jitted:
+    """`jax.jit(body)` for a `body` whose output may hold leaves that are not
+    arrays: those are taken from its trace."""
+
+    def __init__(self, body):
+        self.body = body
+        self.out = None  # (out_static, out_tree), once traced
+        self.compiled = jax.jit(self._call)
+
+    def _call(self, *args):
+        out_dyn, *self.out = _split(self.body(*args))
+        return out_dyn
+
+    def __call__(self, *args):
+        outs = self.compiled(*args)
+        assert self.out is not None  # (set when traced)
+        return _merge(outs, *self.out)
 
 
 class _Handled:
     """The function `handle` returns."""
 
-    def __init__(self, fn, handlers, eager: _LRU | None = None):
+    def __init__(self, fn, handlers, cache: _Cache):
         self.fn = fn
         self.handlers = handlers
-        self._module = isinstance(fn, eqx.Module)
+        self.cache = cache
         self._config, self._h_leaves = _Config.of(handlers)
-        # Per argument signature, outside any transformation: a jitted call.
-        # `eager` is shared by the wrappers of Equinox modules of one structure.
-        self._eager = _LRU(_PER_FN_SIZE) if eager is None else eager
         # `updated=()`: copying `fn.__dict__` would copy a nested wrapper's state.
         # A module's `__call__` bound to it: the handled module's signature is
         # the call's, without `self` (`eqx.filter_jit` binds arguments to it).
@@ -650,7 +652,7 @@ class _Handled:
 
     def with_arrays(self, handlers, leaves) -> _Handled:
         """A copy for `handlers`, which differ from this wrapper's only in the
-        values of their arrays (`leaves`): it shares this wrapper's caches."""
+        values of their arrays (`leaves`)."""
         new = object.__new__(_Handled)
         new.__dict__.update(self.__dict__)
         new.handlers, new._h_leaves = handlers, leaves
@@ -675,7 +677,7 @@ class _Handled:
             handled = _memoized(pure, self.handlers)
         else:  # a callable that may hold state: traced at every call
             handled = _Handled(
-                functools.wraps(pure)(lambda *a: pure(*a)), self.handlers
+                functools.wraps(pure)(lambda *a: pure(*a)), self.handlers, _Cache()
             )
         (out, state), found = handled(*pure_args)
         finish(state)
@@ -683,43 +685,23 @@ class _Handled:
 
     def _call(self, args, kwargs):
         fn = self.fn
-        if self._module:  # its arrays are inputs, not constants
-            fn, args = _call_module, (self.fn, *args)
+        if isinstance(fn, eqx.Module):  # its arrays are inputs, not constants
+            fn, args = _call_module, (fn, *args)
         dynamic, static, treedef = _split((args, kwargs))
-        if _compat.is_top_level():
-            # Outside any transformation: through a cached jit, so that repeated
-            # calls neither trace nor dispatch op by op.
-            key = _signature(static, treedef, dynamic)
+        apply = functools.partial(_apply, self.cache, fn, self._config, static, treedef)
+        if not _compat.is_top_level():
+            return apply(self._h_leaves, dynamic)
+        # Outside any transformation: through a jit of the same call, cached
+        # per argument signature, so that repeated calls neither trace nor
+        # dispatch op by op (compiled anew when a static argument is unhashable).
+        sig = _signature(static, treedef, dynamic)
+        key = None if sig is None else (sig, self._config.key)
+        jitted = None if key is None else self.cache.eager.get(key)
+        if jitted is None:
+            jitted = Jitted(apply)
             if key is not None:
-                eager = self._eager.get(key)
-                if eager is None:
-                    eager = _Eager(fn, self._config, static, treedef)
-                    self._eager.put(key, eager)
-                return eager(self._h_leaves, dynamic)
-        return _apply(fn, self._config, self._h_leaves, dynamic, static, treedef)
-
-
-class _Eager:
-    """The jitted call of a handled function for one argument signature, taking
-    the handlers' arrays as a flat list."""
-
-    def __init__(self, fn, config: _Config, static, treedef):
-        self.fn, self.config, self.static, self.treedef = fn, config, static, treedef
-        self.out = None  # (out_static, out_tree), once traced
-        self.compiled = jax.jit(self._call)
-
-    def _call(self, h_leaves, dynamic):
-        out, found = _apply(
-            self.fn, self.config, h_leaves, dynamic, self.static, self.treedef
-        )
-        out_dyn, out_static, out_tree = _split(out)
-        self.out = (out_static, out_tree)
-        return out_dyn, found
-
-    def __call__(self, h_leaves, dynamic):
-        outs, found = self.compiled(h_leaves, dynamic)
-        out_static, out_tree = self.out  # pyright: ignore[reportGeneralTypeIssues]
-        return _merge(outs, out_static, out_tree), found
+                self.cache.eager.put(key, jitted)
+        return jitted(self._h_leaves, dynamic)
 
 
 #
@@ -728,39 +710,8 @@ class _Eager:
 #
 
 
-class _Memo:
-    """The wrappers made for one function, kept in the function's own `__dict__`:
-    they live exactly as long as the function (a cycle the garbage collector
-    frees), and nothing keeps a closure over tracers alive."""
-
-    size = 32  # least recently used wrappers beyond this are dropped
-
-    def __init__(self, owner):
-        self.owner = id(owner)
-        self.wrappers = _LRU(self.size)
-        self.made = _LRU(self.size)  # what `eager_cached` made
-
-    def get(self, fn, key, handlers) -> _Handled:
-        wrapper = self.wrappers.get(key)
-        if wrapper is None:
-            wrapper = _Handled(fn, handlers)
-            self.wrappers.put(key, wrapper)
-        return wrapper
-
-    def get_with_arrays(self, fn, handlers) -> _Handled:
-        """A wrapper for handlers holding arrays (`Perturb(deltas)`,
-        `Substitute(values)`): a new one each call, since the arrays differ, but
-        sharing the eager caches of every wrapper whose handlers differ only in
-        their arrays' values, which its jitted call takes as arguments."""
-        key = _arrays_key(handlers)
-        if key is None:  # an unhashable leaf that is not an array
-            return _Handled(fn, handlers)
-        arrays = [x for x in jax.tree.leaves(handlers) if eqx.is_array(x)]
-        return self.get(fn, _HandlersKey(key), handlers).with_arrays(handlers, arrays)
-
-
 class _HandlersKey:
-    """Handlers as a memo key, hashed once: a handler's hash reads its fields."""
+    """Handlers as a key, hashed once: a handler's hash reads its fields."""
 
     __slots__ = ("handlers", "hash")
 
@@ -775,67 +726,30 @@ class _HandlersKey:
         return isinstance(other, _HandlersKey) and self.handlers == other.handlers
 
 
-_MEMO = "_effects_handled"
-_ARRAY = object()  # an array's place in a memo key of handlers holding arrays
-
-# Memos of bound methods, keyed on the method's function and its object.
-_method_memos = _LRU(64)
-
-
-def _memo_for(fn) -> _Memo | None:
-    if isinstance(fn, types.MethodType):
-        return _per_method_entry(_method_memos, fn, lambda: _Memo(fn))
-    if isinstance(fn, _CACHEABLE):
-        namespace = vars(fn)
-        memo = namespace.get(_MEMO)
-        # `functools.wraps` copies `__dict__` entries, so a wrapper of `fn` (say
-        # `jax.vmap(fn)`) can hold `fn`'s memo: it needs its own.
-        if not isinstance(memo, _Memo) or memo.owner != id(fn):
-            memo = namespace[_MEMO] = _Memo(fn)
-        return memo
-    return None
-
-
-# Per Equinox module structure (its treedef and leaves that are not arrays) and
-# handlers: the jitted calls that every `handle(model, ...)` of a model of that
-# structure shares, as `eqx.filter_jit` compiles once per structure and array
-# types. The models' arrays are inputs of those calls (see `_call_module`), and
-# the keys hold none of them.
-_module_eager = _LRU(32)
-
-
-def _module_handled(module, handlers) -> _Handled:
-    _, static, treedef = _split(module)
-    try:
-        key = _HandlersKey(handlers)
-    except TypeError:  # handlers holding arrays
-        key = _arrays_key(handlers)
-    key = (treedef, static, key)
-    try:
-        eager = _module_eager.get(key)
-    except TypeError:  # a leaf that is not an array is unhashable
-        return _Handled(module, handlers)
-    if eager is None:
-        eager = _LRU(_PER_FN_SIZE)
-        _module_eager.put(key, eager)
-    return _Handled(module, handlers, eager)
-
-
 def _memoized(fn, handlers) -> _Handled:
-    if not _compat.is_top_level():
-        # Inside a transformation, handlers may close over its tracers, which a
-        # memo would keep alive.
-        return _Handled(fn, handlers)
-    if isinstance(fn, eqx.Module):
-        return _module_handled(fn, handlers)
-    memo = _memo_for(fn)
-    if memo is None:
-        return _Handled(fn, handlers)
+    cache = _cache_for(fn)
+    if cache is None:  # (the wrapper, kept, still caches)
+        return _Handled(fn, handlers, _Cache())
+    # Inside a transformation, handlers may close over its tracers, which a
+    # kept wrapper would keep alive; a module's wrapper holds its arrays.
+    if not _compat.is_top_level() or isinstance(fn, eqx.Module):
+        return _Handled(fn, handlers, cache)
     try:
-        key = _HandlersKey(handlers)
-    except TypeError:  # handlers holding arrays are unhashable
-        return memo.get_with_arrays(fn, handlers)
-    return memo.get(fn, key, handlers)
+        key, arrays = _HandlersKey(handlers), None
+    except TypeError:
+        # Handlers holding arrays (`Perturb(deltas)`, `Substitute(values)`): a
+        # new wrapper each call, since the arrays differ, sharing what is
+        # cached for handlers that differ only in their arrays' values.
+        key = _arrays_key(handlers)
+        if key is None:  # an unhashable leaf that is not an array
+            return _Handled(fn, handlers, cache)
+        key = _HandlersKey(key)
+        arrays = [x for x in jax.tree.leaves(handlers) if eqx.is_array(x)]
+    wrapper = cache.wrappers.get(key)
+    if wrapper is None:
+        wrapper = _Handled(fn, handlers, cache)
+        cache.wrappers.put(key, wrapper)
+    return wrapper if arrays is None else wrapper.with_arrays(handlers, arrays)
 
 
 #
@@ -852,6 +766,7 @@ def eager_cached(what, fn, args, kwargs, make) -> tuple[Any, list[Any]]:
     `fn` and the arguments' signature, for the functions `handle` caches (an
     Equinox module per structure, as `handle(model, ...)`): it may hold `call`,
     which holds no array but what `fn` closes over."""
+    cache = _cache_for(fn) if _compat.is_top_level() else None
     if isinstance(fn, eqx.Module):
         fn, args = _call_module, (fn, *args)
     dynamic, static, treedef = _split((args, kwargs))
@@ -860,34 +775,13 @@ def eager_cached(what, fn, args, kwargs, make) -> tuple[Any, list[Any]]:
         args, kwargs = _merge(dynamic, static, treedef)
         return fn(*args, **kwargs)
 
-    memo = _memo_for(fn) if _compat.is_top_level() else None
-    key = _signature(static, treedef, dynamic) if memo is not None else None
-    if key is None:
-        return make(call, dynamic), dynamic
-    made = memo.made.get((what, key))  # pyright: ignore[reportOptionalMemberAccess]
+    sig = None if cache is None else _signature(static, treedef, dynamic)
+    made = None if sig is None else cache.made.get((what, sig))  # pyright: ignore
     if made is None:
         made = make(call, dynamic)
-        memo.made.put((what, key), made)  # pyright: ignore[reportOptionalMemberAccess]
+        if sig is not None:
+            cache.made.put((what, sig), made)  # pyright: ignore
     return made, dynamic
-
-
-class Jitted:
-    """`jax.jit(body)` for a `body` whose output may hold leaves that are not
-    arrays: those are taken from its trace, as `_Eager` takes them."""
-
-    def __init__(self, body):
-        self.body = body
-        self.out = None  # (out_static, out_tree), once traced
-        self.compiled = jax.jit(self._call)
-
-    def _call(self, *args):
-        out_dyn, *self.out = _split(self.body(*args))
-        return out_dyn
-
-    def __call__(self, *args):
-        outs = self.compiled(*args)
-        assert self.out is not None  # (set when traced)
-        return _merge(outs, *self.out)
 
 
 _P = ParamSpec("_P")
@@ -915,12 +809,13 @@ def handle(fn: Callable[_P, _R], *handlers: Handler) -> Callable[_P, tuple[_R, F
     visible to a `handle` further out.
 
     **Compiled, also outside `jit`.** Called outside any JAX transformation,
-    the handled call runs through a cached `jax.jit` of its own (op by op
-    only when a static argument cannot be hashed). `fn` must therefore be
-    traceable as under `jax.jit`: Python control flow on the values of array
-    arguments (`if x > 0:`) fails; use `jnp.where` or `lax.cond`. Under
-    `jax.jit`, `jax.grad` or `jax.vmap`, the rewritten program runs on that
-    transformation's trace, which differentiates or batches it as a whole.
+    the handled call runs through a cached `jax.jit` of its own (compiled
+    again at every call when a static argument cannot be hashed). `fn` must
+    therefore be traceable as under `jax.jit`: Python control flow on the
+    values of array arguments (`if x > 0:`) fails; use `jnp.where` or
+    `lax.cond`. Under `jax.jit`, `jax.grad` or `jax.vmap`, the rewritten
+    program runs on that transformation's trace, which differentiates or
+    batches it as a whole.
 
     **Arguments and caching.** Array leaves of the arguments (and of an
     Equinox module passed as `fn`) are inputs; every other leaf, Python numbers
@@ -928,8 +823,9 @@ def handle(fn: Callable[_P, _R], *handlers: Handler) -> Callable[_P, tuple[_R, F
     per argument signature (the pytree structure, the static values, the
     arrays' shapes and dtypes) and the rewritten program per handler
     configuration (the handlers' static fields, and the shapes and dtypes of
-    their arrays): at most 64 of each per function, the least recently used
-    dropped, for as long as the function lives. So:
+    their arrays), and so is the jitted call used outside any transformation:
+    at most 64 of each per function, the least recently used dropped, for as
+    long as the function lives. So:
 
     - a Python float that changes between calls (a step size) is a new
       signature, traced and compiled again at every call; pass it as an array,

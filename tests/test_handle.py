@@ -756,6 +756,52 @@ def test_inline_jit_of_handle_traces_once():
     )
 
 
+def _sin_sq_h(x):
+    return jnp.sum(jnp.sin(x) ** 2), {"intermediates": {"h": (jnp.sin(x),)}}
+
+
+def test_many_handler_configurations_keep_the_trace():
+    # Traces and rewritten programs are cached apart, at most 64 of each: more
+    # than 64 handler configurations for one argument signature drop programs,
+    # never the trace of another signature.
+    f, calls = _counted()
+    x5 = jnp.linspace(0.0, 1.0, 5)
+    assert_trees_close(jax.jit(fx.handle(f, fx.Tag()))(X), _sin_sq_h(X))
+    for i in range(70):
+        handlers = (fx.Tag(collection=f"c{i}"), fx.Tag())
+        jaxpr = jax.make_jaxpr(fx.handle(f, *handlers))(x5)
+        assert len(jaxpr.out_avals) == 2
+    assert len(calls) == 2
+    out, found = jax.jit(fx.handle(f, fx.Tag(collection="c3")))(X)
+    assert len(calls) == 2
+    assert_trees_close((out, found), (_sin_sq_h(X)[0], {"c3": {}}))
+
+
+def test_first_and_later_uses_give_the_same_results():
+    # The first use of a handled function under a transformation builds its
+    # program, later ones take it from the cache: the same results either way.
+    f, calls = _counted()
+    handled = fx.handle(f, fx.Tag())
+    for use in range(3):
+        assert_trees_close(jax.jit(lambda x: handled(x))(X + use), _sin_sq_h(X + use))
+        assert_trees_close(
+            jax.grad(lambda x: handled(x)[0])(X), 2 * jnp.sin(X) * jnp.cos(X)
+        )
+        assert_trees_close(jax.vmap(handled)(XB), jax.vmap(_sin_sq_h)(XB))
+    assert_trees_close(handled(X), _sin_sq_h(X))
+
+
+def test_handled_call_under_disable_jit():
+    f, _ = _counted()
+    with jax.disable_jit():
+        assert_trees_close(fx.handle(f, fx.Tag())(X), _sin_sq_h(X))
+        assert_trees_close(jax.jit(fx.handle(f, fx.Tag()))(X), _sin_sq_h(X))
+        assert_trees_close(
+            jax.grad(lambda x: fx.handle(f, fx.Tag())(x)[0])(X),
+            2 * jnp.sin(X) * jnp.cos(X),
+        )
+
+
 def test_grad_outside_jit_reuses_jax_cached_derivative(monkeypatch):
     # The handled program is one `jit` call, so `jax.grad` differentiates it
     # with JAX's derivative of the whole jaxpr, cached: a second call runs no
