@@ -182,6 +182,12 @@ def _nameless_debug_info(fn, named_after=None):
     return _debug_info("effects", fn, (), {})._replace(arg_names=None)
 
 
+def trace_context():
+    """The JAX settings a trace depends on (`jax_enable_x64`, the axis names in
+    scope, ...), hashable: what `jax.jit` keys its caches on (jax 0.7+)."""
+    return _config.trace_context()
+
+
 def trace(
     fn: Callable, in_avals: Sequence[Any], named_after: Callable | None = None
 ) -> tuple[Jaxpr, list[Any]]:

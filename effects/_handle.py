@@ -91,6 +91,8 @@ def _signature(static, treedef, dynamic):
         treedef,
         static,
         tuple((a.shape, a.dtype, a.weak_type) for a in map(aval, dynamic)),
+        # (a trace under `jax.enable_x64` differs, as `jax.jit`'s caches know)
+        _compat.trace_context(),
     )
     try:
         hash(key)

@@ -1406,3 +1406,31 @@ def test_a_handler_matching_no_site_traces_the_function_once():
     assert_trees_close(
         (out, found), (ref(XB), {"intermediates": {"h": (jnp.sin(XB),)}})
     )
+
+
+def _x64():
+    # `jax.enable_x64` (jax 0.8+), `jax.experimental.enable_x64` before.
+    import jax.experimental
+
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64
+    return jax.experimental.enable_x64  # pyright: ignore
+
+
+def test_a_trace_is_not_reused_across_the_x64_setting():
+    # The trace made with 32-bit floats must not serve a call under
+    # `jax.enable_x64`, where `jax.jit` traces again and computes in float64.
+    def f(x):
+        return fx.tag(x * 2.0, "h") + 1.0
+
+    handled = fx.handle(f, fx.Tag())
+    out, found = handled(1.0)
+    assert out.dtype == jnp.float32
+    with _x64()(True):
+        out, found = handled(1.0)
+        want = jax.jit(f)(1.0)
+        assert out.dtype == want.dtype == jnp.float64
+        assert found["intermediates"]["h"][0].dtype == jnp.float64
+        out, _ = jax.jit(handled)(1.0)
+        assert out.dtype == jnp.float64
+    assert handled(1.0)[0].dtype == jnp.float32
