@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat
+from . import _compat, _jaxpr
 from ._handlers import Handler
 from ._primitives import bind_site, handling, probing, site_effect, site_p
 from ._scope import Key, Scope, act, grow, types_of, zeros
@@ -29,12 +29,12 @@ from ._site import (
     Lead,
     Site,
     after,
-    checkpoint_name_params,
     describe,
     from_region,
     stacked_avals,
     to_region,
 )
+from ._sites import recomputes, site_of, sites_in, walk
 
 Rule = Callable[[Any, list[Any], Scope], list[Any]]
 rules: dict[Any, Rule] = {}
@@ -43,31 +43,13 @@ rules: dict[Any, Rule] = {}
 # Which sites does a jaxpr hold?
 #
 
-_analysis_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
 
 def _analyse(jaxpr) -> tuple[frozenset, tuple[frozenset, ...]]:
     """The sites of `jaxpr` (see `sites_in`) and, per equation, the sites it is
     or holds in its sub-jaxprs. An equation with none is plain: it is copied into
     the caller's trace as it is, never traced again."""
-    found = _analysis_cache.get(jaxpr)
-    if found is None:
-        acc, per_eqn = set(), []
-        for eqn in jaxpr.eqns:
-            mine = frozenset()
-            if eqn.primitive is site_p:
-                p = eqn.params
-                mine = frozenset([(p["kind"], p["collection"], p["name"])])
-            elif eqn.primitive is _compat.name_p:
-                mine = frozenset([("tag", CHECKPOINT_NAME, eqn.params["name"])])
-            elif eqn.params:
-                for sub in _compat.open_jaxprs_in_params(eqn.params):
-                    mine |= sites_in(sub)
-            per_eqn.append(mine)
-            acc |= mine
-        found = (frozenset(acc), tuple(per_eqn))
-        _analysis_cache[jaxpr] = found
-    return found
+    found = walk(jaxpr)
+    return found.keys, found.per_eqn
 
 
 _runs_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -86,49 +68,11 @@ def _plain_runs(jaxpr) -> dict[int, tuple[int, Any, list[Any]]]:
             stop = i
             while stop < len(per_eqn) and not per_eqn[stop]:
                 stop += 1
-            part, part_in = _compat.equations_jaxpr(jaxpr, i, stop)
+            part, part_in = _jaxpr.equations_jaxpr(jaxpr, i, stop)
             runs[i] = (stop, part, part_in)
             i = stop
         _runs_cache[jaxpr] = runs
     return runs
-
-
-def recomputes(eqn) -> bool:
-    """Whether `eqn` is the backward pass's recomputation of a `jax.checkpoint`
-    region: the sites in it are executions of the forward pass's, computed
-    again, not executions of their own (see `_remat_rule`). JAX marks it
-    `differentiated`, but also the forward part of a checkpoint in a scan in
-    another checkpoint, which holds the tags that JAX's partial evaluation
-    kept where they execute, marked `forward` (see
-    `_primitives._site_partial_eval_custom`); the recomputation holds their
-    copies, and those of its loops JAX recomputes whole. A region holding only
-    `checkpoint_name`s has JAX's mark alone to go by: it is taken for a
-    recomputation."""
-    if eqn.primitive is not _compat.remat_p or not eqn.params.get("differentiated"):
-        return False
-    return not _holds_forward(eqn.params["jaxpr"])
-
-
-_forward_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _holds_forward(jaxpr) -> bool:
-    """Whether `jaxpr` or a sub-jaxpr holds a site marked `forward`."""
-    found = _forward_cache.get(jaxpr)
-    if found is None:
-        found = any(
-            eqn.params.get("forward")
-            if eqn.primitive is site_p
-            else any(map(_holds_forward, _compat.open_jaxprs_in_params(eqn.params)))
-            for eqn in jaxpr.eqns
-        )
-        _forward_cache[jaxpr] = found
-    return found
-
-
-def sites_in(jaxpr) -> frozenset[tuple[str, str, str]]:
-    """(kind, collection, name) of every site in `jaxpr` and its sub-jaxprs."""
-    return _analyse(jaxpr)[0]
 
 
 def _matched(handlers, sites) -> list[tuple[str, str, str]]:
@@ -182,7 +126,7 @@ def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
         if run_of_plain is not None:
             # Equations holding no site are copied as they are.
             stop, part, part_in = run_of_plain
-            outs = _compat.copy_into_trace(part, [read(v) for v in part_in])
+            outs = _jaxpr.copy_into_trace(part, [read(v) for v in part_in])
             if outs is not None:
                 env.update(zip(part.outvars, outs))
                 i = stop
@@ -268,17 +212,6 @@ def _act(site: Site, leaves: list[Any], scope: Scope) -> tuple[list[Any], bool]:
     return leaves, False
 
 
-def site_of(eqn, shards=()) -> Site | None:
-    """The site an equation is, if it is one: a `tag`/`perturb`, or a
-    `checkpoint_name` seen as a tag (see `checkpoint_name_params`)."""
-    if eqn.primitive is site_p:
-        return Site.from_eqn(eqn.params, [v.aval for v in eqn.invars], shards)
-    if eqn.primitive is _compat.name_p:
-        params = checkpoint_name_params(eqn.params["name"])
-        return Site.from_eqn(params, [eqn.invars[0].aval], shards)
-    return None
-
-
 def _checkpoint_name_rule(eqn, invals, scope: Scope) -> list[Any]:
     """Handlers act on a `checkpoint_name` as on a tag, and the name stays on
     the value they leave: remat policies that select by name keep working, and
@@ -324,7 +257,7 @@ def per_state(jaxpr):
         return jaxpr if hit[1] is None else hit[1]
     eqns = []
     for eqn in jaxpr.eqns:
-        params = _compat.map_jaxprs_in_params(eqn.params, per_state)
+        params = _jaxpr.map_jaxprs_in_params(eqn.params, per_state)
         name = _compat.rule_thunk_params.get(eqn.primitive)
         if name is not None:
             params = dict(params, **{name: _per_state_thunk(params[name], birth)})
@@ -493,7 +426,7 @@ def discover(jaxpr, consts, in_avals, scope: Scope) -> Plan:
         )
         return outs
 
-    _compat.trace(fn, in_avals)
+    _jaxpr.trace(fn, in_avals)
     return plans[0]
 
 
@@ -586,7 +519,7 @@ def trace_region(
     if acc_avals is None:
         acc_avals = _avals_of_trees(acc_trees)
     avals = [*in_avals, *acc_avals, *input_avals]
-    return _compat.trace(fn, avals)
+    return _jaxpr.trace(fn, avals)
 
 
 def _avals_of_trees(trees) -> list[Any]:
@@ -837,7 +770,7 @@ def _while_rule(eqn, invals, scope: Scope) -> list[Any]:
     )
     # Region: (hoisted, body_consts, carry, accs) -> (carry, accs): the accumulators
     # extend the carry; cond_fun ignores them.
-    cond = _compat.insert_invars(
+    cond = _jaxpr.insert_invars(
         cond_closed.jaxpr, len(cond_closed.jaxpr.invars), _avals(acc_in)
     )
     params = dict(
@@ -927,8 +860,8 @@ def _cond_rule(eqn, invals, scope: Scope) -> list[Any]:
         after = [a for h in hoisted_avals[i + 1 :] for a in h]
         # Every branch takes every branch's constants: its own, with the others'
         # as unused inputs around them.
-        body = _compat.insert_invars(body, len(hoisted), after)
-        body = _compat.insert_invars(body, 0, before)
+        body = _jaxpr.insert_invars(body, len(hoisted), after)
+        body = _jaxpr.insert_invars(body, 0, before)
         new_branches.append(_compat.ClosedJaxpr(body, ()))
     n_out = len(eqn.outvars)
     outs = _bind(
