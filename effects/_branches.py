@@ -17,8 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
+
 from . import _compat
 from ._primitives import site_p
+from ._sites import Region, walk
 
 # (kind, collection, name, call path of the `tag`)
 Key = tuple[str, str, str, tuple]
@@ -30,43 +33,28 @@ def suspects(jaxpr) -> frozenset[Key]:
     a select (every such branch leaves one). Sites in a `while_loop` whose
     predicate a vmap batched are left out: the loop masks its carry per example,
     so they are exact, and JAX refuses the IO effect in such a loop (so a cond
-    inside one goes unchecked; docs/semantics.md says so)."""
-    loose = []
-    seen = {"vmap": False, "select": False}
-
-    def walk(jaxpr, kept: bool) -> None:
-        for eqn in jaxpr.eqns:
-            if eqn.primitive is site_p:
-                if not kept:
-                    loose.append(eqn)
-                seen["vmap"] |= any(eqn.params["batch"])
-                continue
-            if eqn.primitive.name == "select_n":
-                seen["select"] = True
-            inner = kept or eqn.primitive is _compat.cond_p or _batched_loop(eqn)
-            for sub in _compat.open_jaxprs_in_params(eqn.params):
-                walk(sub, inner)
-
-    walk(jaxpr, False)
-    if not (seen["vmap"] and seen["select"]):
+    inside one goes unchecked; docs/semantics.md says so). A `checkpoint_name`
+    carries no IO effect, and is left out too."""
+    found = walk(jaxpr)
+    tags = [s for s in found.sites if s.eqn.primitive is site_p]
+    if jax.lax.select_n_p not in found.primitives or not any(
+        any(s.eqn.params["batch"]) for s in tags
+    ):
         return frozenset()
     return frozenset(
-        (
-            e.params["kind"],
-            e.params["collection"],
-            e.params["name"],
-            _compat.call_path(e.source_info.traceback),
-        )
-        for e in loose
+        (*s.key, _compat.call_path(s.eqn.source_info.traceback))
+        for s in tags
+        if not any(map(_keeps_branches, s.path))
     )
 
 
-def _batched_loop(eqn) -> bool:
-    # A vmap leaves a `while` with a batched predicate as one loop whose
-    # predicate is a vector.
-    return eqn.primitive is _compat.while_p and bool(
-        eqn.params["cond_jaxpr"].out_avals[0].shape
-    )
+def _keeps_branches(region: Region) -> bool:
+    # A `cond` left in the program runs one branch per example; a vmap leaves a
+    # `while` with a batched predicate as one loop whose predicate is a vector.
+    eqn = region.eqn
+    if eqn.primitive is _compat.while_p:
+        return bool(eqn.params["cond_jaxpr"].out_avals[0].shape)
+    return eqn.primitive is _compat.cond_p
 
 
 def mixed(retrace: Callable[[object], object], candidates: frozenset[Key]):

@@ -4,7 +4,6 @@ in one place. Each entry names the JAX versions it was written against."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import sys
 from collections.abc import Callable, Sequence
@@ -38,30 +37,21 @@ Var = jex_core.Var
 #
 
 
-def bool_trace_state(name: str, help: str):
-    """A boolean that is part of JAX's trace context (jax 0.10): `jax.jit` caches
+def trace_state(name: str, help: str, default: bool | None):
+    """A state that is part of JAX's trace context (jax 0.10): `jax.jit` caches
     keyed on it, so a function traced once with the state off is traced again
-    with it on."""
-    if "include_in_trace_context" in inspect.signature(_config.bool_state).parameters:
+    with it on. A boolean for `default=False`, else a hashable value."""
+    make: Callable[..., Any] = (
+        _config.bool_state if default is False else _config.string_or_object_state
+    )
+    if "include_in_trace_context" in inspect.signature(make).parameters:
         # jax 0.8+: the state declares itself part of the trace context.
-        return _config.bool_state(
-            name=name, default=False, help=help, include_in_trace_context=True
+        return make(
+            name=name, default=default, help=help, include_in_trace_context=True
         )
     # jax 0.7: `include_in_jit_key` puts it in the C++ jit dispatch key, and a
     # trace-context callback puts it in the Python trace caches' keys.
-    state = _config.bool_state(
-        name=name, default=False, help=help, include_in_jit_key=True
-    )
-    _config.register_trace_context_callback.append(lambda: state.value)  # pyright: ignore
-    return state
-
-
-def object_trace_state(name: str, help: str):
-    """Like `bool_trace_state`, for a hashable value that defaults to None."""
-    make = _config.string_or_object_state
-    if "include_in_trace_context" in inspect.signature(make).parameters:
-        return make(name=name, default=None, help=help, include_in_trace_context=True)
-    state = make(name=name, default=None, help=help, include_in_jit_key=True)
+    state = make(name=name, default=default, help=help, include_in_jit_key=True)
     _config.register_trace_context_callback.append(lambda: state.value)  # pyright: ignore
     return state
 
@@ -188,17 +178,17 @@ def trace_context():
     return _config.trace_context()
 
 
-def trace(
+def trace_closed(
     fn: Callable, in_avals: Sequence[Any], named_after: Callable | None = None
 ) -> tuple[Jaxpr, list[Any]]:
-    """Traces `fn(*flat_args) -> list of arrays` to an open jaxpr whose constants
-    (which may be tracers of enclosing traces) are returned separately, as leading
-    inputs of the jaxpr. JAX's errors name `named_after` if given (the user's
-    function that `fn` calls), else `fn`."""
+    """Traces `fn(*flat_args) -> list of arrays` to a jaxpr whose constants
+    (which may be tracers of enclosing traces) are its constvars, returned
+    too. JAX's errors name `named_after` if given (the user's function that
+    `fn` calls), else `fn`."""
     dbg = _nameless_debug_info(fn, named_after)
     wrapped = _lu.wrap_init(fn, debug_info=dbg)
     jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
-    return _pe.convert_constvars_jaxpr(jaxpr), list(consts)
+    return jaxpr, list(consts)
 
 
 def constvars_as_invars(jaxpr: Jaxpr) -> Jaxpr:
@@ -208,42 +198,10 @@ def constvars_as_invars(jaxpr: Jaxpr) -> Jaxpr:
     return _pe.convert_constvars_jaxpr(jaxpr)
 
 
-def trace_closed(fn: Callable, in_avals: Sequence[Any]) -> tuple[Jaxpr, list[Any]]:
-    """Like `trace`, but keeps the constants as the jaxpr's constvars."""
-    dbg = _nameless_debug_info(fn)
-    wrapped = _lu.wrap_init(fn, debug_info=dbg)
-    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, list(in_avals))
-    return jaxpr, list(consts)
+DropVar = _core.DropVar  # jax 0.7-0.12
 
 
-_DropVar = _core.DropVar  # jax 0.7-0.12
-
-
-def equations_jaxpr(jaxpr: Jaxpr, start: int, stop: int) -> tuple[Jaxpr, list[Any]]:
-    """`jaxpr.eqns[start:stop]` as a jaxpr of their own: its inputs are the
-    variables they read that they do not define (returned too), its outputs
-    every variable they define."""
-    eqns = jaxpr.eqns[start:stop]
-    defined: set = set()
-    invars: list[Any] = []
-    seen: set = set()
-    for eqn in eqns:
-        for v in eqn.invars:
-            if type(v) is not Literal and v not in defined and v not in seen:
-                seen.add(v)
-                invars.append(v)
-        defined.update(eqn.outvars)
-    outvars = [v for eqn in eqns for v in eqn.outvars if type(v) is not _DropVar]
-    effects = frozenset().union(*(eqn.effects for eqn in eqns))
-    dbg = jaxpr.debug_info
-    if dbg is not None:
-        dbg = dbg._replace(arg_names=None, result_paths=None)
-    if any(map(_is_high_eqn, eqns)):
-        return Jaxpr([], invars, outvars, eqns, effects, dbg, is_high=True), invars
-    return Jaxpr([], invars, outvars, eqns, effects, dbg), invars
-
-
-def _is_high_eqn(eqn) -> bool:
+def is_high_eqn(eqn) -> bool:
     """Whether `eqn` is a "hijax" equation (jax 0.10+; in jax 0.12
     `lax.custom_root` is one, `call_hi_primitive`, and `jax_remat3` and
     `jax_custom_vjp3` make `jax.checkpoint` and `jax.custom_vjp` others): one
@@ -258,44 +216,22 @@ def _is_high_eqn(eqn) -> bool:
     return is_high(*(v.aval for v in eqn.invars), **eqn.params)
 
 
-def copy_into_trace(jaxpr: Jaxpr, args: Sequence[Any]) -> list[Any] | None:
+def is_high(jaxpr: Jaxpr) -> bool:
+    """Whether `jaxpr` is marked as holding hijax equations (jax 0.10+)."""
+    return getattr(jaxpr, "is_high", False)
+
+
+def inline_into_trace(jaxpr: Jaxpr, args: Sequence[Any]) -> list[Any] | None:
     """Copies `jaxpr`'s equations into the jaxpr the current trace builds
-    without binding them again (no abstract evaluation, no staging rules: they
-    ran when the equations were first staged), as `jax.jit`'s staging rule
-    inlines a jaxpr (jax 0.7-0.12: `pe.inline_jaxpr_into_trace`). Returns the
-    outputs, or None where the current trace builds no jaxpr, or where an
-    input's type differs from the one the equations were traced with (a
-    handler put a value of another weak type there): binding them again then
-    types them anew."""
+    without binding them again, as `jax.jit`'s staging rule inlines a jaxpr
+    (jax 0.7-0.12: `pe.inline_jaxpr_into_trace`): the outputs, or None where
+    the current trace builds no jaxpr."""
     trace = _core.trace_ctx.trace
     if type(trace) is not _pe.DynamicJaxprTrace:
         return None
     src = _source_info_util.current()
     tracers = [trace.to_jaxpr_tracer(x, src) for x in args]
-    for x, v in zip(tracers, jaxpr.invars):
-        if x.aval is not v.aval and x.aval != v.aval:
-            return None
-    if getattr(jaxpr, "is_high", False):
-        # jax 0.10+: copying equations skips the staging that marks the jaxpr
-        # being built as holding hijax equations (see `_is_high_eqn`); binding
-        # them again goes through JAX's own staging, which marks it.
-        return None
     return _pe.inline_jaxpr_into_trace(trace, src, jaxpr, (), *tracers)
-
-
-def insert_invars(jaxpr: Jaxpr, index: int, avals: Sequence[Any]) -> Jaxpr:
-    """Adds unused inputs of the given avals before input `index`."""
-    if not avals:
-        return jaxpr
-    new = [Var(a) for a in avals]
-    invars = list(jaxpr.invars)
-    dbg = jaxpr.debug_info
-    if dbg is not None and dbg.arg_names is not None:
-        names = list(dbg.arg_names)
-        dbg = dbg._replace(
-            arg_names=tuple(names[:index] + [""] * len(new) + names[index:])
-        )
-    return jaxpr.replace(invars=invars[:index] + new + invars[index:], debug_info=dbg)
 
 
 def bind_eqn(eqn, invals, params):
@@ -348,48 +284,11 @@ else:
 custom_jvp_call_p = _prims.custom_jvp_call_p
 custom_vjp_call_p = _prims.custom_vjp_call_p
 
-#
-# Putting a jaxpr on the caller's trace as one call
-#
-
-
-@functools.lru_cache(maxsize=16)
-def _jit_template(mesh) -> dict[str, Any]:
-    # The params of a `jit` equation with one input and two outputs, as JAX
-    # makes them where `mesh` is the abstract mesh (its params differ across
-    # releases: jax 0.7-0.12). A tuple of length 1 holds one entry per input,
-    # of length 2 one per output; `call_jaxpr` stretches them.
-    del mesh  # (part of the cache key: `ctx_mesh` is read from the context)
-    closed = jax.make_jaxpr(jax.jit(lambda x: (x, x)))(0.0)
-    (eqn,) = closed.jaxpr.eqns
-    assert eqn.primitive is pjit_p, eqn
-    return dict(eqn.params)
-
-
-def call_jaxpr(closed: ClosedJaxpr, args: Sequence[Any], name: str) -> list[Any]:
-    """Binds `closed` on the current trace as one `jit(inline=True)` call, as
-    `jax.jit` binds a function it traced: where a jaxpr is being built (under
-    `jax.jit`), JAX's staging rule copies its equations into it, so it lowers as
-    the same equations written there would; under `grad` and `vmap`, JAX's cached
-    JVP and batching of the whole jaxpr apply."""
-    template = _jit_template(jax.sharding.get_abstract_mesh())
-    n_in, n_out = len(closed.in_avals), len(closed.out_avals)
-    params = {}
-    for key, value in template.items():
-        if type(value) is tuple and len(value) == 1:
-            value = value * n_in
-        elif type(value) is tuple and len(value) == 2:
-            value = (value[0],) * n_out
-        params[key] = value
-    params.update(jaxpr=closed, name=name, inline=_INLINE_WHEN_TRACED)
-    return pjit_p.bind(*args, **params)
-
-
 # What `jax.jit(..., inline=True)` asks for, the call inlined where a jaxpr is
 # being built: `True` in jax 0.7-0.11; in jax 0.12+ the param is a `jax.Inline`
 # and `True` means `JAX_LATE` (inlined when lowering), `JAX_EARLY` this.
 _Inline = getattr(jax, "Inline", None)
-_INLINE_WHEN_TRACED = True if _Inline is None else _Inline.JAX_EARLY
+INLINE_WHEN_TRACED = True if _Inline is None else _Inline.JAX_EARLY
 
 
 from jax._src import mesh as _mesh_lib  # noqa: E402
@@ -520,19 +419,27 @@ _hijax = sys.modules.get("jax._src.hijax")
 try:
     from jax._src import stages as _stages
 
-    call_hi_primitive_p = _hijax.call_hi_primitive_p
+    # (`_hijax` is None where JAX has not imported it: an AttributeError too)
+    call_hi_primitive_p = _hijax.call_hi_primitive_p  # pyright: ignore[reportOptionalMemberAccess]
     # jax 0.12: `HiPrim`; jax 0.10: `VJPHiPrimitive`.
-    _HiPrim = getattr(_hijax, "HiPrim", None) or _hijax.VJPHiPrimitive
+    _HiPrim = getattr(_hijax, "HiPrim", None) or _hijax.VJPHiPrimitive  # pyright: ignore[reportOptionalMemberAccess]
 except AttributeError:  # pragma: no cover - jax 0.7-0.9
     call_hi_primitive_p = _HiPrim = _stages = None
 
 
 def primitive_name(eqn) -> str:
     """An equation's primitive as users know it: a hijax primitive by its class
-    (`CustomRoot`, `RematTraced`), not `call_hi_primitive`."""
+    (`CustomRoot`, `RematTraced`), not `call_hi_primitive`; `jit` (`pjit` in
+    jax 0.7-0.9), `checkpoint` (`remat2`), `closed_call` (`eval_jaxpr` in jax
+    0.12)."""
     if eqn.primitive is call_hi_primitive_p:
         return type(eqn.params["_prim"]).__name__
-    return eqn.primitive.name
+    if eqn.primitive is closed_call_p:
+        return "closed_call"
+    return _USER_NAMES.get(eqn.primitive.name) or eqn.primitive.name
+
+
+_USER_NAMES = {"pjit": "jit", "remat2": "checkpoint"}
 
 
 # jax 0.12: the flag that makes each of these hijax primitives where JAX's
@@ -552,12 +459,17 @@ def hijax_flag(eqn) -> tuple[str, str] | None:
     return _HI_FLAGS.get(type(eqn.params["_prim"]).__name__)
 
 
-def _hi_jaxprs(prim, found: list[Any]) -> None:
-    assert _HiPrim is not None and _stages is not None  # (only on jax 0.12+)
-    # The jaxprs of a hijax primitive, as JAX finds them to print it: jaxprs
-    # and traced functions among its params, and those of hijax primitives
-    # among them. (Its Python functions, a `custom_root`'s `tangent_solve` say,
-    # hold jaxprs no param shows.)
+def hi_jaxprs(params) -> list[Any] | None:
+    """The jaxprs of a hijax primitive's equation, open, as JAX finds them to
+    print it: jaxprs and traced functions among the primitive's params, and
+    those of hijax primitives among them (its Python functions, a
+    `custom_root`'s `tangent_solve` say, hold jaxprs no param shows). None for
+    any other equation."""
+    prim = params.get("_prim")
+    if prim is None or _HiPrim is None or not isinstance(prim, _HiPrim):
+        return None
+    assert _stages is not None  # (only on jax 0.10+)
+    found = []
     for v in prim.params.values():
         for x in v if type(v) is tuple else (v,):
             if isinstance(x, (Jaxpr, ClosedJaxpr)):
@@ -565,31 +477,7 @@ def _hi_jaxprs(prim, found: list[Any]) -> None:
             elif isinstance(x, _stages.Traced):
                 found.append(x.jaxpr.jaxpr)
             elif isinstance(x, _HiPrim):
-                _hi_jaxprs(x, found)
-
-
-def open_jaxprs_in_params(params) -> list[Any]:
-    """Every sub-jaxpr in an equation's params, open: what `jaxprs_in_params`
-    finds (values, and items of tuple values), faster: this runs for every
-    equation of every traced function, most of them with tuples of shardings and
-    the like in their params. For a hijax primitive, its jaxprs."""
-    found = []
-    prim = params.get("_prim")
-    if prim is not None and _HiPrim is not None and isinstance(prim, _HiPrim):
-        _hi_jaxprs(prim, found)
-        return found
-    for v in params.values():
-        kind = type(v)
-        if kind is tuple or isinstance(v, tuple):  # a named tuple, say
-            for x in v:
-                if isinstance(x, ClosedJaxpr):
-                    found.append(x.jaxpr)
-                elif isinstance(x, Jaxpr):
-                    found.append(x)
-        elif kind is ClosedJaxpr:
-            found.append(v.jaxpr)
-        elif kind is Jaxpr:
-            found.append(v)
+                found += hi_jaxprs({"_prim": x}) or []
     return found
 
 
@@ -598,35 +486,6 @@ def jaxprs_in_params(params) -> list[Any]:
     # jax 0.10: `jax.extend.core.jaxprs_in_params`; jax 0.7-0.9 have it only in
     # `jax._src.core`.
     return list(getattr(jex_core, "jaxprs_in_params", _core.jaxprs_in_params)(params))
-
-
-def map_jaxprs_in_params(params, fn: Callable[[Jaxpr], Jaxpr]):
-    """`params` with `fn` applied to every sub-jaxpr that `open_jaxprs_in_params`
-    finds (given open; a closed one keeps its constants); `params` itself where
-    `fn` changes none. (jax 0.10: a `ClosedJaxpr` holds an open `Jaxpr`; jax
-    0.12: `ClosedJaxpr` is `Jaxpr`, with its constants attached, which
-    `Jaxpr.replace` keeps.)"""
-
-    def one(x):
-        if ClosedJaxpr is not Jaxpr and isinstance(x, ClosedJaxpr):
-            new = fn(x.jaxpr)
-            return x if new is x.jaxpr else x.replace(jaxpr=new)
-        if isinstance(x, Jaxpr):
-            return fn(x)
-        return x
-
-    changed = {}
-    for key, v in params.items():
-        if isinstance(v, tuple):
-            items = [one(x) for x in v]
-            if any(a is not b for a, b in zip(items, v)):
-                # (a named tuple of jaxprs is rebuilt field by field)
-                changed[key] = tuple(items) if type(v) is tuple else type(v)(*items)  # pyright: ignore[reportArgumentType]
-        else:
-            new = one(v)
-            if new is not v:
-                changed[key] = new
-    return dict(params, **changed) if changed else params
 
 
 # The params of a custom_jvp/custom_vjp equation holding the thunk that traces

@@ -17,22 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat, _nnx
+from . import _nnx, _sites
 from ._handle import eager_cached, handle
-from ._handlers import (
-    Append,
-    Handler,
-    Names,
-    Reduce,
-    Tag,
-    _check_names,
-    _set_fields,
-    exact_names,
-    matches_tag,
-)
-from ._handlers import _static as static_field
-from ._primitives import handling
-from ._rewrite import recomputes, site_of
+from ._handlers import Append, Handler, Names, Reduce, Tag
 from ._site import describe, shape_dtype
 
 STAT_KEYS = ("mean", "std", "min", "max", "mean_abs", "nan_count", "inf_count")
@@ -65,11 +52,11 @@ def _leaf_stats(x) -> dict[str, jax.Array]:
     }
 
 
-class Stats(Handler):
+class Stats(Tag):
     """Collects summary statistics of every execution of the matching tags,
     computed inside the compiled program, never the values themselves.
 
-    A handler like [`Tag`][effects.Tag], in its `"append"` layout, for when the
+    A [`Tag`][effects.Tag] in its `"append"` layout, for when the
     values are too large to keep: each entry is, per leaf of the tagged value,
     a dict with `mean`, `std` (population), `min`, `max` and `mean_abs` over
     the finite values, and `nan_count`, `inf_count`. A leaf with no finite
@@ -113,25 +100,16 @@ class Stats(Handler):
     ```
     """
 
-    mode: ClassVar[Any] = Append(label="Stats()")
-    consumes: ClassVar[bool] = True
-    collection: str = static_field()
-    names: Any = static_field()
-
     def __init__(self, collection: str = "intermediates", *, names: Names = None):
-        if not isinstance(collection, str):
-            raise TypeError(f"Stats: collection must be a string, got {collection!r}.")
-        _set_fields(self, collection=collection, names=_check_names(names, "Stats"))
-
-    def matches(self, site):
-        return matches_tag(self, site)
-
-    def required_names(self):
-        return exact_names(self.names)
+        super().__init__(collection, names=names)
+        object.__setattr__(self, "mode", _STATS)  # (a frozen dataclass's field)
 
     def apply(self, site, value, ctx):
         ctx.emit(jax.tree.map(_leaf_stats, value))
         return value
+
+
+_STATS = Append(label="Stats()")
 
 
 #
@@ -461,9 +439,13 @@ def sites(fn: Callable) -> Callable[..., Sites]:
     def lister(*args, **kwargs) -> Sites:
         found = Sites()
         call, dynamic = _traced_arguments(fn, args, kwargs)
-        with handling(True):
-            jaxpr = jax.make_jaxpr(call)(dynamic).jaxpr
-        for site, around in _walk(jaxpr, ()):
+        for located in _sites.walk(_sites.traced(call, dynamic)).sites:
+            if located.recomputed:
+                continue
+            # A call JAX makes, not the user (the forward part of a checkpoint or
+            # scan that it split for differentiation), adds no control flow.
+            around = [_label(r) for r in located.path if r.name != "closed_call"]
+            site = _sites.site_of(located.eqn)
             info = SiteInfo(
                 site.kind,
                 site.collection,
@@ -502,52 +484,22 @@ def _is_traced(x) -> bool:
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
-def _walk(jaxpr, around: tuple, recomputed: bool = False):
-    """Every site of `jaxpr` and its sub-jaxprs, in program order, with the
-    control flow around it as `(label, loop)` pairs, outermost first: `loop` is
-    a scan's length, `"while"`, `"branch"` for a cond, or None. Sites that a
-    backward pass recomputes are not sites of their own."""
-    for eqn in jaxpr.eqns:
-        site = site_of(eqn)
-        if site is not None:
-            if not recomputed and not eqn.params.get("recompute"):
-                yield site, around
-            continue
-        inner = recomputed or recomputes(eqn)
-        if eqn.primitive is _compat.closed_call_p:
-            # A call JAX makes, not the user: the forward part of a checkpoint
-            # or scan that it split for differentiation. It adds no control flow.
-            for sub in _compat.open_jaxprs_in_params(eqn.params):
-                yield from _walk(sub, around, inner)
-            continue
-        for label, loop, sub in _labelled_jaxprs(eqn):
-            yield from _walk(sub, (*around, (label, loop)), inner)
-
-
-def _labelled_jaxprs(eqn):
-    p, name = eqn.params, _compat.primitive_name(eqn)
-    if eqn.primitive is _compat.scan_p:
+def _label(region: _sites.Region) -> tuple[str, Any]:
+    """`(label, loop)` for a region around a site (see `SiteInfo.loops`)."""
+    p, name = region.eqn.params, region.name
+    if name == "scan":
         reverse = ", reverse" if p.get("reverse") else ""
-        label = f"scan(length={p['length']}{reverse})"
-        return [(label, p["length"], p["jaxpr"].jaxpr)]
-    if eqn.primitive is _compat.cond_p:
-        return [
-            (f"cond branch {i}", "branch", b.jaxpr) for i, b in enumerate(p["branches"])
-        ]
-    if eqn.primitive is _compat.while_p:
-        return [
-            ("while_loop cond", "while", p["cond_jaxpr"].jaxpr),
-            ("while_loop body", "while", p["body_jaxpr"].jaxpr),
-        ]
-    # As users write them: jax 0.7-0.9 call jit `pjit`; `jax.checkpoint` is `remat2`.
-    name = {"pjit": "jit", "remat2": "checkpoint"}.get(name, name)
+        return f"scan(length={p['length']}{reverse})", p["length"]
+    if name == "cond":
+        return f"cond branch {region.which}", "branch"
+    if name == "while":
+        which = "cond" if region.jaxpr is p["cond_jaxpr"].jaxpr else "body"
+        return f"while_loop {which}", "while"
     label = f"{name}({p['name']})" if isinstance(p.get("name"), str) else name
-    loop: str | None = "other"
     if name == "jit":
-        loop = None
-    elif name in ("custom_jvp_call", "custom_vjp_call"):
-        loop = "custom"
-    return [(label, loop, sub) for sub in _compat.open_jaxprs_in_params(p)]
+        return label, None
+    custom = name in ("custom_jvp_call", "custom_vjp_call")
+    return label, "custom" if custom else "other"
 
 
 #
@@ -633,17 +585,12 @@ class _Check(Handler):
     an identity whose backward pass checks the cotangent instead, with the
     execution's index among its name's (counted here) in the message."""
 
-    codes: Any = static_field()  # {(collection, name): code}
-    collection: str = static_field()
-    backward: bool = static_field()
-    # From `backward`: a zero added to every tag, that differentiating with
+    collection: ClassVar[str] = ""
+    codes: Any = dataclasses.field(metadata={"static": True})  # {(coll, name): code}
+    backward: bool = dataclasses.field(default=False, metadata={"static": True})
+    # With `backward`: a zero added to every tag, that differentiating with
     # respect to it computes the cotangent of every one.
-    zero: Any
-
-    def __init__(self, codes, zero=None):
-        _set_fields(
-            self, codes=codes, collection="", backward=zero is not None, zero=zero
-        )
+    zero: Any = None
 
     def matches(self, site):
         return site.kind == "tag" and (site.collection, site.name) in self.codes
@@ -819,7 +766,7 @@ def _nonfinite_check(backward: bool, nnx: bool, call, dynamic):
 
 def _backward_check(fn, codes):
     def output(zero, dynamic):
-        out, _ = handle(fn, _Check(codes, zero))(dynamic)
+        out, _ = handle(fn, _Check(codes, True, zero))(dynamic)
         if not (isinstance(out, jax.Array) and out.shape == ()):
             raise ValueError(
                 "find_nonfinite(backward=True): the function must return a scalar "

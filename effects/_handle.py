@@ -15,12 +15,13 @@ from typing import Any, ParamSpec, TypeVar, cast
 import equinox as eqx
 import jax
 
-from . import _branches, _compat, _nnx
+from . import _branches, _compat, _jaxpr, _nnx
 from ._handlers import Handler, Perturb, mode_of
 from ._primitives import handling, probing
-from ._rewrite import per_state, run, sites_in
+from ._rewrite import per_state, run
 from ._scope import Scope
 from ._site import CHECKPOINT_NAME, Site, aval
+from ._sites import sites_in
 
 _NOT_CALLABLE = "handle: the first argument must be a callable, got {fn!r}."
 _NOT_HANDLER = (
@@ -243,7 +244,7 @@ def _trace(fn, static, treedef, dynamic) -> _Traced:
     out_info = {}
     avals = [aval(x) for x in dynamic]
     with handling(True):
-        jaxpr, consts = _compat.trace(
+        jaxpr, consts = _jaxpr.trace(
             _flat(fn, static, treedef, out_info),
             avals,
             _named_after(fn, static, treedef, dynamic),
@@ -279,7 +280,7 @@ def _every_branch(traced: _Traced, handlers, fn, static, treedef, dynamic):
 
         def retrace(keys):
             with handling(True), probing(keys):
-                _compat.trace(_flat(fn, static, treedef, {}), avals, named_after)
+                _jaxpr.trace(_flat(fn, static, treedef, {}), avals, named_after)
 
         found = traced.every_branch[matched] = _branches.mixed(retrace, matched)
     return found
@@ -507,7 +508,7 @@ def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:
         return [*outs, *leaves]
 
     in_avals = [*map(aval, h_leaves), *(v.aval for v in traced.jaxpr.invars)]
-    jaxpr, consts = _compat.trace(rewritten, in_avals)
+    jaxpr, consts = _jaxpr.trace(rewritten, in_avals)
     closed = _compat.ClosedJaxpr(jaxpr, ())
     return _Program(closed, consts, traced, info["tree"], name)
 
@@ -611,7 +612,7 @@ def _apply(cache: _Cache, fn, config: _Config, static, treedef, h_leaves, dynami
     if _compat.is_top_level():
         outs = _compat.eval_jaxpr(program.jaxpr.jaxpr, program.jaxpr.consts, *args)
     else:
-        outs = _compat.call_jaxpr(program.jaxpr, args, program.name)
+        outs = _jaxpr.call_jaxpr(program.jaxpr, args, program.name)
     out = _merge(outs[:n], traced.out_static, traced.out_tree)
     return out, jax.tree.unflatten(program.found_tree, outs[n:])
 

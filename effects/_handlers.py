@@ -626,12 +626,15 @@ class Tag(Handler):
         names: Names = None,
         mode: str | Reduce = "append",
     ):
+        owner = type(self).__name__  # (a subclass's, `Stats`)
         if not isinstance(collection, str):
-            raise TypeError(f"Tag: collection must be a string, got {collection!r}.")
+            raise TypeError(
+                f"{owner}: collection must be a string, got {collection!r}."
+            )
         if not (isinstance(mode, Reduce) or mode in _MODES):
             raise ValueError(_BAD_MODE.format(mode=mode))
         _set_fields(
-            self, collection=collection, names=_check_names(names, "Tag"), mode=mode
+            self, collection=collection, names=_check_names(names, owner), mode=mode
         )
 
     def matches(self, site):

@@ -23,8 +23,8 @@ from ._site import CHECKPOINT_NAME
 # unused. Outside it they carry no effect, so an unhandled program keeps jit's
 # fast dispatch path. The state is part of JAX's trace context: a `jax.jit`
 # function traced outside `handle` is traced again inside it.
-handling = _compat.bool_trace_state(
-    "effects_handling", "Internal to `effects`: set while `handle` traces."
+handling = _compat.trace_state(
+    "effects_handling", "Internal to `effects`: set while `handle` traces.", False
 )
 
 
@@ -33,8 +33,10 @@ handling = _compat.bool_trace_state(
 # cond batching rule refuses, as `(names, keys)`: their (kind, collection,
 # name), and those with the call path of the `tag`. Part of the trace context,
 # so jitted functions are traced again for the check.
-probing = _compat.object_trace_state(
-    "effects_probing", "Internal to `effects`: set while `handle` checks branches."
+probing = _compat.trace_state(
+    "effects_probing",
+    "Internal to `effects`: set while `handle` checks branches.",
+    None,
 )
 
 

@@ -13,15 +13,15 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from . import _compat
+from . import _compat, _jaxpr
 from ._handlers import Handler
 from ._primitives import bind_site, handling, probing, site_effect, site_p
 from ._scope import Scope, act
 from ._site import (
     CHECKPOINT_NAME,
     Site,
-    checkpoint_name_params,
 )
+from ._sites import site_of, walk
 
 Rule = Callable[[Any, list[Any], Scope], list[Any]]
 rules: dict[Any, Rule] = {}
@@ -30,31 +30,13 @@ rules: dict[Any, Rule] = {}
 # Which sites does a jaxpr hold?
 #
 
-_analysis_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
 
 def _analyse(jaxpr) -> tuple[frozenset, tuple[frozenset, ...]]:
     """The sites of `jaxpr` (see `sites_in`) and, per equation, the sites it is
     or holds in its sub-jaxprs. An equation with none is plain: it is copied into
     the caller's trace as it is, never traced again."""
-    found = _analysis_cache.get(jaxpr)
-    if found is None:
-        acc, per_eqn = set(), []
-        for eqn in jaxpr.eqns:
-            mine = frozenset()
-            if eqn.primitive is site_p:
-                p = eqn.params
-                mine = frozenset([(p["kind"], p["collection"], p["name"])])
-            elif eqn.primitive is _compat.name_p:
-                mine = frozenset([("tag", CHECKPOINT_NAME, eqn.params["name"])])
-            elif eqn.params:
-                for sub in _compat.open_jaxprs_in_params(eqn.params):
-                    mine |= sites_in(sub)
-            per_eqn.append(mine)
-            acc |= mine
-        found = (frozenset(acc), tuple(per_eqn))
-        _analysis_cache[jaxpr] = found
-    return found
+    found = walk(jaxpr)
+    return found.keys, found.per_eqn
 
 
 _runs_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -73,49 +55,11 @@ def _plain_runs(jaxpr) -> dict[int, tuple[int, Any, list[Any]]]:
             stop = i
             while stop < len(per_eqn) and not per_eqn[stop]:
                 stop += 1
-            part, part_in = _compat.equations_jaxpr(jaxpr, i, stop)
+            part, part_in = _jaxpr.equations_jaxpr(jaxpr, i, stop)
             runs[i] = (stop, part, part_in)
             i = stop
         _runs_cache[jaxpr] = runs
     return runs
-
-
-def recomputes(eqn) -> bool:
-    """Whether `eqn` is the backward pass's recomputation of a `jax.checkpoint`
-    region: the sites in it are executions of the forward pass's, computed
-    again, not executions of their own (see `_remat_rule`). JAX marks it
-    `differentiated`, but also the forward part of a checkpoint in a scan in
-    another checkpoint, which holds the tags that JAX's partial evaluation
-    kept where they execute, marked `forward` (see
-    `_primitives._site_partial_eval_custom`); the recomputation holds their
-    copies, and those of its loops JAX recomputes whole. A region holding only
-    `checkpoint_name`s has JAX's mark alone to go by: it is taken for a
-    recomputation."""
-    if eqn.primitive is not _compat.remat_p or not eqn.params.get("differentiated"):
-        return False
-    return not _holds_forward(eqn.params["jaxpr"])
-
-
-_forward_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _holds_forward(jaxpr) -> bool:
-    """Whether `jaxpr` or a sub-jaxpr holds a site marked `forward`."""
-    found = _forward_cache.get(jaxpr)
-    if found is None:
-        found = any(
-            eqn.params.get("forward")
-            if eqn.primitive is site_p
-            else any(map(_holds_forward, _compat.open_jaxprs_in_params(eqn.params)))
-            for eqn in jaxpr.eqns
-        )
-        _forward_cache[jaxpr] = found
-    return found
-
-
-def sites_in(jaxpr) -> frozenset[tuple[str, str, str]]:
-    """(kind, collection, name) of every site in `jaxpr` and its sub-jaxprs."""
-    return _analyse(jaxpr)[0]
 
 
 def _matched(handlers, sites) -> list[tuple[str, str, str]]:
@@ -169,7 +113,7 @@ def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
         if run_of_plain is not None:
             # Equations holding no site are copied as they are.
             stop, part, part_in = run_of_plain
-            outs = _compat.copy_into_trace(part, [read(v) for v in part_in])
+            outs = _jaxpr.copy_into_trace(part, [read(v) for v in part_in])
             if outs is not None:
                 env.update(zip(part.outvars, outs))
                 i = stop
@@ -255,17 +199,6 @@ def _act(site: Site, leaves: list[Any], scope: Scope) -> tuple[list[Any], bool]:
     return leaves, False
 
 
-def site_of(eqn, shards=()) -> Site | None:
-    """The site an equation is, if it is one: a `tag`/`perturb`, or a
-    `checkpoint_name` seen as a tag (see `checkpoint_name_params`)."""
-    if eqn.primitive is site_p:
-        return Site.from_eqn(eqn.params, [v.aval for v in eqn.invars], shards)
-    if eqn.primitive is _compat.name_p:
-        params = checkpoint_name_params(eqn.params["name"])
-        return Site.from_eqn(params, [eqn.invars[0].aval], shards)
-    return None
-
-
 def _checkpoint_name_rule(eqn, invals, scope: Scope) -> list[Any]:
     """Handlers act on a `checkpoint_name` as on a tag, and the name stays on
     the value they leave: remat policies that select by name keep working, and
@@ -313,12 +246,10 @@ def per_state(jaxpr):
     for eqn in jaxpr.eqns:
         name = _compat.rule_thunk_params.get(eqn.primitive)
         # Most equations hold no jaxpr: finding none costs less than mapping.
-        if name is None and (
-            eqn.primitive is site_p or not _compat.open_jaxprs_in_params(eqn.params)
-        ):
+        if name is None and (eqn.primitive is site_p or not _jaxpr.sub_jaxprs(eqn)):
             eqns.append(eqn)
             continue
-        params = _compat.map_jaxprs_in_params(eqn.params, per_state)
+        params = _jaxpr.map_jaxprs_in_params(eqn.params, per_state)
         if name is not None:
             params = dict(params, **{name: _per_state_thunk(params[name], birth)})
         eqns.append(eqn if params is eqn.params else eqn.replace(params=params))

@@ -19,11 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _compat
+from . import _compat, _jaxpr
 from ._layout import WHOLE, Axes, Boundary, grow
-from ._rewrite import _bind, _matched, recomputes, rules, run, sites_in
+from ._rewrite import _bind, _matched, rules, run
 from ._scope import Key, Scope, types_of, zeros
 from ._site import Site, describe
+from ._sites import recomputes, sites_in
 
 #
 # Plans: what a region emits
@@ -196,7 +197,7 @@ def discover(jaxpr, consts, in_avals, scope: Scope, shards=()) -> Plan:
         )
         return outs
 
-    _compat.trace(fn, in_avals)
+    _jaxpr.trace(fn, in_avals)
     scope.plans[key] = (jaxpr, plans[0])  # (the jaxpr kept: its id stays its own)
     return plans[0]
 
@@ -311,7 +312,7 @@ class Region:
             *(b.acc_aval(jax.typeof(x)) for x in self.accs),
             *(b.input_aval(jax.typeof(x)) for x in self.inputs),
         ]
-        return _compat.trace(fn, avals)
+        return _jaxpr.trace(fn, avals)
 
     def leave(self, leaves) -> None:
         """Gives the enclosing scope what the region returned after its own
@@ -506,7 +507,7 @@ def _while_rule(eqn, invals, scope: Scope) -> list[Any]:
     # (hoisted, body_consts, carry, accs) -> (carry, accs): the accumulators
     # extend the carry; cond_fun ignores them.
     accs = region.accs
-    new_cond = _compat.insert_invars(
+    new_cond = _jaxpr.insert_invars(
         cond.jaxpr, len(cond.jaxpr.invars), [jax.typeof(x) for x in accs]
     )
     params = dict(
@@ -545,8 +546,8 @@ def _cond_rule(eqn, invals, scope: Scope) -> list[Any]:
         # as unused inputs around them.
         before = [a for h in hoisted_avals[:i] for a in h]
         after = [a for h in hoisted_avals[i + 1 :] for a in h]
-        body = _compat.insert_invars(body, len(hoisted), after)
-        body = _compat.insert_invars(body, 0, before)
+        body = _jaxpr.insert_invars(body, len(hoisted), after)
+        body = _jaxpr.insert_invars(body, 0, before)
         new_branches.append(_compat.ClosedJaxpr(body, ()))
     all_hoisted = [c for _, hoisted in traced for c in hoisted]
     index, ops = invals[0], invals[1:]

@@ -626,6 +626,32 @@ def test_eager_calls_trace_once():
     assert len(calls) == 2
 
 
+def test_branch_check_traces_again_only_for_a_site_a_handler_matches():
+    # Under `handle(vmap(f))`, a tag outside every cond the vmap left, in a
+    # program holding a select (`jnp.where`), may be a branch the vmap turned
+    # into a select: `handle` checks by tracing `f` again, but only when a
+    # handler matches such a tag ("loose"), once per set of them.
+    calls = []
+
+    def f(x, s):
+        calls.append(None)
+        y = fx.tag(jnp.where(x > 0, x, -x), "loose")
+        return jax.lax.cond(s > 0, lambda y: fx.tag(y + 1.0, "kept"), jnp.negative, y)
+
+    vf = jax.vmap(f, in_axes=(0, None))
+    s = jnp.float32(1.0)
+    out, found = fx.handle(vf, fx.Tag(names="kept"))(X, s)
+    assert len(calls) == 1
+    assert_trees_close(out, jnp.abs(X) + 1.0)
+    assert_trees_close(found, {"intermediates": {"kept": (jnp.abs(X) + 1.0,)}})
+    out, found = fx.handle(vf, fx.Tag(names="loose"))(X, s)
+    assert len(calls) == 2
+    assert_trees_close(out, jnp.abs(X) + 1.0)
+    assert_trees_close(found, {"intermediates": {"loose": (jnp.abs(X),)}})
+    fx.handle(vf, fx.Tag(names="loose", mode="sum"))(X, s)
+    assert len(calls) == 2
+
+
 def test_handle_returns_the_same_wrapper():
     f, _ = _counted()
     assert fx.handle(f, fx.Tag()) is fx.handle(f, fx.Tag())
