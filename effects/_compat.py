@@ -427,6 +427,19 @@ except AttributeError:  # pragma: no cover - jax 0.7-0.9
     call_hi_primitive_p = _HiPrim = _stages = None
 
 
+def checkpoint_name_of(eqn) -> str | None:
+    """The name of a `jax.ad_checkpoint.checkpoint_name` equation: JAX's `name`
+    primitive, or in jax 0.12 under the `jax_remat3` flag the hijax
+    `CheckpointName`; None for any other equation."""
+    if eqn.primitive is name_p:
+        return eqn.params["name"]
+    if eqn.primitive is call_hi_primitive_p:
+        prim = eqn.params["_prim"]
+        if type(prim).__name__ == "CheckpointName":
+            return prim.params["name"]
+    return None
+
+
 def primitive_name(eqn) -> str:
     """An equation's primitive as users know it: a hijax primitive by its class
     (`CustomRoot`, `RematTraced`), not `call_hi_primitive`; `jit` (`pjit` in

@@ -125,7 +125,7 @@ def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
             outs = _bind(eqn, invals)
         elif eqn.primitive is site_p:
             outs = _site_rule(eqn, invals, scope)
-        elif eqn.primitive is _compat.name_p:
+        elif _compat.checkpoint_name_of(eqn) is not None:
             outs = _checkpoint_name_rule(eqn, invals, scope)
         elif _needs_rule(eqn, sites, scope):
             rule = rules.get(eqn.primitive)
@@ -203,9 +203,7 @@ def _checkpoint_name_rule(eqn, invals, scope: Scope) -> list[Any]:
     """Handlers act on a `checkpoint_name` as on a tag, and the name stays on
     the value they leave: remat policies that select by name keep working, and
     handlers further out see it again."""
-    site = site_of(eqn, scope.shards)
-    assert site is not None
-    leaves, _ = _act(site, list(invals), scope)
+    leaves, _ = _act(site_of(eqn, scope.shards), list(invals), scope)
     return _bind(eqn, leaves)
 
 

@@ -23,9 +23,8 @@ def site_params(eqn) -> dict[str, Any] | None:
     a tag (see `checkpoint_name_params`)."""
     if eqn.primitive is site_p:
         return eqn.params
-    if eqn.primitive is _compat.name_p:
-        return checkpoint_name_params(eqn.params["name"])
-    return None
+    name = _compat.checkpoint_name_of(eqn)
+    return None if name is None else checkpoint_name_params(name)
 
 
 def site_of(eqn, shards=()) -> Site:

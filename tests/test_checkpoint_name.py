@@ -241,3 +241,44 @@ def test_find_nonfinite_checks_checkpoint_names_forward_and_backward():
     assert fx.find_nonfinite(lambda x: loss(jnp.log(x - 1)), x) == fx.BadSite(
         "h", CN, 0, None
     )
+
+
+# jax 0.12: under the `jax_remat3` flag, `checkpoint_name` is a hijax primitive
+# (`CheckpointName`) and `jax.checkpoint` one too (`RematTraced`).
+_HAS_REMAT3 = "jax_remat3" in jax.config.values
+
+
+@contextlib.contextmanager
+def _remat3():
+    before = jax.config.values["jax_remat3"]
+    jax.config.update("jax_remat3", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_remat3", before)
+
+
+def _named(x):
+    h = checkpoint_name(jnp.sin(x), "cn")
+    return fx.tag(h * 2.0, "t")
+
+
+@pytest.mark.skipif(not _HAS_REMAT3, reason="no jax_remat3 flag in this JAX")
+def test_checkpoint_name_under_remat3_is_a_site():
+    """Under the flag, handlers saw no checkpoint_name: `Tag` of the collection
+    reported `{}` without a word."""
+    x = jnp.array([0.3, -1.2])
+    with _remat3():
+        assert "CheckpointName" in str(jax.make_jaxpr(_named)(x))
+        _, found = jax.jit(fx.handle(_named, fx.Tag(CN)))(x)
+        assert list(found[CN]) == ["cn"]
+        np.testing.assert_allclose(found[CN]["cn"][0], jnp.sin(x), rtol=1e-6)
+        out, _ = fx.handle(_named, fx.Substitute({"cn": -x}, collection=CN))(x)
+        np.testing.assert_allclose(out, -2.0 * x, rtol=1e-6)
+        # Inside a `jax.checkpoint`, which effects cannot rewrite under the
+        # flag: listed by `fx.sites`, and an error names it when matched.
+        wrapped = jax.checkpoint(_named)
+        listing = str(fx.sites(wrapped)(x))
+        assert "cn" in listing and "RematTraced" in listing
+        with pytest.raises(ValueError, match=r"'cn'.*`RematTraced`.*jax_remat3"):
+            fx.handle(wrapped, fx.Tag(CN))(x)
