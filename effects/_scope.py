@@ -319,7 +319,7 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
     nb = site.nbatch
     entry, has_input = None, site.name in scope.input_names[index]
     if has_input:
-        expected = [(site.front_avals(), site.batch_sizes())]
+        expected: list[tuple[Any, Axes]] = [(site.front_avals(), site.batch_sizes())]
         entry = scope.take_inputs(key, expected, site, [front])[0]
     acc, extra = None, 0
     if mode is not None and mode.reduces:
