@@ -11,10 +11,9 @@ shape (3,), (4,) or (2, 3):
 - `Fork` (`a(v) + b(v)`) and `Discard` (run a subtree, drop its result: a
   discarded tag);
 - higher-order nodes: `jax.jit`, `jax.checkpoint` (with no policy,
-  `nothing_saveable`, or `save_only_these_names` of its checkpoint_names; with
-  `EFFECTS_FUZZ_NESTED_CHECKPOINTS=1` also drawn as
-  `checkpoint(scan(checkpoint(...)))` in one level, as Equinox's bounded while
-  loops nest them),
+  `nothing_saveable`, or `save_only_these_names` of its checkpoint_names; also
+  drawn as `checkpoint(scan(checkpoint(...)))` in one level, as Equinox's
+  bounded while loops nest them, unless `EFFECTS_FUZZ_NESTED_CHECKPOINTS=0`),
   `lax.cond` / `lax.switch`
   (each branch tags its own names, and some names are shared across branches),
   `lax.scan` (forward or `reverse=True`, over `xs` derived from the carry, with
@@ -22,7 +21,9 @@ shape (3,), (4,) or (2, 3):
   counter in the carry), `jax.vmap` (varied `in_axes`/`out_axes`), `jax.shard_map`
   over a 1-D mesh of two host devices, `jax.custom_jvp` and `jax.custom_vjp`
   (whose rules are 1.5 times the true derivative, so a test can tell that the
-  rule was used).
+  rule was used), and `lax.custom_root` (solving `y - body(v) = 0` in one
+  Newton step, with the body's sites in the residual function or in the solve
+  function).
 
 Some sites of a body share a name (two entries, or a repeat for "strict"). Every
 node is shape-preserving. A predicate is either "data" (from `sum(v)`) or
@@ -33,6 +34,12 @@ node is shape-preserving. A predicate is either "data" (from `sum(v)`) or
   every data predicate is batched, and the law is checked accordingly;
 - tags inside `while_loop` bodies belong to the collection `"loop"`, where only
   `"last"` and `"sum"` apply (`"append"` must raise);
+- tags inside a `lax.custom_root` belong to the collection `"root"`, with no
+  perturb site, checkpoint_name, `while_loop` or other `custom_root` there: on
+  jax 0.12 `custom_root` is a hijax primitive (`CustomRoot`) whose functions
+  `handle` cannot rewrite, and a handler matching a tag in one is an error
+  naming it (one property checks that, or the collected values before 0.12);
+  the other properties' handlers do not match them;
 - perturb sites never sit in a `while_loop` body; those under a custom derivative
   belong to `"custom_perturbations"`, where only reporting applies
   (`Perturb(deltas)`, so `fx.intermediate_grads`, must raise);
@@ -74,6 +81,15 @@ order (aligned by position across cond branches, zeros where a branch did not
 run), with vmap batch axes first, then shard_map axes, then scan axes, each
 outermost first.
 
+Beside the built-in handlers, two written on the public protocol only take
+part: `Clip` (changes values, reports a count per name) in the vmap, gradient
+and nesting laws, and `Shift` (reads an input per execution with
+`ctx.next_input()`, reports the values it leaves) against the reference, in the
+gradient, vmap and nesting laws, and substituted back with
+`Substitute(per_call=True)`. One property handles a program's function again
+after `jax.grad(handle(f))` and `jax.linearize` of it (whatever was cached for
+that function object) and compares with a fresh copy of the program.
+
 `EFFECTS_FUZZ_EXAMPLES` sets the number of programs per property (the `fuzz` nox
 session runs thousands); `EFFECTS_FUZZ_RANDOM=1` draws new programs each run
 instead of the fixed, derandomized sequence.
@@ -107,11 +123,12 @@ from jax.sharding import PartitionSpec as P
 import effects as fx
 
 EXAMPLES = int(os.environ.get("EFFECTS_FUZZ_EXAMPLES", "25"))
-# Whether the generator draws `checkpoint(scan(checkpoint(...)))` nestings
-# (`EFFECTS_FUZZ_NESTED_CHECKPOINTS=1`). Off by default: on jax 0.7 they find a
-# checkpoint_name reported twice under `handle(jax.grad(f))` that is not fixed
-# yet (tests/test_repros.py checks the nestings of tags on every version).
-NESTED_CHECKPOINTS = os.environ.get("EFFECTS_FUZZ_NESTED_CHECKPOINTS", "") == "1"
+# Whether the generator draws `checkpoint(scan(checkpoint(...)))` nestings (on
+# unless `EFFECTS_FUZZ_NESTED_CHECKPOINTS=0`). They were opt-in for a while: on
+# jax 0.7 they once found a checkpoint_name reported twice under
+# `handle(jax.grad(f))`, which no longer reproduces (thousands of programs on
+# jax 0.7, 0.10 and 0.12).
+NESTED_CHECKPOINTS = os.environ.get("EFFECTS_FUZZ_NESTED_CHECKPOINTS", "1") != "0"
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -125,6 +142,7 @@ MESH = Mesh(np.array(jax.devices()[:2]), ("s",))
 MAX_DEPTH = 3
 CUSTOM_FACTOR = 1.5  # the custom rules' derivative, relative to the true one
 TAGGED = ("intermediates", "loop")  # the tag collections: outside, inside while
+ROOT = "root"  # the collection of the tags in a `lax.custom_root`
 CN = "checkpoint_name"  # the collection of `checkpoint_name` sites (kind "tag")
 # The policies a `jax.checkpoint` node is drawn with: what its backward pass
 # saves rather than recomputes ("names": the checkpoint_names in its body).
@@ -183,6 +201,17 @@ class CustomJvp:
 @dataclasses.dataclass(frozen=True)
 class CustomVjp:
     body: Seq
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomRoot:
+    """`lax.custom_root` finding `y` with `y - body(v) = 0`, in one Newton step
+    from `v`; the body (and its sites) runs in the residual function `f`
+    (`where == "f"`) or in the solve function (`"solve"`, which then ignores
+    `f`)."""
+
+    body: Seq
+    where: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,6 +385,21 @@ def _render(w: _Writer, node, v: str, i, shape: tuple, fx_on: bool) -> str:
         w.line(f"{g}.defvjp({g}_fwd, {g}_bwd)")
         o = w.fresh()
         w.line(f"{o} = {g}({v})")
+        return o
+    if isinstance(node, CustomRoot):
+        r, p = w.fresh("root"), w.fresh()
+        _render_def(w, f"{r}_body({p})", node.body, p, None, shape, fx_on)
+        _render_def(w, f"{r}_plain({p})", node.body, p, None, shape, False)
+        # The sites run where `node.where` says; the other function runs the
+        # body without them.
+        in_f = node.where == "f"
+        w.line(f"def {r}_f(y):")
+        w.line(f"    return y - {r}_{'body' if in_f else 'plain'}({v})")
+        w.line(f"def {r}_solve(f, y):")
+        w.line(f"    return {'y - f(y)' if in_f else f'{r}_body({v})'}")
+        o = w.fresh()
+        # f's derivative in y is the identity: tangent_solve returns its input.
+        w.line(f"{o} = lax.custom_root({r}_f, {v}, {r}_solve, lambda g, y: y)")
         return o
     if isinstance(node, Cond):
         k = len(node.branches)
@@ -603,7 +647,7 @@ def analyse(program: Program) -> dict[str, NameInfo]:
             context += (("scan", node.length),)
             walk(node.body, shape, context, custom, looped, dead)
         else:
-            custom = custom or isinstance(node, (CustomJvp, CustomVjp))
+            custom = custom or isinstance(node, (CustomJvp, CustomVjp, CustomRoot))
             looped = looped or isinstance(node, While)
             dead = dead or isinstance(node, Discard)
             for child in _children(node):
@@ -639,13 +683,17 @@ class _Reference:
     in `jax.numpy` mode it takes the recorded branches and adds `deltas[name]
     [entry][index path]` at each site of a name in `deltas`. In NumPy mode,
     `subs[name][entry][index path]` replaces the value at each site of a name in
-    `subs` (the value recorded is the new one)."""
+    `subs` (the value recorded is the new one), and `shifts[name][entry][index
+    path]` is added. In both, `fns[name]` first transforms the value at each
+    site of a name in `fns`."""
 
-    def __init__(self, deltas=None, decisions=None, subs=None):
+    def __init__(self, deltas=None, decisions=None, subs=None, shifts=None, fns=None):
         self.jax = deltas is not None
         self.xp = jnp if self.jax else np
         self.deltas = deltas
         self.subs = {} if subs is None else subs
+        self.shifts = {} if shifts is None else shifts
+        self.fns = {} if fns is None else fns
         self.log: list = []
         self.decisions = {} if decisions is None else decisions
 
@@ -666,9 +714,13 @@ class _Reference:
             return v + node.const
         if isinstance(node, Site):
             entry = offsets.get(node.name, 0)
+            if node.name in self.fns:
+                v = self.fns[node.name](v)
             if not self.jax:
                 if node.name in self.subs:
                     v = self.subs[node.name][entry][idx]
+                if node.name in self.shifts:
+                    v = v + self.shifts[node.name][entry][idx]
                 self.log.append((node.name, entry, idx, np.array(v)))
             elif node.name in self.deltas:
                 v = v + self.deltas[node.name][entry][idx]
@@ -682,6 +734,8 @@ class _Reference:
             return v
         if isinstance(node, (Jit, Checkpoint)):
             return self.run(node.body, v, i, offsets, idx, path)
+        if isinstance(node, CustomRoot):
+            return self.run(node.body, v, None, offsets, idx, path)
         if isinstance(node, (CustomJvp, CustomVjp)):
             out = self.run(node.body, v, None, offsets, idx, path)
             if not self.jax:
@@ -807,15 +861,21 @@ def reference(program: Program, seed_offset=0) -> Expected:
         raise
 
 
-def substituted_reference(program: Program, subs: dict, seed_offset=0) -> Expected:
+def substituted_reference(
+    program: Program, subs: dict, seed_offset=0, shifts=None, fns=None
+) -> Expected:
     """The reference with the values `subs` (by name, as `Tag()` reports them)
-    substituted at the sites; raises `Ambiguous`."""
+    substituted at the sites, `shifts` (alike) added to them, and `fns[name]`
+    applied to them; raises `Ambiguous`."""
     infos = analyse(program)
-    nested = {
-        n: tuple(np.transpose(e, np.argsort(infos[n].layout())) for e in entries)
-        for n, entries in subs.items()
-    }
-    ref = _Reference(subs=nested)
+
+    def nested(values):
+        return {
+            n: tuple(np.transpose(e, np.argsort(infos[n].layout())) for e in entries)
+            for n, entries in values.items()
+        }
+
+    ref = _Reference(subs=nested(subs), shifts=nested(shifts or {}), fns=fns)
     x = program.x(seed_offset).astype(np.float64)
     out = ref.run(program.body, x, None, {}, (), ())
     return Expected(out, ref.log, ref.decisions, infos)
@@ -859,6 +919,7 @@ class _Scope:
     in_shard: bool = False
     in_custom: bool = False
     in_while: bool = False
+    in_root: bool = False
 
     def inner(self, **changes):
         return dataclasses.replace(self, depth=self.depth + 1, **changes)
@@ -875,6 +936,7 @@ _STRUCTURES = (
     "shard_map",
     "custom_jvp",
     "custom_vjp",
+    "custom_root",
     "checkpoint",
     "fork",
     "discard",
@@ -918,6 +980,9 @@ def _allowed(kind: str, scope: _Scope) -> bool:
         return len(shape) >= 1
     if kind == "shard_map":
         return len(shape) >= 1 and shape[0] % 2 == 0 and not scope.in_shard
+    if kind in ("while", "custom_root"):
+        # (A custom_root's tags have a collection of their own, "root".)
+        return not (scope.in_while or scope.in_root)
     return True
 
 
@@ -928,10 +993,10 @@ def _draw_item(draw, scope: _Scope, counter: list):
     if structured:
         kinds = [k for k in _STRUCTURES if _allowed(k, scope)]
         return _draw_structure(draw, draw(st.sampled_from(kinds)), scope, counter)
-    leaves = ["op", "tag"] + ([] if scope.in_while else ["perturb"])
+    leaves = ["op", "tag"] + ([] if scope.in_while or scope.in_root else ["perturb"])
     # No checkpoint_name under a vmap of the program: its value is reported as
     # the program holds it there, batch axis and all (see the module docstring).
-    leaves += [] if scope.in_vmap else ["checkpoint_name"]
+    leaves += [] if scope.in_vmap or scope.in_root else ["checkpoint_name"]
     kind = draw(st.sampled_from(leaves))
     if kind == "op":
         op = draw(st.sampled_from(["sin", "tanh", "mul", "add"]))
@@ -941,11 +1006,15 @@ def _draw_item(draw, scope: _Scope, counter: list):
     if kind == "checkpoint_name":
         return Site("tag", f"n{counter[0]}", CN)
     if kind == "tag":
-        return Site(
-            "tag", f"t{counter[0]}", "loop" if scope.in_while else "intermediates"
-        )
+        return Site("tag", f"t{counter[0]}", _tag_collection(scope))
     collection = "custom_perturbations" if scope.in_custom else "perturbations"
     return Site("perturb", f"p{counter[0]}", collection)
+
+
+def _tag_collection(scope: _Scope) -> str:
+    if scope.in_while:
+        return "loop"
+    return ROOT if scope.in_root else "intermediates"
 
 
 def _draw_structure(draw, kind: str, scope: _Scope, counter: list):
@@ -959,7 +1028,7 @@ def _draw_structure(draw, kind: str, scope: _Scope, counter: list):
         # the inner region's forward part inside the outer one's. The inner
         # body starts with a tag: see the module docstring.
         counter[0] += 1
-        tag = Site("tag", f"t{counter[0]}", "loop" if scope.in_while else TAGGED[0])
+        tag = Site("tag", f"t{counter[0]}", _tag_collection(scope))
         drawn = body(scope.inner(has_index=True))
         inner = Checkpoint(Seq((tag, *drawn.items)))
         scan = Scan(Seq((inner,)), draw(st.sampled_from([2, 3])), False, False)
@@ -968,6 +1037,9 @@ def _draw_structure(draw, kind: str, scope: _Scope, counter: list):
         return Fork(body(scope.inner()), body(scope.inner()))
     if kind == "discard":
         return Discard(body(scope.inner()))
+    if kind == "custom_root":
+        inner = body(scope.inner(has_index=False, in_custom=True, in_root=True))
+        return CustomRoot(inner, draw(st.sampled_from(["f", "solve"])))
     if kind in ("custom_jvp", "custom_vjp"):
         inner = body(scope.inner(has_index=False, in_custom=True))
         return (CustomJvp if kind == "custom_jvp" else CustomVjp)(inner)
@@ -1001,7 +1073,8 @@ def _top_sites(node) -> list[Site]:
     the node's shape and context, so they may share a name."""
     if isinstance(node, Site):
         return [node]
-    if isinstance(node, (Scan, While, Vmap, ShardMap, CustomJvp, CustomVjp)):
+    loops = (Scan, While, Vmap, ShardMap)
+    if isinstance(node, (*loops, CustomJvp, CustomVjp, CustomRoot)):
         return []
     return [s for child in _children(node) for s in _top_sites(child)]
 
@@ -1039,10 +1112,20 @@ def _draw_cond(draw, scope: _Scope, counter: list) -> Cond:
 
 
 @st.composite
-def programs(draw):
+def programs(draw, holding: str | None = None):
+    """A program; with `holding` (a kind of `_STRUCTURES`, or "tag"), one that
+    holds that at its top level, at least."""
     shape = draw(st.sampled_from([(3,), (2, 3), (4,)]))
     counter = [0]
     body = _draw_body(draw, _Scope(shape), counter)
+    if holding is not None:
+        if holding == "tag":
+            counter[0] += 1
+            node = Site("tag", f"t{counter[0]}", "intermediates")
+        else:
+            node = _draw_structure(draw, holding, _Scope(shape), counter)
+        k = draw(st.integers(0, len(body.items)))
+        body = Seq((*body.items[:k], node, *body.items[k:]))
     return Program(body, shape, draw(st.integers(0, 2**16)))
 
 
@@ -1159,6 +1242,32 @@ def collected(expected: Expected) -> dict:
     }
 
 
+def kept_outside_grad(infos) -> dict:
+    """The tags, by collection, reported by a handler outside `jax.grad`: not
+    those under a custom derivative, which grad replaces by its rule; nor dead
+    checkpoint_names, which JAX may drop (having no effect, unlike tags)."""
+    return {
+        c: [
+            n
+            for n in names_where(infos, collection=c, custom=False)
+            if not (c == CN and infos[n].dead)
+        ]
+        for c in (*TAGGED, CN)
+    }
+
+
+def collecting_outside_grad(infos) -> tuple:
+    """Tags collecting the names `kept_outside_grad` gives where their mode
+    applies."""
+    kept = kept_outside_grad(infos)
+    return (
+        fx.Tag(names=kept["intermediates"]),
+        fx.Tag("loop", names=kept["loop"], mode="last"),
+        fx.Tag(CN, names=[n for n in kept[CN] if not infos[n].in_while]),
+        fx.Tag(CN, names=[n for n in kept[CN] if infos[n].in_while], mode="last"),
+    )
+
+
 #
 # Properties
 #
@@ -1194,22 +1303,9 @@ def test_handled_output_and_gradient_equal_the_plain_ones(program):
     # iterations. Not the sites under a custom derivative, which grad replaces
     # by its rule; nor dead checkpoint_names, which JAX may drop (having no
     # effect, unlike tags).
-    kept = {
-        c: [
-            n
-            for n in names_where(infos, collection=c, custom=False)
-            if not (c == CN and infos[n].dead)
-        ]
-        for c in (*TAGGED, CN)
-    }
+    kept = kept_outside_grad(infos)
     if any(kept.values()):
-        outside = fx.handle(
-            jax.grad(loss),
-            fx.Tag(names=kept["intermediates"]),
-            fx.Tag("loop", names=kept["loop"], mode="last"),
-            fx.Tag(CN, names=[n for n in kept[CN] if not infos[n].in_while]),
-            fx.Tag(CN, names=[n for n in kept[CN] if infos[n].in_while], mode="last"),
-        )
+        outside = fx.handle(jax.grad(loss), *collecting_outside_grad(infos))
         # Tags kept in a scan by their effect, partially evaluated under grad:
         # JAX's leak checker reports them falsely (see the conftest fixture
         # `jax_leak_check_false_report`).
@@ -1218,6 +1314,38 @@ def test_handled_output_and_gradient_equal_the_plain_ones(program):
         assert_close(grad, plain_grad, rtol=1e-6, what="gradient, handled outside")
         want = {c: {n: found[c][n] for n in names} for c, names in kept.items()}
         assert_close(found_outside, want, rtol=1e-6, what="found outside grad")
+
+
+@settings(FUZZ, max_examples=max(EXAMPLES // 2, 1))
+@given(programs())
+def test_a_call_history_changes_nothing(program):
+    """`handle(jax.grad(f), H)` on a function already handled under
+    `jax.grad(handle(f, H))` and `jax.linearize` (the same function object, so
+    whatever `handle` or JAX cached for it) gives what it gives on a fresh copy
+    of the program; and `jax.grad(handle(f, H))` again what it gave first."""
+    infos = analyse(program)
+    f, x = program.function(), program.x()
+    loss = scalar_loss(f, program.shape)
+    # Every site: those under a custom derivative and in while loops too.
+    handlers = collecting(infos)
+
+    first = _outcome(jax.grad(fx.handle(loss, *handlers), has_aux=True), x)
+    jax.linearize(lambda x: fx.handle(loss, *handlers)(x)[0], x)
+    then = _outcome(fx.handle(jax.grad(loss), *handlers), x)
+    again = _outcome(jax.grad(fx.handle(loss, *handlers), has_aux=True), x)
+
+    fresh = scalar_loss(program.function(), program.shape)
+    now = _outcome(fx.handle(jax.grad(fresh), *handlers), x)
+    _assert_same_outcome(then, now, "handle(grad(f)) after grad(handle(f))")
+    _assert_same_outcome(again, first, "grad(handle(f)) again")
+
+
+def _assert_same_outcome(got, want, what):
+    """The same value, or the same error."""
+    (value, error), (want_value, want_error) = got, want
+    assert str(error) == str(want_error), f"{what}: {error!r} != {want_error!r}"
+    if error is None:
+        assert_close(value, want_value, rtol=1e-6, what=what)
 
 
 @FUZZ
@@ -1430,6 +1558,64 @@ def test_handle_of_vmap_equals_vmap_of_handle(program):
             assert_batch_axis_somewhere(got, want, lead, what=name)
 
 
+def _root_is_hijax() -> bool:
+    """Whether `lax.custom_root` is a hijax primitive, `CustomRoot` (jax 0.12),
+    whose functions effects cannot rewrite: a tag in one that a handler matches
+    is an error naming it. Before, it is a `custom_jvp` effects rewrites."""
+
+    def root(a):
+        solve = lambda f, y: y - f(y)  # noqa: E731
+        return lax.custom_root(lambda y: y - a, a, solve, lambda g, y: y)
+
+    return "CustomRoot" in str(jax.make_jaxpr(root)(1.0))
+
+
+ROOT_IS_HIJAX = _root_is_hijax()
+
+
+@settings(FUZZ, max_examples=max(EXAMPLES // 2, 1))
+@given(programs(holding="custom_root"))
+def test_tags_in_a_custom_root_are_collected_or_refused(program):
+    """The tags in a `lax.custom_root`'s residual or solve function (collection
+    "root"): collected as the reference has them, with and without `jax.grad`
+    and `jax.vmap` around, where effects rewrites `custom_root`; where it is a
+    hijax primitive (jax 0.12), a `ValueError` naming one of them and
+    `CustomRoot`. The other properties check the programs holding them with
+    handlers that do not match them."""
+    expected = reference(program)
+    infos = expected.infos
+    names = names_where(infos, collection=ROOT)
+    f, x = program.function(), program.x()
+    handler = fx.Tag(ROOT)
+    if not names:  # a root whose body has no tag
+        out, found = fx.handle(f, handler)(x)
+        assert_close((out, found), (expected.out, {ROOT: {}}), what="no tag")
+        return
+    if ROOT_IS_HIJAX:
+        pattern = "|".join(f"'{n}'" for n in names)
+        with pytest.raises(ValueError, match=rf"({pattern}).*`CustomRoot`"):
+            fx.handle(f, handler)(x)
+        return
+    out, found = fx.handle(f, handler)(x)
+    want = {ROOT: {n: expected.append(n) for n in names}}
+    assert_close(out, expected.out, what="output")
+    assert_close(found, want, what="found")
+
+    handled_loss = scalar_handled_loss(f, (handler,), program.shape)
+    grad, grad_found = jax.jit(jax.grad(handled_loss, has_aux=True))(x)
+    assert_as_plain(grad, jax.jit(jax.grad(scalar_loss(f, program.shape)))(x))
+    assert_close(grad_found, found, rtol=1e-6, what="found under grad")
+
+    xs = program.batch()
+    batched = jax.jit(jax.vmap(fx.handle(f, handler)))(xs)
+    per_example = [reference(program, k) for k in range(len(xs))]
+    want = jax.tree.map(
+        lambda *e: np.stack(e),
+        *[(e.out, {ROOT: {n: e.append(n) for n in names}}) for e in per_example],
+    )
+    assert_close(batched, want, what="vmap(handle(f))")
+
+
 @settings(FUZZ, max_examples=min(EXAMPLES, 3))
 @given(programs())
 def test_rewriting_generated_programs_leaks_no_tracer(program):
@@ -1455,6 +1641,10 @@ def _times_two_plus_half(v):
     return v * 2.0 + 0.5
 
 
+def _clip(v):
+    return v.clip(-0.5, 0.5)  # NumPy's or jax.numpy's
+
+
 class Clip(fx.Handler):
     """A handler written outside the package, on the public protocol only: it
     clips every tag of its collection to [-0.5, 0.5] and counts, per name, the
@@ -1470,7 +1660,7 @@ class Clip(fx.Handler):
         return site.kind == "tag" and site.collection == self.collection
 
     def apply(self, site, value, ctx):
-        clipped = jax.tree.map(lambda x: jnp.clip(x, -0.5, 0.5), value)
+        clipped = jax.tree.map(_clip, value)
         changed = jax.tree.map(lambda x, c: jnp.sum(x != c), value, clipped)
         ctx.emit(sum(jax.tree.leaves(changed), jnp.int32(0)))
         return clipped
@@ -1478,11 +1668,12 @@ class Clip(fx.Handler):
 
 @FUZZ
 @given(programs())
-def test_a_user_handler_keeps_the_vmap_law(program):
+def test_a_user_handler_keeps_the_vmap_and_gradient_laws(program):
     """`handle(vmap(f), H) == vmap(handle(f, H))` for a handler written outside
     the package, or `handle(vmap(f), H)` refuses with the documented error (a
     value the vmap does not batch, a cond whose predicate it batches, a value
-    inside a custom derivative, which no handler may change)."""
+    inside a custom derivative, which no handler may change); and the gradient
+    through `handle(f, H)` is that of what it computes."""
     f, xs = program.function(), program.batch()
     clip = Clip()
     inside, inside_error = _outcome(jax.jit(jax.vmap(fx.handle(f, clip))), xs)
@@ -1494,8 +1685,127 @@ def test_a_user_handler_keeps_the_vmap_law(program):
     if outside_error is not None:
         message = str(outside_error)
         assert "inside the vmap" in message or "custom derivative" in message, message
+    else:
+        assert_close(outside, inside, rtol=1e-5, what="handle(vmap(f), Clip())")
+
+    # The gradient through it: the reference's, with the tags clipped.
+    tags = names_where(analyse(program), collection="intermediates")
+    fns = dict.fromkeys(tags, _clip)
+    try:
+        expected = substituted_reference(program, {}, fns=fns)
+    except Ambiguous:
         return
-    assert_close(outside, inside, rtol=1e-5, what="handle(vmap(f), Clip())")
+    x, w = program.x(), loss_weights(program.shape)
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(fx.handle(f, clip)(x)[0] * w)))(x)
+    want = handled_reference_grad(program, expected, x, fns=fns)
+    assert_close(grad, want, what="gradient through Clip")
+
+
+class Shift(fx.Handler):
+    """A handler written outside the package that reads an input per execution
+    (as in docs/guides/writing-a-handler.md): it adds `offsets[name][i]` to the
+    `i`-th execution of the tag `name`, and reports the value it leaves there,
+    one entry per execution (so what it reports can be substituted)."""
+
+    mode = "append"
+    offsets: dict
+    collection: str = dataclasses.field(
+        default="intermediates", metadata={"static": True}
+    )
+
+    def matches(self, site):
+        return (
+            site.kind == "tag"
+            and site.collection == self.collection
+            and site.name in self.offsets
+        )
+
+    def per_call_inputs(self):
+        return self.offsets
+
+    def apply(self, site, value, ctx):
+        shifted = jax.tree.map(jnp.add, value, ctx.next_input())
+        ctx.emit(shifted)
+        return shifted
+
+
+def shift_offsets(infos, names) -> dict:
+    """Offsets for `Shift`: for each name one entry per execution, in the layout
+    `Tag()` reports."""
+    out = {}
+    for k, name in enumerate(names):
+        info = infos[name]
+        shape = tuple(np.transpose(np.zeros(info.nested_shape()), info.layout()).shape)
+        size = int(np.prod(shape))
+        entries = []
+        for e in range(info.count):
+            o = 0.25 * np.cos(np.arange(size) * 0.7 + k + 2.0 * e).reshape(shape)
+            entries.append(o.astype(np.float32))
+        out[name] = tuple(entries)
+    return out
+
+
+def handled_reference_grad(program, expected, x, offsets=None, fns=None):
+    """The gradient of `scalar_loss` of the program with `offsets` added at the
+    sites, and `fns` applied to them (as `_Reference`), by the reference in
+    `jax.numpy` (the branches `expected` took)."""
+    infos = expected.infos
+    deltas = {
+        n: tuple(jnp.transpose(e, np.argsort(infos[n].layout())) for e in entries)
+        for n, entries in (offsets or {}).items()
+    }
+    w = loss_weights(program.shape)
+
+    def loss(x):
+        ref = _Reference(deltas, expected.decisions, fns=fns)
+        return jnp.sum(ref.run(program.body, x, None, {}, (), ()) * w)
+
+    return jax.jit(jax.grad(loss))(x)
+
+
+@FUZZ
+@given(programs(holding="tag"), st.data())
+def test_a_user_handler_with_inputs_per_execution_equals_the_reference(program, data):
+    """`Shift`, a user handler reading `ctx.next_input()`: its output, what it
+    reports and the gradient through it are the reference's with the offsets
+    added; substituting what it reported (`Substitute(per_call=True)`) gives
+    its output; and `handle(vmap(f), Shift) == vmap(handle(f, Shift))`."""
+    infos = analyse(program)
+    # Tags it may change: none under a custom derivative (intermediates are
+    # never in a while loop).
+    changeable = names_where(infos, collection="intermediates", custom=False)
+    names = [n for n in changeable if data.draw(st.booleans())] or changeable[:1]
+    offsets = shift_offsets(infos, names)
+    try:
+        expected = substituted_reference(program, {}, shifts=offsets)
+    except Ambiguous:
+        assume(False)
+    f, x = program.function(), program.x()
+    shift = Shift(offsets)
+    out, found = fx.handle(f, shift)(x)
+    assert_close(out, expected.out, what="output")
+    want = {"intermediates": {n: expected.append(n) for n in names}}
+    assert_close(found, want, what="found")
+
+    w = loss_weights(program.shape)
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(fx.handle(f, shift)(x)[0] * w)))(x)
+    want_grad = handled_reference_grad(program, expected, x, offsets=offsets)
+    assert_close(grad, want_grad, what="gradient")
+
+    patch = fx.Substitute(found["intermediates"], per_call=True)
+    patched, _ = fx.handle(f, patch)(x)
+    assert_close(patched, out, rtol=1e-5, what="Substitute(what Shift reported)")
+
+    xs = program.batch()
+    inside, inside_error = _outcome(jax.jit(jax.vmap(fx.handle(f, shift))), xs)
+    assert inside_error is None, inside_error
+    batched = Shift({n: tuple(np.stack([e, e]) for e in v) for n, v in offsets.items()})
+    outside, outside_error = _outcome(fx.handle(jax.vmap(f), batched), xs)
+    if outside_error is not None:
+        assert "inside the vmap" in str(outside_error), outside_error
+        assert has_data_cond_with_sites(program.body, ("intermediates",))
+        return
+    assert_close(outside, inside, rtol=1e-5, what="handle(vmap(f), Shift)")
 
 
 def _handler_options(infos, data):
@@ -1528,6 +1838,8 @@ def _handler_options(infos, data):
 
         options.append(intervene)
     options.append(Clip)
+    if changeable_tags := names_where(infos, collection="intermediates", custom=False):
+        options.append(lambda: Shift(shift_offsets(infos, subset(changeable_tags))))
     return options
 
 
@@ -1574,13 +1886,15 @@ def test_the_generator_covers_every_construct():
         seen.add(type(node).__name__)
         if isinstance(node, Site):
             seen.add(node.collection)
-            if node.collection == CN:
-                seen.update(f"{CN} in {kind}" for kind in around)
+            if node.collection in (CN, "intermediates"):
+                seen.update(f"{node.collection} in {kind}" for kind in around)
         if isinstance(node, Cond):
             seen.add(node.source)
             seen.add("switch" if node.switch else "cond")
         if isinstance(node, Scan) and node.reverse:
             seen.add("reverse")
+        if isinstance(node, CustomRoot):
+            seen.add(f"root {node.where}")
         if isinstance(node, Checkpoint):
             seen.add(f"policy {node.policy}")
             (scan,) = node.body.items if len(node.body.items) == 1 else (None,)
@@ -1618,6 +1932,10 @@ def test_the_generator_covers_every_construct():
         "Checkpoint",
         "CustomJvp",
         "CustomVjp",
+        "CustomRoot",
+        "root f",
+        "root solve",
+        ROOT,
         "Cond",
         "Scan",
         "While",
@@ -1641,6 +1959,8 @@ def test_the_generator_covers_every_construct():
             + ("CustomVjp", "Cond", "Scan", "While", "ShardMap")
         ),
     }
+    # Tags Substitute can change, in a shard_map (and so `Substitute` there).
+    kinds.add("intermediates in ShardMap")
     assert kinds <= seen, kinds - seen
     assert f"{CN} in Vmap" not in seen
     assert shared
