@@ -88,7 +88,9 @@ and nesting laws, and `Shift` (reads an input per execution with
 gradient, vmap and nesting laws, and substituted back with
 `Substitute(per_call=True)`. One property handles a program's function again
 after `jax.grad(handle(f))` and `jax.linearize` of it (whatever was cached for
-that function object) and compares with a fresh copy of the program.
+that function object) and compares with a fresh copy of the program; its
+programs define their custom-derivative functions once, jitted, at the top
+level, with rules that run the sites too (`Program.source(shared_customs=True)`).
 
 `EFFECTS_FUZZ_EXAMPLES` sets the number of programs per property (the `fuzz` nox
 session runs thousands); `EFFECTS_FUZZ_RANDOM=1` draws new programs each run
@@ -279,10 +281,23 @@ def _scan_inputs(length: int, ndim: int):
 
 
 class _Writer:
-    def __init__(self):
+    def __init__(self, shared_customs=False):
         self.lines: list[str] = []
         self.indent = 1
         self.count = 0
+        # Custom-derivative functions defined once, jitted, at the top level
+        # (the same objects, and JAX's caches of them, at every call of `f`),
+        # their rules running the body with its sites too: see `source`.
+        self.shared_customs = shared_customs
+        self.top: list[str] = []
+
+    def top_level(self, render) -> None:
+        """Runs `render()` writing at the top level of the module."""
+        lines, indent = self.lines, self.indent
+        self.lines, self.indent = [], 0
+        render()
+        self.top.extend(self.lines)
+        self.lines, self.indent = lines, indent
 
     def fresh(self, prefix="v") -> str:
         self.count += 1
@@ -361,28 +376,34 @@ def _render(w: _Writer, node, v: str, i, shape: tuple, fx_on: bool) -> str:
         args = v if i is None else f"{v}, {i}"
         w.line(f"{o} = {wrap}({fn}{policy})({args})")
         return o
-    if isinstance(node, CustomJvp):
+    if isinstance(node, (CustomJvp, CustomVjp)):
         g, p = w.fresh("g"), w.fresh()
-        w.line("@jax.custom_jvp")
-        _render_def(w, f"{g}({p})", node.body, p, None, shape, fx_on)
-        _render_def(w, f"{g}_plain({p})", node.body, p, None, shape, False)
-        w.line(f"def {g}_jvp(primals, tangents):")
-        w.line(f"    out, tangent = jax.jvp({g}_plain, primals, tangents)")
-        w.line(f"    return out, {CUSTOM_FACTOR} * tangent")
-        w.line(f"{g}.defjvp({g}_jvp)")
-        o = w.fresh()
-        w.line(f"{o} = {g}({v})")
-        return o
-    if isinstance(node, CustomVjp):
-        g, p = w.fresh("g"), w.fresh()
-        w.line("@jax.custom_vjp")
-        _render_def(w, f"{g}({p})", node.body, p, None, shape, fx_on)
-        _render_def(w, f"{g}_plain({p})", node.body, p, None, shape, False)
-        w.line(f"def {g}_fwd(u):")
-        w.line(f"    return {g}_plain(u), u")
-        w.line(f"def {g}_bwd(u, ct):")
-        w.line(f"    return ({CUSTOM_FACTOR} * jax.vjp({g}_plain, u)[1](ct)[0],)")
-        w.line(f"{g}.defvjp({g}_fwd, {g}_bwd)")
+
+        def define():
+            jvp = isinstance(node, CustomJvp)
+            w.line(f"@jax.custom_{'jvp' if jvp else 'vjp'}")
+            _render_def(w, f"{g}({p})", node.body, p, None, shape, fx_on)
+            rule_sites = fx_on and w.shared_customs
+            _render_def(w, f"{g}_plain({p})", node.body, p, None, shape, rule_sites)
+            if jvp:
+                w.line(f"def {g}_jvp(primals, tangents):")
+                w.line(f"    out, tangent = jax.jvp({g}_plain, primals, tangents)")
+                w.line(f"    return out, {CUSTOM_FACTOR} * tangent")
+                w.line(f"{g}.defjvp({g}_jvp)")
+            else:
+                w.line(f"def {g}_fwd(u):")
+                w.line(f"    return {g}_plain(u), u")
+                w.line(f"def {g}_bwd(u, ct):")
+                vjp = f"jax.vjp({g}_plain, u)[1](ct)[0]"
+                w.line(f"    return ({CUSTOM_FACTOR} * {vjp},)")
+                w.line(f"{g}.defvjp({g}_fwd, {g}_bwd)")
+            if w.shared_customs:
+                w.line(f"{g} = jax.jit({g})")
+
+        if w.shared_customs:
+            w.top_level(define)
+        else:
+            define()
         o = w.fresh()
         w.line(f"{o} = {g}({v})")
         return o
@@ -506,12 +527,18 @@ class Program:
     def __init__(self, body: Seq, shape: tuple, seed: int):
         self.body, self.shape, self.seed = body, shape, seed
 
-    def source(self) -> str:
-        w = _Writer()
+    def source(self, shared_customs=False) -> str:
+        """The program's source; with `shared_customs`, its custom-derivative
+        functions are defined once at the top level and jitted, and their rules
+        run the body's sites too (as diffrax's adjoints do): a variant for
+        properties that compare a program with itself, not with the
+        reference."""
+        w = _Writer(shared_customs)
         out = _render(w, self.body, "x", None, self.shape, True)
-        return "def f(x):\n" + "\n".join(w.lines + [f"    return {out}"]) + "\n"
+        lines = w.top + ["def f(x):"] + w.lines + [f"    return {out}"]
+        return "\n".join(lines) + "\n"
 
-    def function(self):
+    def function(self, shared_customs=False):
         namespace = {
             "jax": jax,
             "jnp": jnp,
@@ -522,7 +549,7 @@ class Program:
             "fx": fx,
             "checkpoint_name": checkpoint_name,
         }
-        exec(self.source(), namespace)
+        exec(self.source(shared_customs), namespace)
         return namespace["f"]
 
     def x(self, seed_offset=0):
@@ -1129,6 +1156,10 @@ def programs(draw, holding: str | None = None):
     return Program(body, shape, draw(st.integers(0, 2**16)))
 
 
+def _holding(kind: str):
+    return programs(holding=kind)
+
+
 def _sites(node) -> list[Site]:
     if isinstance(node, Site):
         return [node]
@@ -1317,14 +1348,18 @@ def test_handled_output_and_gradient_equal_the_plain_ones(program):
 
 
 @settings(FUZZ, max_examples=max(EXAMPLES // 2, 1))
-@given(programs())
+@given(st.sampled_from(["custom_jvp", "custom_vjp"]).flatmap(_holding))
 def test_a_call_history_changes_nothing(program):
     """`handle(jax.grad(f), H)` on a function already handled under
     `jax.grad(handle(f, H))` and `jax.linearize` (the same function object, so
     whatever `handle` or JAX cached for it) gives what it gives on a fresh copy
-    of the program; and `jax.grad(handle(f, H))` again what it gave first."""
+    of the program; and `jax.grad(handle(f, H))` again what it gave first. The
+    programs hold a custom derivative, defined once and jitted, whose rules run
+    the sites too: before effects traced custom rules once per handling state,
+    `handle(jax.grad(f))` then lost the sites a rule had traced unhandled."""
     infos = analyse(program)
-    f, x = program.function(), program.x()
+    # Custom-derivative functions JAX caches across calls, their rules tagging.
+    f, x = program.function(shared_customs=True), program.x()
     loss = scalar_loss(f, program.shape)
     # Every site: those under a custom derivative and in while loops too.
     handlers = collecting(infos)
@@ -1334,7 +1369,7 @@ def test_a_call_history_changes_nothing(program):
     then = _outcome(fx.handle(jax.grad(loss), *handlers), x)
     again = _outcome(jax.grad(fx.handle(loss, *handlers), has_aux=True), x)
 
-    fresh = scalar_loss(program.function(), program.shape)
+    fresh = scalar_loss(program.function(shared_customs=True), program.shape)
     now = _outcome(fx.handle(jax.grad(fresh), *handlers), x)
     _assert_same_outcome(then, now, "handle(grad(f)) after grad(handle(f))")
     _assert_same_outcome(again, first, "grad(handle(f)) again")
