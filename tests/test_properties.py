@@ -1178,8 +1178,8 @@ def has_data_cond_with_sites(node, collections) -> bool:
 
 def has_cond_in_data_cond(node) -> bool:
     """Whether a cond with a data predicate holds a cond holding a site: under
-    an outer `jax.vmap` the inner cond's sites are not refused (a known bug:
-    `test_a_cond_in_a_batched_cond_is_refused_under_vmap`)."""
+    an outer `jax.vmap` the inner cond's sites are not refused (a gap
+    docs/semantics.md names: `test_a_cond_in_a_batched_cond_is_refused_under_vmap`)."""
     if isinstance(node, Cond) and node.source == "data":
         inner = [c for b in node.branches for c in _conds(b)]
         if any(_sites(c) for c in inner):
@@ -1577,7 +1577,7 @@ def test_handle_of_vmap_equals_vmap_of_handle(program):
 
     tagged = ("intermediates", "loop", "perturbations", "custom_perturbations")
     if has_cond_in_data_cond(program.body):
-        return  # the known bug (see `has_cond_in_data_cond`)
+        return  # the known gap (see `has_cond_in_data_cond`)
     if has_data_cond_with_sites(program.body, tagged):
         # A cond whose predicate the vmap batches becomes a select of every
         # branch before any handler sees it: handle(vmap(f)) refuses its tags
@@ -1709,10 +1709,10 @@ def test_grad_of_a_tag_in_a_scan_in_a_custom_root():
 
 @pytest.mark.xfail(
     strict=True,
-    reason="handle(vmap(f)) does not refuse a tag in a cond (kept: its predicate "
-    "is unbatched) inside a cond whose predicate the vmap batches: "
-    "_branches.suspects takes every site in a cond left in the program for one "
-    "in a cond the vmap kept",
+    reason="a gap docs/semantics.md names: handle(vmap(f)) does not refuse a tag "
+    "in a cond (kept: its predicate is unbatched) inside a cond whose predicate "
+    "the vmap batches; _branches.suspects takes every site in a cond left in "
+    "the program for one in a cond the vmap kept",
 )
 def test_a_cond_in_a_batched_cond_is_refused_under_vmap():
     inner = Cond("index", False, 1.0, 0, (Seq((Site("tag", "t", TAGGED[0]),)), Seq(())))
@@ -1795,7 +1795,7 @@ def test_a_user_handler_keeps_the_vmap_and_gradient_laws(program):
     if outside_error is not None:
         message = str(outside_error)
         assert "inside the vmap" in message or "custom derivative" in message, message
-    elif not has_cond_in_data_cond(program.body):  # (the known bug)
+    elif not has_cond_in_data_cond(program.body):  # (the known gap)
         assert_close(outside, inside, rtol=1e-5, what="handle(vmap(f), Clip())")
 
     # The gradient through it: the reference's, with the tags clipped.
@@ -1915,7 +1915,7 @@ def test_a_user_handler_with_inputs_per_execution_equals_the_reference(program, 
         assert "inside the vmap" in str(outside_error), outside_error
         assert has_data_cond_with_sites(program.body, ("intermediates",))
         return
-    if not has_cond_in_data_cond(program.body):  # (the known bug)
+    if not has_cond_in_data_cond(program.body):  # (the known gap)
         assert_close(outside, inside, rtol=1e-5, what="handle(vmap(f), Shift)")
 
 
