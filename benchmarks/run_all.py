@@ -28,6 +28,7 @@ SCRIPTS = [
     "bench_modules.py",
     "bench_stats.py",
     "bench_handlers.py",
+    "bench_first_result.py",
 ]
 
 TITLE = (
