@@ -1008,6 +1008,12 @@ def _allowed(kind: str, scope: _Scope) -> bool:
         return len(shape) >= 1
     if kind == "shard_map":
         return len(shape) >= 1 and shape[0] % 2 == 0 and not scope.in_shard
+    if kind == "custom_root" and JAX < (0, 8):
+        # On jax 0.7 (a custom_jvp there) JAX itself fails to differentiate
+        # some bodies: a scan's transpose asserts, a custom_vjp inside is
+        # differentiated with respect to a closed-over value. Only
+        # `test_tags_in_a_custom_root_are_collected_or_refused` draws it there.
+        return False
     if kind in ("while", "custom_root"):
         # (A custom_root's tags have a collection of their own, "root".)
         return not (scope.in_while or scope.in_root)
@@ -2043,10 +2049,7 @@ def test_the_generator_covers_every_construct():
         "Checkpoint",
         "CustomJvp",
         "CustomVjp",
-        "CustomRoot",
-        "root f",
-        "root solve",
-        ROOT,
+        *(["CustomRoot", "root f", "root solve", ROOT] if JAX >= (0, 8) else []),
         "Cond",
         "Scan",
         "While",
