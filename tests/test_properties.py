@@ -1014,6 +1014,11 @@ def _allowed(kind: str, scope: _Scope) -> bool:
         # differentiated with respect to a closed-over value. Only
         # `test_tags_in_a_custom_root_are_collected_or_refused` draws it there.
         return False
+    if kind == "custom_vjp" and scope.in_root and JAX < (0, 11):
+        # On jax 0.10 JAX itself fails to differentiate a custom_root whose
+        # function holds a custom_vjp ("differentiation of a custom_vjp
+        # function with respect to a closed-over value"); fixed in jax 0.11.
+        return False
     if kind in ("while", "custom_root"):
         # (A custom_root's tags have a collection of their own, "root".)
         return not (scope.in_while or scope.in_root)
