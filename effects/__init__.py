@@ -3,12 +3,9 @@
 from importlib import metadata as _metadata
 
 from ._debug import BadSite as BadSite
-from ._debug import SiteInfo as SiteInfo
-from ._debug import Sites as Sites
 from ._debug import Stats as Stats
 from ._debug import Summary as Summary
 from ._debug import find_nonfinite as find_nonfinite
-from ._debug import sites as sites
 from ._debug import summary as summary
 from ._handle import Found as Found
 from ._handle import handle as handle
@@ -44,6 +41,9 @@ from ._modules import tag_modules as tag_modules
 from ._primitives import perturb as perturb
 from ._primitives import tag as tag
 from ._site import Site as Site
+from ._sites import SiteInfo as SiteInfo
+from ._sites import Sites as Sites
+from ._sites import sites as sites
 
 try:
     __version__ = _metadata.version("effects-jax")

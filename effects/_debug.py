@@ -1,7 +1,9 @@
-"""Debugging tools: `Stats`, a handler (on the public handler protocol) that keeps
-summary statistics of each execution of a tag instead of its value; `summary`,
-which renders what `Tag` or `Stats` found as a table; and `sites`, which lists
-every tag and perturb call of a program without running it."""
+"""Debugging tools on the public API: `Stats`, a handler (on the public handler
+protocol) that keeps summary statistics of each execution of a tag instead of
+its value; `summary`, which renders what `Tag` or `Stats` found as a table; and
+`find_nonfinite`, which finds the first tag holding a NaN or an Inf. (`sites`,
+which lists every site of a program, lives with the walk it lists, in
+`_sites`.)"""
 
 from __future__ import annotations
 
@@ -12,43 +14,44 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _nnx, _sites
+# `eager_cached`, the one internal entry point: `find_nonfinite` caches its
+# compiled check as `handle` caches its jitted calls, on the function itself (an
+# Equinox module's per structure), dying with it. Public API cannot: a cache of
+# our own keyed by the function would keep it alive, as `eqx.filter_jit` does.
 from ._handle import eager_cached, handle
 from ._handlers import Append, Handler, Names, Reduce, Tag
-from ._site import describe, shape_dtype
+from ._sites import sites
 
 STAT_KEYS = ("mean", "std", "min", "max", "mean_abs", "nan_count", "inf_count")
 
 
-def _leaf_stats(x) -> dict[str, jax.Array]:
+def _leaf_stats(x, xp=jnp) -> dict[str, Any]:
     """Statistics of `x`, one example's value: moments and extremes over the
-    finite values, counts of the rest."""
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        x = jnp.abs(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.finfo(x.dtype).bits < 32:
-        x = x.astype(jnp.float32)
-    axes = tuple(range(x.ndim))
-    finite = jnp.isfinite(x)
-    n = jnp.sum(finite, axes)
-    some = n > 0
-    count = jnp.maximum(n, 1).astype(x.dtype)
-    safe = jnp.where(finite, x, 0)
-    mean = jnp.sum(safe, axes) / count
-    centred = jnp.where(finite, x - jnp.expand_dims(mean, axes), 0)
-    nan = jnp.array(jnp.nan, x.dtype)
+    finite values, counts of the rest. With `xp=np`, in NumPy and float64."""
+    if xp.iscomplexobj(x):
+        x = xp.abs(x)
+    if xp is np or not xp.issubdtype(x.dtype, xp.floating) or x.dtype.itemsize < 4:
+        x = x.astype(np.float64 if xp is np else np.float32)
+    finite, nan = xp.isfinite(x), xp.array(xp.nan, x.dtype)
+    count = xp.sum(finite)
+    n = xp.maximum(count, 1)
+    mean = xp.sum(x, where=finite) / n
+
+    def some(v):  # NaN where there is no finite value
+        return xp.where(count > 0, v, nan)
+
     return {
-        "mean": jnp.where(some, mean, nan),
-        "std": jnp.where(some, jnp.sqrt(jnp.sum(centred**2, axes) / count), nan),
-        "min": jnp.where(some, jnp.min(jnp.where(finite, x, jnp.inf), axes), nan),
-        "max": jnp.where(some, jnp.max(jnp.where(finite, x, -jnp.inf), axes), nan),
-        "mean_abs": jnp.where(some, jnp.sum(jnp.abs(safe), axes) / count, nan),
-        "nan_count": jnp.sum(jnp.isnan(x), axes, dtype=jnp.int32),
-        "inf_count": jnp.sum(jnp.isinf(x), axes, dtype=jnp.int32),
+        "mean": some(mean),
+        "std": some(xp.sqrt(xp.sum((x - mean) ** 2, where=finite) / n)),
+        "min": some(xp.min(x, initial=xp.inf, where=finite)),
+        "max": some(xp.max(x, initial=-xp.inf, where=finite)),
+        "mean_abs": some(xp.sum(xp.abs(x), where=finite) / n),
+        "nan_count": xp.sum(xp.isnan(x), dtype=np.int32),
+        "inf_count": xp.sum(xp.isinf(x), dtype=np.int32),
     }
 
 
@@ -158,7 +161,7 @@ class Summary:
         return [[_cell(r[c]) for c in self.columns] for r in self.rows]
 
     def __str__(self) -> str:
-        return _text_table([list(self.columns), *self._cells()])
+        return text_table([list(self.columns), *self._cells()])
 
     def __repr__(self) -> str:
         return str(self)
@@ -173,7 +176,7 @@ class Summary:
         return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
-def _text_table(rows) -> str:
+def text_table(rows) -> str:
     """Rows of strings, the first a header, as aligned plain-text columns."""
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
@@ -248,258 +251,26 @@ def _is_stats(x) -> bool:
 
 
 def _rows(label: str, call: int, entry) -> list[dict[str, Any]]:
+    """One row per leaf of `entry`, and per index along the stacked axes of a
+    `Stats` leaf; a `Tag` leaf's statistics computed here, over all of it."""
     leaves = jax.tree_util.tree_flatten_with_path(entry, is_leaf=_is_stats)[0]
     rows = []
     for path, leaf in leaves:
         name = label + (jax.tree_util.keystr(path) if len(leaves) > 1 else "")
-        if _is_stats(leaf):
-            stats = {k: np.asarray(v) for k, v in leaf.items()}
-            for index in np.ndindex(stats["mean"].shape):
-                row = {k: v[index].item() for k, v in stats.items()}
-                finite = row["nan_count"] == 0 and row["inf_count"] == 0
-                rows.append(
-                    dict(
-                        name=name,
-                        call=call,
-                        index=index if index else None,
-                        shape=None,
-                        dtype=None,
-                        finite=finite,
-                        **row,
-                    )
-                )
-        else:
+        base = dict(name=name, call=call, shape=None, dtype=None)
+        if not _is_stats(leaf):
             x = np.asarray(leaf)
-            stats = _numpy_stats(x)
-            finite = stats["nan_count"] == 0 and stats["inf_count"] == 0
-            rows.append(
-                dict(
-                    name=name,
-                    call=call,
-                    index=None,
-                    shape=x.shape,
-                    dtype=str(x.dtype),
-                    finite=finite,
-                    **stats,
-                )
+            leaf, base["shape"], base["dtype"] = (
+                _leaf_stats(x, np),
+                x.shape,
+                str(x.dtype),
             )
+        stats = {k: np.asarray(v) for k, v in leaf.items()}
+        for index in np.ndindex(stats["mean"].shape):
+            row = {k: v[index].item() for k, v in stats.items()}
+            finite = row["nan_count"] == row["inf_count"] == 0
+            rows.append({**base, "index": index or None, **row, "finite": finite})
     return rows
-
-
-def _numpy_stats(x: np.ndarray) -> dict[str, Any]:
-    if np.iscomplexobj(x):
-        x = np.abs(x)
-    x = x.astype(np.float64)
-    finite = x[np.isfinite(x)]
-    nan = float("nan")
-    some = finite.size > 0
-    return {
-        "mean": float(finite.mean()) if some else nan,
-        "std": float(finite.std()) if some else nan,
-        "min": float(finite.min()) if some else nan,
-        "max": float(finite.max()) if some else nan,
-        "mean_abs": float(np.abs(finite).mean()) if some else nan,
-        "nan_count": int(np.isnan(x).sum()),
-        "inf_count": int(np.isinf(x).sum()),
-    }
-
-
-#
-# sites
-#
-
-
-@dataclasses.dataclass(frozen=True)
-class SiteInfo:
-    """One [`tag`][effects.tag] or [`perturb`][effects.perturb] call in a
-    program, not one execution: what [`fx.sites`][effects.sites] lists.
-
-    **Attributes:**
-
-    - `kind`: `"tag"` or `"perturb"` (a `jax.ad_checkpoint.checkpoint_name` is
-      a `"tag"` in the collection `"checkpoint_name"`).
-    - `collection`, `name`: as passed to it.
-    - `value`: the value of one execution, as `jax.ShapeDtypeStruct`s, in the
-      layout handlers report (the batch axes of a `jax.vmap` inside the
-      function first).
-    - `where`: the control flow around it, outermost first, such as
-      `"scan(length=12) > cond branch 1"`; `""` at the top level.
-    - `loops`: per enclosing region, outermost first: a scan's length,
-      `"while"`, `"branch"`, `"other"`, or None for a `jit`. Left out of its
-      `repr` and of comparisons.
-
-    **Example:**
-
-    ```python
-    def f(x):
-        return jax.lax.scan(lambda c, _: (fx.tag(c * 2, "h"), None), x, None, 3)[0]
-
-    (info,) = fx.sites(f)(jnp.ones(2))["intermediates"]["h"]
-    print(info.where)  # scan(length=3)
-    print(info.value)  # ShapeDtypeStruct(shape=(2,), dtype=float32)
-    ```
-    """
-
-    kind: str
-    collection: str
-    name: str
-    value: Any
-    where: str
-    # Per enclosing region, outermost first: a scan's length, "while",
-    # "branch", "custom" (a custom_jvp/custom_vjp function), "other", or None
-    # (a jit).
-    loops: tuple = dataclasses.field(default=(), repr=False, compare=False)
-
-
-class Sites(dict):
-    """What [`fx.sites`][effects.sites] returns: a dict `collection -> name ->
-    [SiteInfo, ...]`, in program order, whose `str()` is a table.
-
-    A `dict` subclass: index it, iterate over it, or `print` it for one row per
-    site with its collection, name, kind, shape and dtype, and the control
-    flow around it.
-
-    **Attributes:**
-
-    As a dict: `sites[collection][name]` is a list of
-    [`SiteInfo`][effects.SiteInfo], one per call in the program.
-
-    **Example:**
-
-    ```python
-    def f(x):
-        h = fx.tag(jnp.sin(x), "h")
-        return fx.perturb(h, "p")
-
-    print(fx.sites(f)(jnp.ones(3)))
-    # collection     name  kind     value       where
-    # -------------  ----  -------  ----------  -----
-    # intermediates  h     tag      float32[3]
-    # perturbations  p     perturb  float32[3]
-    ```
-    """
-
-    def __str__(self) -> str:
-        rows = [("collection", "name", "kind", "value", "where")]
-        for infos in (i for names in self.values() for i in names.values()):
-            rows.extend(
-                (i.collection, i.name, i.kind, describe(i.value), i.where)
-                for i in infos
-            )
-        return _text_table(rows)
-
-
-def sites(fn: Callable) -> Callable[..., Sites]:
-    """Lists every [`tag`][effects.tag], [`perturb`][effects.perturb] and
-    `jax.ad_checkpoint.checkpoint_name` call `fn` would execute, without
-    running anything.
-
-    `fn` is only traced, so arguments may be `jax.ShapeDtypeStruct`s: the
-    names and shapes of every layer of a model, at no cost, before choosing
-    what to collect. One [`SiteInfo`][effects.SiteInfo] per call in the
-    program, not per execution (a tag in a `lax.scan` is listed once), with
-    the control flow around it; a site that a backward pass recomputes is not
-    listed again. Arguments are treated as `eqx.filter_jit`
-    treats them: arrays and `jax.ShapeDtypeStruct`s traced, other leaves (an
-    Equinox module's functions, Python numbers) static. Flax NNX objects are
-    traced through their state, which is left as it was.
-
-    **Arguments:**
-
-    - `fn`: the function to look into: any callable, or a model from
-      [`fx.tag_modules`][effects.tag_modules].
-
-    **Returns:**
-
-    `lister(*args, **kwargs) -> Sites`: a [`Sites`][effects.Sites], the dict
-    `collection -> name -> [SiteInfo, ...]`, in program order; `print` it for a
-    table.
-
-    **Raises:**
-
-    Nothing of its own; what tracing `fn` raises, as under `jax.jit`, such as
-    `jax.errors.TracerBoolConversionError` for Python control flow on the
-    values of arrays.
-
-    **Example:**
-
-    ```python
-    import equinox as eqx
-
-    model = eqx.nn.MLP(2, 2, width_size=8, depth=2, key=jax.random.key(0))
-    print(fx.sites(fx.tag_modules(model))(jax.ShapeDtypeStruct((2,), jnp.float32)))
-    # collection     name      kind  value       where
-    # -------------  --------  ----  ----------  -----
-    # intermediates  layers.0  tag   float32[8]
-    # intermediates  layers.1  tag   float32[8]
-    # intermediates  layers.2  tag   float32[2]
-    ```
-    """
-
-    def lister(*args, **kwargs) -> Sites:
-        found = Sites()
-        call, dynamic = _traced_arguments(fn, args, kwargs)
-        for located in _sites.walk(_sites.traced(call, dynamic)).sites:
-            if located.recomputed:
-                continue
-            # A call JAX makes, not the user (the forward part of a checkpoint or
-            # scan that it split for differentiation), adds no control flow.
-            around = [_label(r) for r in located.path if r.name != "closed_call"]
-            site = _sites.site_of(located.eqn)
-            info = SiteInfo(
-                site.kind,
-                site.collection,
-                site.name,
-                site.front_avals(),
-                " > ".join(label for label, _ in around),
-                tuple(loop for _, loop in around),
-            )
-            found.setdefault(site.collection, {}).setdefault(site.name, []).append(info)
-        return found
-
-    functools.update_wrapper(lister, fn, updated=())
-    return lister
-
-
-def _traced_arguments(fn, args, kwargs):
-    """`fn` as a function of the arrays (and `jax.ShapeDtypeStruct`s) among its
-    arguments, with every other leaf (an Equinox module's functions, Python
-    numbers) held static as `eqx.filter_jit` holds it; and those arrays. Flax
-    NNX objects go in as their state, and the state they end with is dropped:
-    looking at a model leaves it as it was."""
-    nnx_call = _nnx.functional(fn, args, kwargs)
-    if nnx_call is not None:
-        pure, args, kwargs = nnx_call[0], nnx_call[1], {}
-        fn = lambda *args: pure(*args)[0]  # noqa: E731
-    dynamic, static = eqx.partition((args, kwargs), _is_traced)
-
-    def call(dynamic):
-        args, kwargs = eqx.combine(dynamic, static)
-        return fn(*args, **kwargs)
-
-    return call, dynamic
-
-
-def _is_traced(x) -> bool:
-    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
-
-
-def _label(region: _sites.Region) -> tuple[str, Any]:
-    """`(label, loop)` for a region around a site (see `SiteInfo.loops`)."""
-    p, name = region.eqn.params, region.name
-    if name == "scan":
-        reverse = ", reverse" if p.get("reverse") else ""
-        return f"scan(length={p['length']}{reverse})", p["length"]
-    if name == "cond":
-        return f"cond branch {region.which}", "branch"
-    if name == "while":
-        which = "cond" if region.jaxpr is p["cond_jaxpr"].jaxpr else "body"
-        return f"while_loop {which}", "while"
-    label = f"{name}({p['name']})" if isinstance(p.get("name"), str) else name
-    if name == "jit":
-        return label, None
-    custom = name in ("custom_jvp_call", "custom_vjp_call")
-    return label, "custom" if custom else "other"
 
 
 #
@@ -565,35 +336,31 @@ def _finite(leaves) -> jax.Array:
     return ok
 
 
-def _count(acc, x):
+def _count(acc, x):  # (executions so far, the first non-finite one or -1)
     n, first = acc
-    bad = ~_finite(jax.tree.leaves(x))
-    return n + 1, jnp.where((first < 0) & bad, n, first)
+    return n + 1, jnp.where((first < 0) & ~_finite(jax.tree.leaves(x)), n, first)
 
 
-def _count_init(z):
-    del z
-    return jnp.int32(0), jnp.int32(-1)
-
-
-_COUNTER = Reduce(_count, _count_init)
+_COUNTER = Reduce(_count, lambda _: (jnp.int32(0), jnp.int32(-1)))
+_EXECUTIONS = Reduce(lambda n, _: n + 1, lambda _: jnp.int32(0))
 
 
 class _Check(Handler):
-    """At every tag: a `checkify` check that its value is finite, the first
-    failing check in execution order being the one reported; with `backward`,
-    an identity whose backward pass checks the cotangent instead, with the
-    execution's index among its name's (counted here) in the message."""
+    """At every tag in `keys`: a `checkify` check that its value is finite, the
+    first failing check in execution order being the one reported, with the
+    tag's index in `keys` as its code; with `backward`, an identity whose
+    backward pass checks the cotangent instead, with the execution's index
+    among its name's (counted here) in the message."""
 
     collection: ClassVar[str] = ""
-    codes: Any = dataclasses.field(metadata={"static": True})  # {(coll, name): code}
+    keys: tuple = dataclasses.field(metadata={"static": True})  # (collection, name)s
     backward: bool = dataclasses.field(default=False, metadata={"static": True})
     # With `backward`: a zero added to every tag, that differentiating with
     # respect to it computes the cotangent of every one.
     zero: Any = None
 
     def matches(self, site):
-        return site.kind == "tag" and (site.collection, site.name) in self.codes
+        return site.kind == "tag" and (site.collection, site.name) in self.keys
 
     @property
     def mode(self):  # pyright: ignore[reportIncompatibleVariableOverride]
@@ -602,23 +369,19 @@ class _Check(Handler):
     def apply(self, site, value, ctx):
         from jax.experimental import checkify
 
-        code = self.codes[(site.collection, site.name)]
+        code = self.keys.index((site.collection, site.name))
         if not self.backward:
             checkify.check(_finite(jax.tree.leaves(value)), f"{_CODE}{code}")
             return value
         count = ctx.emit(jnp.int32(0))
         assert count is not None  # (the mode is a reduction)
-        n = count - 1  # this execution's index
 
         def checked(x):
             if not jnp.issubdtype(x.dtype, jnp.inexact):
                 return x
-            return _cotangent_check(x + self.zero.astype(x.dtype), code, n)
+            return _cotangent_check(x + self.zero.astype(x.dtype), code, count - 1)
 
         return jax.tree.map(checked, value)
-
-
-_EXECUTIONS = Reduce(lambda n, _: n + 1, lambda _: jnp.int32(0))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -709,11 +472,8 @@ def find_nonfinite(
     """
     # The sites and the compiled check, cached per function, argument signature
     # and `backward`: checking every batch of a data loader compiles once.
-    nnx_call = _nnx.functional(fn, args, kwargs)
-    if nnx_call is not None:  # run on the NNX objects' state, left as it was
-        fn, args, kwargs = nnx_call[0], nnx_call[1], {}
-    what = ("find_nonfinite", backward, nnx_call is not None)
-    make = functools.partial(_nonfinite_check, backward, nnx_call is not None)
+    make = functools.partial(_nonfinite_check, backward)
+    what = ("find_nonfinite", backward)
     (listed, keys, check), dynamic = eager_cached(what, fn, args, kwargs, make)
     if check is None:
         return None
@@ -721,16 +481,15 @@ def find_nonfinite(
     message = err.get()
     if message is None or _CODE not in message:
         return None
-    if backward:
-        code, n = message.split(_CODE)[1].split()[0].split(":")
-        collection, name = keys[int(code)]
-        return _bad_site(listed, collection, name, int(n), True)
-    collection, name = keys[int(message.split(_CODE)[1].split()[0])]
-    first = np.asarray(found[collection][name][1])
-    return _bad_site(listed, collection, name, int(first[first >= 0].min()), False)
+    code, *n = message.split(_CODE)[1].split()[0].split(":")
+    collection, name = keys[int(code)]
+    if not backward:  # the first bad execution, as the counter saw it
+        first = np.asarray(found[collection][name][1])
+        n = [first[first >= 0].min()]
+    return _bad_site(listed[collection][name], collection, name, int(n[0]), backward)
 
 
-def _nonfinite_check(backward: bool, nnx: bool, call, dynamic):
+def _nonfinite_check(backward: bool, call, dynamic):
     """`(listed, keys, check)` for `find_nonfinite`: the sites of
     `call(dynamic)`, the checked `(collection, name)`s (a message's code is an
     index into them), and `check(dynamic) -> (checkify error, found)`, jitted;
@@ -739,68 +498,47 @@ def _nonfinite_check(backward: bool, nnx: bool, call, dynamic):
     # JAX's tables, which `import effects` alone must not do.
     from jax.experimental import checkify
 
-    fn = (lambda dynamic: call(dynamic)[0]) if nnx else call  # the state dropped
-    listed = sites(fn)(dynamic)
-    keys = [(c, n) for c, names in listed.items() for n in names]
-    if backward:
-        # A tag inside a function with a custom derivative has no cotangent of
-        # its own: the custom rule differentiates the function as a whole.
-        keys = [
-            (c, n)
-            for c, n in keys
-            if not all("custom" in info.loops for info in listed[c][n])
-        ]
+    listed = sites(call)(dynamic)
+    # Backward, not a tag inside a function with a custom derivative: it has no
+    # cotangent of its own (the custom rule differentiates the function whole).
+    keys = tuple(
+        (c, n)
+        for c, names in listed.items()
+        for n, infos in names.items()
+        if not (backward and all("custom" in info.loops for info in infos))
+    )
     if not keys:
         return listed, keys, None
-    codes = {key: i for i, key in enumerate(keys)}
-    if backward:
-        check = _backward_check(fn, codes)
-    else:
-        handlers = (_Check(codes), *(Tag(c, mode=_COUNTER) for c in listed))
 
-        def check(dynamic):
-            return handle(fn, *handlers)(dynamic)[1]
-
-    return listed, keys, jax.jit(checkify.checkify(check, errors=checkify.user_checks))
-
-
-def _backward_check(fn, codes):
     def output(zero, dynamic):
-        out, _ = handle(fn, _Check(codes, True, zero))(dynamic)
+        out, _ = handle(call, _Check(keys, True, zero))(dynamic)
         if not (isinstance(out, jax.Array) and out.shape == ()):
+            got = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), out
+            )
             raise ValueError(
                 "find_nonfinite(backward=True): the function must return a scalar "
-                f"(the loss), got {jax.tree.map(shape_dtype, out)}."
+                f"(the loss), got {got}."
             )
         return out
 
     def check(dynamic):
-        return jax.grad(output)(jnp.float32(0), dynamic)
+        if backward:
+            return jax.grad(output)(jnp.float32(0), dynamic)
+        handlers = (_Check(keys), *(Tag(c, mode=_COUNTER) for c in listed))
+        return handle(call, *handlers)(dynamic)[1]
 
-    return check
+    return listed, keys, jax.jit(checkify.checkify(check, errors=checkify.user_checks))
 
 
-def _bad_site(listed, collection, name, k: int, backward: bool) -> BadSite:
-    """The `k`-th execution of a name as a call and a scan iteration."""
-    lengths = _scan_lengths(listed[collection][name])
-    if lengths is None:
+def _bad_site(infos, collection, name, k: int, backward: bool) -> BadSite:
+    """The `k`-th execution of a name as a call and a scan iteration: when the
+    name's only site has scans (and jits) alone around it, each call executes
+    it the product of their lengths times."""
+    lengths = [loop for loop in infos[0].loops if loop is not None]
+    if len(infos) > 1 or not lengths or not all(isinstance(n, int) for n in lengths):
         return BadSite(name, collection, k, None, backward)
-    per_call = math.prod(lengths)
-    index = tuple(int(i) for i in np.unravel_index(k % per_call, lengths))
+    call, k = divmod(k, math.prod(lengths))
+    index = tuple(int(i) for i in np.unravel_index(k, lengths))
     iteration = index[0] if len(index) == 1 else index
-    return BadSite(name, collection, k // per_call, iteration, backward)
-
-
-def _scan_lengths(infos) -> tuple[int, ...] | None:
-    """The lengths of the scans around a name's only site, when scans (and
-    jits) are all there is around it: then each call executes it the product
-    of the lengths times."""
-    if len(infos) != 1:
-        return None
-    loops = infos[0].loops
-    if not loops or any(
-        not isinstance(loop, int) for loop in loops if loop is not None
-    ):
-        return None
-    lengths = tuple(loop for loop in loops if loop is not None)
-    return lengths or None
+    return BadSite(name, collection, call, iteration, backward)

@@ -765,10 +765,16 @@ def eager_cached(what, fn, args, kwargs, make) -> tuple[Any, list[Any]]:
     """`(made, dynamic)`: `dynamic` the arrays among `fn` (an Equinox module's)
     and its arguments, every other leaf held static as `eqx.filter_jit` holds
     it, and `made = make(call, dynamic)` with `call(dynamic)` calling `fn` on
-    them. Outside any transformation, `made` is cached per `what` (hashable),
-    `fn` and the arguments' signature, for the functions `handle` caches (an
-    Equinox module per structure, as `handle(model, ...)`): it may hold `call`,
-    which holds no array but what `fn` closes over."""
+    them. Flax NNX objects among `fn` and its arguments go in as their state,
+    and the state they end with is dropped: `call` looks at them, leaving them
+    as they were. Outside any transformation, `made` is cached per `what`
+    (hashable), `fn` and the arguments' signature, for the functions `handle`
+    caches (an Equinox module per structure, as `handle(model, ...)`): it may
+    hold `call`, which holds no array but what `fn` closes over."""
+    nnx_call = _nnx.functional(fn, args, kwargs)
+    nnx = nnx_call is not None  # (`call` must not hold `nnx_call`'s Variables)
+    if nnx_call is not None:
+        fn, args, kwargs, what = nnx_call[0], nnx_call[1], {}, (what, "nnx")
     cache = _cache_for(fn) if _compat.is_top_level() else None
     if isinstance(fn, eqx.Module):
         fn, args = _call_module, (fn, *args)
@@ -776,7 +782,8 @@ def eager_cached(what, fn, args, kwargs, make) -> tuple[Any, list[Any]]:
 
     def call(dynamic):
         args, kwargs = _merge(dynamic, static, treedef)
-        return fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
+        return out[0] if nnx else out
 
     sig = None if cache is None else _signature(static, treedef, dynamic)
     made = None if sig is None else cache.made.get((what, sig))  # pyright: ignore

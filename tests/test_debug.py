@@ -541,3 +541,41 @@ def test_find_nonfinite_of_equinox_models_compiles_once():
     assert good is None
     assert not bool(jnp.all(jnp.isfinite(models[1](x))))
     assert bool(jnp.all(jnp.isfinite(models[2](x))))
+
+
+def test_find_nonfinite_keeps_no_dead_function_alive():
+    # Its compiled checks are cached on the function: they die with it.
+    import gc
+    import weakref
+
+    def run(backward):
+        big = jnp.arange(1000.0)
+
+        def f(x):  # log(-1) is NaN; at 1, sqrt's derivative at 0 is not finite
+            return jnp.sum(jnp.sqrt(fx.tag(jnp.log(x) + big[0], "h")))
+
+        x = jnp.array([1.0 if backward else -1.0])
+        assert fx.find_nonfinite(f, x, backward=backward).name == "h"
+        return weakref.ref(big)
+
+    refs = [run(False), run(True)]
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+
+
+def test_debug_uses_the_public_api_only():
+    # `_debug` is built on what `effects` exports; `eager_cached` is its one
+    # internal entry point (caching on the user's function, see `_debug`).
+    import ast
+    import pathlib
+
+    import effects._debug as debug
+
+    tree = ast.parse(pathlib.Path(debug.__file__).read_text())
+    imported = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level > 0
+        for alias in node.names
+    }
+    assert imported - set(dir(fx)) == {"eager_cached"}
