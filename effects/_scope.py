@@ -89,8 +89,6 @@ class Scope:
         if not isinstance(handlers, Handlers):
             handlers = Handlers(handlers)
         self.handlers = handlers
-        self.modes = handlers.modes
-        self.input_names = handlers.input_names
         # Inside a function with a custom derivative (the primitive's name):
         # a handler may look at values there, not change them.
         self.custom = custom
@@ -118,23 +116,19 @@ class Scope:
         # (see `_rules.discover`).
         self.plans: dict = {} if plans is None else plans
 
+    def inner(self, **fields) -> Scope:
+        """A fresh scope for a region inside this one: the same handlers, custom
+        rule, shard_maps and plans, unless `fields` say otherwise."""
+        same = dict(custom=self.custom, shards=self.shards, plans=self.plans)
+        return Scope(self.handlers, **(same | fields))
+
     def replay(self) -> Scope:
         """A scope for a region that recomputes executions reported elsewhere:
         the same handlers, and nothing it collects leaves it."""
-        return Scope(
-            self.handlers,
-            discovering=self.discovering,
-            replaying=True,
-            custom=self.custom,
-            shards=self.shards,
-            plans=self.plans,
-        )
+        return self.inner(discovering=self.discovering, replaying=True)
 
     def where(self, key: Key) -> str:
         return self.sites[key].where()
-
-    def mode(self, key: Key):
-        return self.modes[key[0]]
 
     # Appended entries -------------------------------------------------------
 
@@ -142,7 +136,7 @@ class Scope:
         self.sites.setdefault(key, site)
         entries = self.entries.setdefault(key, [])
         entries.append((_strong_tree(value), axes))
-        mode = self.mode(key)
+        mode = self.handlers.modes[key[0]]
         if len(entries) > 1 and mode.single:
             raise ValueError(
                 _STRICT_TWICE.format(where=self.where(key), mode=mode.label)
@@ -153,7 +147,7 @@ class Scope:
     def acc_for(self, key: Key, site: Site):
         """The key's accumulator as an execution of `site` meets it (made, or
         grown by the vmap batch axes the site has and it lacks)."""
-        mode = self.modes[key[0]]
+        mode = self.handlers.modes[key[0]]
         batch = site.batch_sizes()
         if key not in self.accs:
             init = _acc_init(mode, site)
@@ -312,12 +306,12 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
     layout): the leaves the program goes on with. Under vmaps inside the
     handled function, `apply` runs under the same vmaps, on one example, so
     that every handler is the same inside and outside a vmap."""
-    handler, mode = scope.handlers[index], scope.modes[index]
+    handler, mode = scope.handlers[index], scope.handlers.modes[index]
     key: Key = (index, site.name)
     scope.sites.setdefault(key, site)
     front = site.to_front(leaves)
     nb = site.nbatch
-    entry, has_input = None, site.name in scope.input_names[index]
+    entry, has_input = None, site.name in scope.handlers.input_names[index]
     if has_input:
         expected: list[tuple[Any, Axes]] = [(site.front_avals(), site.batch_sizes())]
         entry = scope.take_inputs(key, expected, site, [front])[0]
@@ -396,30 +390,24 @@ def _checked(new, value, site: Site, handler) -> list[Any]:
     checking its structure, shapes and dtypes (a weakly typed number takes the
     site's dtype)."""
     want_leaves, want_tree = jax.tree.flatten(value)
-    if new is value:
-        return want_leaves
     leaves, tree = jax.tree.flatten(new)
-    bad = tree != want_tree
-    out = []
-    if not bad:
+    if tree == want_tree:
+        out = []
         for x, w in zip(leaves, want_leaves):
-            if x is w:
-                out.append(x)
-                continue
-            x, w = jnp.asarray(x), shape_dtype(w)  # (a leaf may be a literal)
-            if x.shape == w.shape and x.dtype != w.dtype and x.aval.weak_type:
-                x = x.astype(w.dtype)
-            if x.shape != w.shape or x.dtype != w.dtype:
-                bad = True
-                break
+            if x is not w:
+                x, w = jnp.asarray(x), shape_dtype(w)  # (a leaf may be a literal)
+                if x.shape == w.shape and x.dtype != w.dtype and x.aval.weak_type:
+                    x = x.astype(w.dtype)
+                if x.shape != w.shape or x.dtype != w.dtype:
+                    break
             out.append(x)
-    if bad:
-        raise ValueError(
-            _BAD_VALUE.format(
-                handler=_name(handler),
-                got=describe(jax.tree.map(shape_dtype, new)),
-                where=site.where(),
-                want=describe(jax.tree.map(shape_dtype, value)),
-            )
+        else:
+            return out
+    raise ValueError(
+        _BAD_VALUE.format(
+            handler=_name(handler),
+            got=describe(jax.tree.map(shape_dtype, new)),
+            where=site.where(),
+            want=describe(jax.tree.map(shape_dtype, value)),
         )
-    return out
+    )
