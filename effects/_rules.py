@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat, _jaxpr
-from ._layout import WHOLE, Axes, Boundary, grow
+from ._layout import WHOLE, Axes, Boundary
 from ._rewrite import _bind, _matched, rules, run
 from ._scope import Key, Scope, types_of, zeros
 from ._site import Site, describe
@@ -45,16 +45,7 @@ class Plan:
     def acc(self, scope: Scope, key: Key):
         """One accumulator's value entering the region (made, or grown by the
         vmap batch axes it has inside)."""
-        if key not in scope.accs:
-            scope.acc_inits.setdefault(key, self.accs[key])
-            scope.accs[key] = self.accs[key]()
-            scope.acc_batch[key] = self.acc_batch[key]
-        scope.touched[key] = None
-        acc, have = scope.accs[key], scope.acc_batch[key]
-        if have != self.acc_batch[key]:
-            acc = scope.accs[key] = grow(acc, have, self.acc_batch[key])
-            scope.acc_batch[key] = self.acc_batch[key]
-        return acc
+        return scope.acc(key, self.accs.get(key), self.acc_batch[key])
 
     def forbid(self, loop: str, scope: Scope) -> None:
         """Refuses what a loop cannot do: a single value, and in a while_loop
@@ -100,17 +91,16 @@ class Plan:
             ]:
                 for key, specs in theirs.items():
                     have = ours.setdefault(key, [])
-                    for j, spec in enumerate(specs):
-                        if j == len(have):
-                            have.append(spec)
-                        elif _spec_key(have[j]) != _spec_key(spec):
+                    for mine, spec in zip(have, specs):
+                        if _spec_key(mine) != _spec_key(spec):
                             raise ValueError(
                                 _BRANCHES_DIFFER.format(
                                     where=plan.sites[key].where(),
                                     one=describe(spec[0]),
-                                    other=describe(have[j][0]),
+                                    other=describe(mine[0]),
                                 )
                             )
+                    have += specs[len(have) :]
         return merged
 
 
@@ -245,8 +235,14 @@ class Region:
             scope.sites.setdefault(key, site)
         if accs is None:
             accs = _flat(plan.acc(scope, key) for key in plan.acc_avals)
-        self.accs = accs
-        self.inputs = self._take_inputs()
+        self.accs, self.inputs = accs, []
+        for key, specs in plan.inputs.items():
+            outside = [
+                (boundary.stacked(a, lead), boundary.after(lead)) for a, lead in specs
+            ]
+            values = scope.take_inputs(key, outside, plan.sites[key])
+            for value, (_, lead) in zip(values, specs):
+                self.inputs += jax.tree.leaves(boundary.to_inside(value, lead))
 
     @classmethod
     def of(cls, scope, jaxpr, consts, in_avals, boundary=WHOLE, loop=None) -> Region:
@@ -254,15 +250,6 @@ class Region:
         if loop is not None:
             plan.forbid(loop, scope)
         return cls(scope, plan, boundary)
-
-    def _take_inputs(self) -> list[Any]:
-        b, flat = self.boundary, []
-        for key, specs in self.plan.inputs.items():
-            outside = [(b.stacked(avals, lead), b.after(lead)) for avals, lead in specs]
-            values = self.scope.take_inputs(key, outside, self.plan.sites[key])
-            for value, (_, lead) in zip(values, specs):
-                flat += jax.tree.leaves(b.to_inside(value, lead))
-        return flat
 
     def trace(self, jaxpr, consts, in_avals):
         """Traces the region `(*args, *accs, *inputs) -> (*outs, *accs,
@@ -311,8 +298,7 @@ class Region:
         specs = [(k, *spec) for k, specs in plan.entries.items() for spec in specs]
         values = _unflat([avals for _, avals, _ in specs], leaves[n_acc:])
         for (key, _, lead), value in zip(specs, values):
-            value = b.from_inside(value, lead)
-            scope.add_entry(key, value, b.after(lead), plan.sites[key])
+            scope.add_entry(key, b.from_inside(value, lead), b.after(lead))
 
     def set_accs(self, leaves) -> None:
         """The accumulators leaving the region (a shard_map's, one per shard,
@@ -334,8 +320,7 @@ class Region:
         b = self.boundary
         for key, specs in self.plan.entries.items():
             for avals, lead in specs:
-                zero = zeros(b.stacked(avals, lead))
-                self.scope.add_entry(key, zero, b.after(lead), self.plan.sites[key])
+                self.scope.add_entry(key, zeros(b.stacked(avals, lead)), b.after(lead))
         return _bind(eqn, invals)
 
 
@@ -464,18 +449,17 @@ def _while_rule(eqn, invals, scope: Scope) -> list[Any]:
     new_body, hoisted = region.trace(body.jaxpr, body.consts, body.in_avals)
     # (hoisted, body_consts, carry, accs) -> (carry, accs): the accumulators
     # extend the carry; cond_fun ignores them.
-    accs = region.accs
     new_cond = _jaxpr.insert_invars(
-        cond.jaxpr, len(cond.jaxpr.invars), [jax.typeof(x) for x in accs]
+        cond.jaxpr, len(cond.jaxpr.invars), [jax.typeof(x) for x in region.accs]
     )
     params = dict(
         cond_jaxpr=_compat.ClosedJaxpr(new_cond, cond.consts),
         body_jaxpr=_compat.ClosedJaxpr(new_body, ()),
         body_nconsts=len(hoisted) + n_bc,
     )
-    cond_consts, rest = invals[:n_cc], invals[n_cc:]
-    outs = _bind(eqn, [*cond_consts, *hoisted, *rest, *accs], **params)
-    n_carry = len(rest) - n_bc
+    args = [*invals[:n_cc], *hoisted, *invals[n_cc:], *region.accs]
+    outs = _bind(eqn, args, **params)
+    n_carry = len(invals) - n_cc - n_bc
     region.leave(outs[n_carry:])
     return outs[:n_carry]
 
@@ -508,9 +492,8 @@ def _cond_rule(eqn, invals, scope: Scope) -> list[Any]:
         body = _jaxpr.insert_invars(body, 0, before)
         new_branches.append(_compat.ClosedJaxpr(body, ()))
     all_hoisted = [c for _, hoisted in traced for c in hoisted]
-    index, ops = invals[0], invals[1:]
-    extra = [*region.accs, *region.inputs]
-    outs = _bind(eqn, [index, *all_hoisted, *ops, *extra], branches=tuple(new_branches))
+    args = [invals[0], *all_hoisted, *invals[1:], *region.accs, *region.inputs]
+    outs = _bind(eqn, args, branches=tuple(new_branches))
     n_out = len(eqn.outvars)
     region.leave(outs[n_out:])
     return outs[:n_out]

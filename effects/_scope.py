@@ -4,6 +4,7 @@ and the per-execution input values they consume."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -132,8 +133,8 @@ class Scope:
 
     # Appended entries -------------------------------------------------------
 
-    def add_entry(self, key: Key, value, axes: Axes, site: Site) -> None:
-        self.sites.setdefault(key, site)
+    def add_entry(self, key: Key, value, axes: Axes) -> None:
+        # (the key's site is known: its first execution, or a region's plan)
         entries = self.entries.setdefault(key, [])
         entries.append((_strong_tree(value), axes))
         mode = self.handlers.modes[key[0]]
@@ -144,16 +145,12 @@ class Scope:
 
     # Accumulators -----------------------------------------------------------
 
-    def acc_for(self, key: Key, site: Site):
-        """The key's accumulator as an execution of `site` meets it (made, or
-        grown by the vmap batch axes the site has and it lacks)."""
-        mode = self.handlers.modes[key[0]]
-        batch = site.batch_sizes()
+    def acc(self, key: Key, init, batch: Axes):
+        """The key's accumulator: made by `init` (a thunk) if there is none yet,
+        grown by the vmap batch axes `batch` has and it lacks."""
         if key not in self.accs:
-            init = _acc_init(mode, site)
             self.acc_inits[key] = init
-            self.accs[key] = init()
-            self.acc_batch[key] = batch
+            self.accs[key], self.acc_batch[key] = init(), batch
         self.touched[key] = None
         have = self.acc_batch[key]
         if batch != have:
@@ -205,7 +202,6 @@ class Scope:
     ):
         """Takes one input entry per `(avals, lead)` in `expected`: for one
         execution of a site, or for all executions in a region inside this one."""
-        self.sites.setdefault(key, site)
         if self.discovering:
             self.input_avals.setdefault(key, []).extend(expected)
             if placeholders is not None:
@@ -214,16 +210,15 @@ class Scope:
                 jax.tree.map(_compat.vary_over_manual_axes, zeros(avals))
                 for avals, _ in expected
             ]
+        owner = _name(self.handlers[key[0]])
         if self.replaying:
-            handler = type(self.handlers[key[0]]).__name__
-            raise ValueError(_INPUT_IN_REPLAY.format(owner=handler, where=site.where()))
+            raise ValueError(_INPUT_IN_REPLAY.format(owner=owner, where=site.where()))
         remaining = self.inputs.get(key, [])
         if len(remaining) < len(expected):
-            handler = type(self.handlers[key[0]]).__name__
-            raise ValueError(_MISSING_INPUT.format(owner=handler, where=site.where()))
+            raise ValueError(_MISSING_INPUT.format(owner=owner, where=site.where()))
         taken, self.inputs[key] = remaining[: len(expected)], remaining[len(expected) :]
         for value, (avals, _) in zip(taken, expected):
-            _check_input(value, avals, site, key, self.handlers)
+            _check_input(value, avals, site, owner)
         return taken
 
 
@@ -241,15 +236,14 @@ def _strong_tree(value):
     return jax.tree.map(strong, value)
 
 
-def _check_input(value, avals, site: Site, key: Key, handlers) -> None:
+def _check_input(value, avals, site: Site, owner: str) -> None:
     got = jax.tree.map(shape_dtype, value)
     if jax.tree.structure(got) != jax.tree.structure(avals) or any(
         g.shape != a.shape or g.dtype != a.dtype
         for g, a in zip(jax.tree.leaves(got), jax.tree.leaves(avals))
     ):
-        handler = type(handlers[key[0]]).__name__
         raise ValueError(
-            f"{handler}: an entry for {site.where()} is {describe(got)}, but the "
+            f"{owner}: an entry for {site.where()} is {describe(got)}, but the "
             f"tag's value there is {describe(avals)}; shapes and dtypes must match "
             "the layout Tag() reports."
         )
@@ -260,21 +254,16 @@ def types_of(tree):
 
 
 def _acc_init(reduce, site: Site):
-    one, sizes = site.shape_dtype, site.batch_sizes()
+    # One example's accumulator, the same for every example. Inside a shard_map
+    # an accumulator differs per shard: it varies over the manual mesh axes from
+    # the start, as a loop carrying it needs.
+    value, sizes = reduce.init(zeros(site.shape_dtype)), site.batch_sizes()
 
-    def init():
-        # One example's accumulator, the same for every example. Inside a
-        # shard_map an accumulator differs per shard: it varies over the
-        # manual mesh axes from the start, as a loop carrying it needs.
-        value = reduce.init(zeros(one))
+    def per_example(x):
+        x = strong(x)
+        return _compat.vary_over_manual_axes(jnp.broadcast_to(x, sizes + x.shape))
 
-        def per_example(x):
-            x = strong(x)
-            return _compat.vary_over_manual_axes(jnp.broadcast_to(x, sizes + x.shape))
-
-        return jax.tree.map(per_example, value)
-
-    return init
+    return jax.tree.map(per_example, value)
 
 
 #
@@ -317,7 +306,8 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
         entry = scope.take_inputs(key, expected, site, [front])[0]
     acc, extra = None, 0
     if mode is not None and mode.reduces:
-        acc = scope.acc_for(key, site)
+        init = functools.partial(_acc_init, mode, site)
+        acc = scope.acc(key, init, site.batch_sizes())
         extra = len(scope.acc_batch[key]) - nb
     axes = tuple(f"effects_example_{i}" for i in range(nb))
     same: list[bool] = []
@@ -354,7 +344,7 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
         fn = jax.vmap(fn, axis_name=name)
     changed, appended, acc = fn(front, entry, acc)
     for value in appended:
-        scope.add_entry(key, value, site.batch_sizes(), site)
+        scope.add_entry(key, value, site.batch_sizes())
     if mode is not None and mode.reduces:
         scope.accs[key] = acc
     if all(same):
