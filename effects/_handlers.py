@@ -498,11 +498,12 @@ class Context:
             x = jnp.asarray(x)
             if x.ndim == len(w.shape):
                 return x
-            if x.shape != self._found_shape(w.shape):
+            found = (*self.site.batch_sizes(), *(n for _, n in shards), *w.shape)
+            if x.shape != found:
                 raise ValueError(
                     f"{self.site.where()}: a value of shape {x.shape} is neither "
                     f"one example's ({w.shape}) nor in the layout Tag() reports "
-                    f"({self._found_shape(w.shape)}): one entry per example of "
+                    f"({found}): one entry per example of "
                     "each vmap inside the handled function, then per shard of "
                     "each shard_map around the tag (`jnp.broadcast_to` gives "
                     "every shard the same value)."
@@ -510,10 +511,6 @@ class Context:
             return x[index]
 
         return jax.tree.map(part, value, want)
-
-    def _found_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        sizes = tuple(n for _, n in self.site.shards)
-        return self.site.batch_sizes() + sizes + tuple(shape)
 
 
 NO_INPUT = object()

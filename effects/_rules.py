@@ -91,13 +91,13 @@ class Plan:
             ]:
                 for key, specs in theirs.items():
                     have = ours.setdefault(key, [])
-                    for mine, spec in zip(have, specs):
-                        if _spec_key(mine) != _spec_key(spec):
+                    for (one, lead), (other, at) in zip(specs, have):
+                        if (_types_key(one), lead) != (_types_key(other), at):
                             raise ValueError(
                                 _BRANCHES_DIFFER.format(
                                     where=plan.sites[key].where(),
-                                    one=describe(spec[0]),
-                                    other=describe(mine[0]),
+                                    one=describe(one),
+                                    other=describe(other),
                                 )
                             )
                     have += specs[len(have) :]
@@ -128,11 +128,6 @@ _BRANCHES_DIFFER = (
 )
 
 
-def _spec_key(spec):
-    avals, lead = spec
-    return *_types_key(avals), lead
-
-
 def discover(jaxpr, consts, in_avals, scope: Scope, shards=()) -> Plan:
     """Traces `jaxpr` once, abstractly, to learn what the handlers emit in it
     (`shards`: the shard_map the region is the body of, see `Site.shards`).
@@ -149,7 +144,7 @@ def discover(jaxpr, consts, in_avals, scope: Scope, shards=()) -> Plan:
         shards,
         scope.custom,
         scope.shards,
-        tuple((k, *_types_key(t), scope.acc_batch.get(k)) for k, t in entering.items()),
+        tuple((k, *_types_key(t), scope.acc_batch[k]) for k, t in entering.items()),
     )
     hit = scope.plans.get(key)
     if hit is not None and hit[0] is jaxpr:
@@ -279,7 +274,7 @@ class Region:
                 for j, (avals, _) in enumerate(specs):
                     entries.append(got[j][0] if j < len(got) else zeros(avals))
             accs = [sub.accs[k] for k in plan.acc_avals]
-            return [*outs, *map(b.leave, _flat(accs)), *map(b.leave, _flat(entries))]
+            return [*outs, *map(b.leave, _flat([*accs, *entries]))]
 
         avals = [
             *in_avals,

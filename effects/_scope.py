@@ -299,7 +299,6 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
     key: Key = (index, site.name)
     scope.sites.setdefault(key, site)
     front = site.to_front(leaves)
-    nb = site.nbatch
     entry, has_input = None, site.name in scope.handlers.input_names[index]
     if has_input:
         expected: list[tuple[Any, Axes]] = [(site.front_avals(), site.batch_sizes())]
@@ -308,8 +307,8 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
     if mode is not None and mode.reduces:
         init = functools.partial(_acc_init, mode, site)
         acc = scope.acc(key, init, site.batch_sizes())
-        extra = len(scope.acc_batch[key]) - nb
-    axes = tuple(f"effects_example_{i}" for i in range(nb))
+        extra = len(scope.acc_batch[key]) - site.nbatch
+    axes = tuple(f"effects_example_{i}" for i in range(site.nbatch))
     same: list[bool] = []
 
     def one(value, entry, acc):
