@@ -22,7 +22,7 @@ import numpy as np
 from . import _compat, _jaxpr
 from ._layout import WHOLE, Axes, Boundary
 from ._rewrite import _bind, _matched, rules, run
-from ._scope import Key, Scope, types_of, zeros
+from ._scope import Key, Scope, types_key, types_of, zeros
 from ._site import Site, describe
 from ._sites import recomputes, sites_in
 
@@ -92,7 +92,7 @@ class Plan:
                 for key, specs in theirs.items():
                     have = ours.setdefault(key, [])
                     for (one, lead), (other, at) in zip(specs, have):
-                        if (_types_key(one), lead) != (_types_key(other), at):
+                        if (types_key(one), lead) != (types_key(other), at):
                             raise ValueError(
                                 _BRANCHES_DIFFER.format(
                                     where=plan.sites[key].where(),
@@ -144,7 +144,7 @@ def discover(jaxpr, consts, in_avals, scope: Scope, shards=()) -> Plan:
         shards,
         scope.custom,
         scope.shards,
-        tuple((k, *_types_key(t), scope.acc_batch[k]) for k, t in entering.items()),
+        tuple((k, *types_key(t), scope.acc_batch[k]) for k, t in entering.items()),
     )
     hit = scope.plans.get(key)
     if hit is not None and hit[0] is jaxpr:
@@ -183,22 +183,13 @@ def discover(jaxpr, consts, in_avals, scope: Scope, shards=()) -> Plan:
     return plans[0]
 
 
-def _types_key(types) -> tuple:
-    leaves, tree = jax.tree.flatten(types)
-    return tree, tuple((t.shape, t.dtype) for t in leaves)
-
-
 def _flat(trees) -> list[Any]:
-    return [leaf for t in trees for leaf in jax.tree.leaves(t)]
+    return jax.tree.leaves(list(trees))
 
 
 def _unflat(trees, leaves) -> list[Any]:
-    out, i = [], 0
-    for t in trees:
-        tree = jax.tree.structure(t)
-        out.append(tree.unflatten(leaves[i : i + tree.num_leaves]))
-        i += tree.num_leaves
-    return out
+    """The trees shaped like `trees`, from the leaves `_flat` gives."""
+    return jax.tree.structure(list(trees)).unflatten(leaves)
 
 
 #
@@ -669,15 +660,15 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
         return region.discovered(eqn, invals)
     with _compat.shard_map_body(p):
         new_body, hoisted = region.trace(body, (), in_avals)
-    n_out, n_acc = len(eqn.outvars), len(accs)
-    n_entries = len(new_body.outvars) - n_out - n_acc
-    replicated = jax.sharding.PartitionSpec()
+    # The hoisted constants enter whole in every shard; the region's own inputs
+    # and outputs are stacked over the shards.
+    n_out, replicated = len(eqn.outvars), jax.sharding.PartitionSpec()
     params = dict(
         jaxpr=new_body,
         in_specs=(replicated,) * len(hoisted)
         + tuple(p["in_specs"])
-        + (b.spec,) * (n_acc + len(region.inputs)),
-        out_specs=tuple(p["out_specs"]) + (b.spec,) * (n_acc + n_entries),
+        + (b.spec,) * (len(accs) + len(region.inputs)),
+        out_specs=tuple(p["out_specs"]) + (b.spec,) * (len(new_body.outvars) - n_out),
     )
     outs = _bind(eqn, [*hoisted, *invals, *accs, *region.inputs], **params)
     region.leave(outs[n_out:])

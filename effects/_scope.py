@@ -237,11 +237,8 @@ def _strong_tree(value):
 
 
 def _check_input(value, avals, site: Site, owner: str) -> None:
-    got = jax.tree.map(shape_dtype, value)
-    if jax.tree.structure(got) != jax.tree.structure(avals) or any(
-        g.shape != a.shape or g.dtype != a.dtype
-        for g, a in zip(jax.tree.leaves(got), jax.tree.leaves(avals))
-    ):
+    got = types_of(value)
+    if types_key(got) != types_key(avals):
         raise ValueError(
             f"{owner}: an entry for {site.where()} is {describe(got)}, but the "
             f"tag's value there is {describe(avals)}; shapes and dtypes must match "
@@ -251,6 +248,13 @@ def _check_input(value, avals, site: Site, owner: str) -> None:
 
 def types_of(tree):
     return jax.tree.map(shape_dtype, tree)
+
+
+def types_key(types) -> tuple:
+    """What two trees of types must share to be alike: structure, shapes and
+    dtypes."""
+    leaves, tree = jax.tree.flatten(types)
+    return tree, tuple((t.shape, t.dtype) for t in leaves)
 
 
 def _acc_init(reduce, site: Site):
