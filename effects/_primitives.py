@@ -139,7 +139,7 @@ def _site_partial_eval_custom(saveable, unks_in, inst_in, eqn):
     # when it is the forward part of a checkpoint in a scan in another
     # checkpoint (the scan's rule partially evaluates that part again, to hoist
     # what does not vary over the iterations); a `forward` site in it tells the
-    # rewriter which (see `_rewrite.recomputes`). Marks are params, which every
+    # rewriter which (see `_sites.recomputes`). Marks are params, which every
     # later bind keeps, through transposition too.
     del saveable
     n = len(eqn.outvars)
