@@ -265,7 +265,7 @@ def _register(cls) -> None:
     fields = dataclasses.fields(cls)
     data = tuple(f.name for f in fields if not f.metadata.get("static", False))
     meta = tuple(f.name for f in fields if f.metadata.get("static", False))
-    _FIELD_VALUES[cls] = _getter(tuple(f.name for f in fields))
+    cls._field_values = staticmethod(_getter(tuple(f.name for f in fields)))
     get_data, get_meta = _getter(data), _getter(meta)
     keys = tuple(jax.tree_util.GetAttrKey(n) for n in data)
 
@@ -291,14 +291,6 @@ def _getter(names: tuple[str, ...]) -> Callable[[Any], tuple]:
         get = operator.attrgetter(names[0])
         return lambda obj: (get(obj),)
     return operator.attrgetter(*names) if names else lambda obj: ()
-
-
-# Per handler class: its fields' values, as a tuple.
-_FIELD_VALUES: dict[type, Callable[[Any], tuple]] = {}
-
-
-def _field_values(handler) -> tuple:
-    return _FIELD_VALUES[type(handler)](handler)
 
 
 #
@@ -398,6 +390,8 @@ class Handler:
     # Whether the class or a base defines its own `__init__` (as `Tag` does, to
     # validate its arguments): it is then kept, and no dataclass one generated.
     _custom_init: ClassVar[bool] = False
+    # Its fields' values, as a tuple (set per class by `_register`).
+    _field_values: ClassVar[Callable[[Any], tuple]]
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -411,10 +405,11 @@ class Handler:
     # looks them up in its cache at every call. (Handlers holding arrays are not
     # hashable, and are not cached.)
     def __hash__(self):
-        return hash((type(self), _field_values(self)))
+        return hash((type(self), self._field_values(self)))
 
     def __eq__(self, other):
-        return type(self) is type(other) and _field_values(self) == _field_values(other)
+        values = self._field_values
+        return type(self) is type(other) and values(self) == values(other)
 
     def __repr__(self):
         return eqx.tree_pformat(self)
@@ -503,11 +498,12 @@ class Context:
             x = jnp.asarray(x)
             if x.ndim == len(w.shape):
                 return x
-            if x.shape != self._found_shape(w.shape):
+            found = (*self.site.batch_sizes(), *(n for _, n in shards), *w.shape)
+            if x.shape != found:
                 raise ValueError(
                     f"{self.site.where()}: a value of shape {x.shape} is neither "
                     f"one example's ({w.shape}) nor in the layout Tag() reports "
-                    f"({self._found_shape(w.shape)}): one entry per example of "
+                    f"({found}): one entry per example of "
                     "each vmap inside the handled function, then per shard of "
                     "each shard_map around the tag (`jnp.broadcast_to` gives "
                     "every shard the same value)."
@@ -515,10 +511,6 @@ class Context:
             return x[index]
 
         return jax.tree.map(part, value, want)
-
-    def _found_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        sizes = tuple(n for _, n in self.site.shards)
-        return self.site.batch_sizes() + sizes + tuple(shape)
 
 
 NO_INPUT = object()
@@ -537,15 +529,16 @@ def mode_of(handler: Handler) -> Append | Reduce | None:
     )
 
 
-def matches_tag(handler, site) -> bool:
-    """Whether a handler with `collection` and `names` fields acts at `site`, a
-    tag. (Handler.matches, and the name filter, spelt out: this runs at every
+def matches_tag(handler, site, names=None) -> bool:
+    """Whether a handler with a `collection` field acts at `site`, a tag: one
+    named in `names` if given, else one its `names` field selects.
+    (Handler.matches, and the name filter, spelt out: this runs at every
     site.)"""
-    return (
-        site.kind == "tag"
-        and site.collection == handler.collection
-        and (handler.names is None or _name_matches(handler.names, site.name))
-    )
+    if site.kind != "tag" or site.collection != handler.collection:
+        return False
+    if names is not None:
+        return site.name in names
+    return handler.names is None or _name_matches(handler.names, site.name)
 
 
 class Tag(Handler):
@@ -831,11 +824,7 @@ class Substitute(Handler):
         _set_fields(self, collection=collection, values=values, per_call=per_call)
 
     def matches(self, site):
-        return (
-            site.kind == "tag"
-            and site.collection == self.collection
-            and site.name in self.values
-        )
+        return matches_tag(self, site, self.values)
 
     def required_names(self):
         return tuple(self.values)
@@ -905,11 +894,7 @@ class Intervene(Handler):
         _set_fields(self, collection=collection, fns=_FrozenDict(fns))
 
     def matches(self, site):
-        return (
-            site.kind == "tag"
-            and site.collection == self.collection
-            and site.name in self.fns
-        )
+        return matches_tag(self, site, self.fns)
 
     def required_names(self):
         return tuple(self.fns)

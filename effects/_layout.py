@@ -10,6 +10,7 @@ it came out of (outermost first)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -100,10 +101,7 @@ class Boundary:
     @classmethod
     def shard_map(cls, params) -> Boundary:
         mesh, manual = params["mesh"], _compat.shard_map_manual_axes(params)
-        size = 1
-        for a in mesh.axis_names:
-            size *= mesh.shape[a] if a in manual else 1
-        return cls("shard", size, params)
+        return cls("shard", math.prod(mesh.shape[a] for a in manual), params)
 
     @property
     def axes(self) -> tuple[str, ...]:

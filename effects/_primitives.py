@@ -91,11 +91,7 @@ def _site_abstract_eval(*avals, effect, **_):
     return avals, {site_effect} if effect else set()
 
 
-def _site_lowering(ctx, *args, **_):
-    return args
-
-
-mlir.register_lowering(site_p, _site_lowering)
+mlir.register_lowering(site_p, lambda ctx, *args, **_: args)
 
 
 def _site_jvp(primals, tangents, **params):
@@ -106,11 +102,7 @@ def _site_jvp(primals, tangents, **params):
 ad.primitive_jvps[site_p] = _site_jvp
 
 
-def _site_transpose(cts, *args, **params):
-    return cts
-
-
-ad.primitive_transposes[site_p] = _site_transpose
+ad.primitive_transposes[site_p] = lambda cts, *args, **params: cts
 
 
 def _site_batch(axis_size, vals, dims, *, batch, **params):
@@ -147,7 +139,7 @@ def _site_partial_eval_custom(saveable, unks_in, inst_in, eqn):
     # when it is the forward part of a checkpoint in a scan in another
     # checkpoint (the scan's rule partially evaluates that part again, to hoist
     # what does not vary over the iterations); a `forward` site in it tells the
-    # rewriter which (see `_rewrite.recomputes`). Marks are params, which every
+    # rewriter which (see `_sites.recomputes`). Marks are params, which every
     # later bind keeps, through transposition too.
     del saveable
     n = len(eqn.outvars)

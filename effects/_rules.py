@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat, _jaxpr
-from ._layout import WHOLE, Axes, Boundary, grow
+from ._layout import WHOLE, Axes, Boundary
 from ._rewrite import _bind, _matched, rules, run
-from ._scope import Key, Scope, types_of, zeros
+from ._scope import Key, Scope, types_key, types_of, zeros
 from ._site import Site, describe
 from ._sites import recomputes, sites_in
 
@@ -45,16 +45,7 @@ class Plan:
     def acc(self, scope: Scope, key: Key):
         """One accumulator's value entering the region (made, or grown by the
         vmap batch axes it has inside)."""
-        if key not in scope.accs:
-            scope.acc_inits.setdefault(key, self.accs[key])
-            scope.accs[key] = self.accs[key]()
-            scope.acc_batch[key] = self.acc_batch[key]
-        scope.touched[key] = None
-        acc, have = scope.accs[key], scope.acc_batch[key]
-        if have != self.acc_batch[key]:
-            acc = scope.accs[key] = grow(acc, have, self.acc_batch[key])
-            scope.acc_batch[key] = self.acc_batch[key]
-        return acc
+        return scope.acc(key, self.accs.get(key), self.acc_batch[key])
 
     def forbid(self, loop: str, scope: Scope) -> None:
         """Refuses what a loop cannot do: a single value, and in a while_loop
@@ -62,7 +53,7 @@ class Plan:
         inputs."""
         unbounded = loop == "lax.while_loop"
         for key in self.entries:
-            mode, where = scope.modes[key[0]], self.sites[key].where()
+            mode, where = scope.handlers.modes[key[0]], self.sites[key].where()
             if mode.single:
                 instead = _INSTEAD_IN_WHILE if unbounded else _INSTEAD_IN_SCAN
                 raise ValueError(
@@ -100,17 +91,16 @@ class Plan:
             ]:
                 for key, specs in theirs.items():
                     have = ours.setdefault(key, [])
-                    for j, spec in enumerate(specs):
-                        if j == len(have):
-                            have.append(spec)
-                        elif _spec_key(have[j]) != _spec_key(spec):
+                    for (one, lead), (other, at) in zip(specs, have):
+                        if (types_key(one), lead) != (types_key(other), at):
                             raise ValueError(
                                 _BRANCHES_DIFFER.format(
                                     where=plan.sites[key].where(),
-                                    one=describe(spec[0]),
-                                    other=describe(have[j][0]),
+                                    one=describe(one),
+                                    other=describe(other),
                                 )
                             )
+                    have += specs[len(have) :]
         return merged
 
 
@@ -138,12 +128,6 @@ _BRANCHES_DIFFER = (
 )
 
 
-def _spec_key(spec):
-    avals, lead = spec
-    leaves, tree = jax.tree.flatten(avals)
-    return tree, tuple((a.shape, a.dtype) for a in leaves), lead
-
-
 def discover(jaxpr, consts, in_avals, scope: Scope, shards=()) -> Plan:
     """Traces `jaxpr` once, abstractly, to learn what the handlers emit in it
     (`shards`: the shard_map the region is the body of, see `Site.shards`).
@@ -160,7 +144,7 @@ def discover(jaxpr, consts, in_avals, scope: Scope, shards=()) -> Plan:
         shards,
         scope.custom,
         scope.shards,
-        tuple((k, *_types_key(t), scope.acc_batch.get(k)) for k, t in entering.items()),
+        tuple((k, *types_key(t), scope.acc_batch[k]) for k, t in entering.items()),
     )
     hit = scope.plans.get(key)
     if hit is not None and hit[0] is jaxpr:
@@ -168,17 +152,14 @@ def discover(jaxpr, consts, in_avals, scope: Scope, shards=()) -> Plan:
     plans = []
 
     def fn(*args):
-        sub = Scope(
-            scope.handlers,
+        sub = scope.inner(
             discovering=True,
             accs={
                 k: jax.tree.map(_compat.vary_over_manual_axes, zeros(t))
                 for k, t in entering.items()
             },
             acc_batch=scope.acc_batch,
-            custom=scope.custom,
             shards=scope.shards + shards,
-            plans=scope.plans,
         )
         outs = run(jaxpr, consts, args, sub)
         # Only types leave the trace: nothing may keep its tracers alive.
@@ -202,22 +183,13 @@ def discover(jaxpr, consts, in_avals, scope: Scope, shards=()) -> Plan:
     return plans[0]
 
 
-def _types_key(types) -> tuple:
-    leaves, tree = jax.tree.flatten(types)
-    return tree, tuple((t.shape, t.dtype) for t in leaves)
-
-
 def _flat(trees) -> list[Any]:
-    return [leaf for t in trees for leaf in jax.tree.leaves(t)]
+    return jax.tree.leaves(list(trees))
 
 
 def _unflat(trees, leaves) -> list[Any]:
-    out, i = [], 0
-    for t in trees:
-        tree = jax.tree.structure(t)
-        out.append(tree.unflatten(leaves[i : i + tree.num_leaves]))
-        i += tree.num_leaves
-    return out
+    """The trees shaped like `trees`, from the leaves `_flat` gives."""
+    return jax.tree.structure(list(trees)).unflatten(leaves)
 
 
 #
@@ -249,8 +221,14 @@ class Region:
             scope.sites.setdefault(key, site)
         if accs is None:
             accs = _flat(plan.acc(scope, key) for key in plan.acc_avals)
-        self.accs = accs
-        self.inputs = self._take_inputs()
+        self.accs, self.inputs = accs, []
+        for key, specs in plan.inputs.items():
+            outside = [
+                (boundary.stacked(a, lead), boundary.after(lead)) for a, lead in specs
+            ]
+            values = scope.take_inputs(key, outside, plan.sites[key])
+            for value, (_, lead) in zip(values, specs):
+                self.inputs += jax.tree.leaves(boundary.to_inside(value, lead))
 
     @classmethod
     def of(cls, scope, jaxpr, consts, in_avals, boundary=WHOLE, loop=None) -> Region:
@@ -258,21 +236,6 @@ class Region:
         if loop is not None:
             plan.forbid(loop, scope)
         return cls(scope, plan, boundary)
-
-    def _take_inputs(self) -> list[Any]:
-        b, flat = self.boundary, []
-        for key, specs in self.plan.inputs.items():
-            outside = [(b.stacked(avals, lead), b.after(lead)) for avals, lead in specs]
-            values = self.scope.take_inputs(key, outside, self.plan.sites[key])
-            for value, (_, lead) in zip(values, specs):
-                flat += jax.tree.leaves(b.to_inside(value, lead))
-        return flat
-
-    @property
-    def shards(self) -> tuple:
-        b = self.boundary
-        inner = ((b.axes, b.size),) if b.stack == "shard" else ()
-        return self.scope.shards + inner
 
     def trace(self, jaxpr, consts, in_avals):
         """Traces the region `(*args, *accs, *inputs) -> (*outs, *accs,
@@ -289,14 +252,11 @@ class Region:
             given = iter(
                 _unflat(input_trees, [b.enter(x) for x in flat[n_args + n_acc :]])
             )
-            sub = Scope(
-                scope.handlers,
+            sub = scope.inner(
                 accs=dict(zip(plan.acc_avals, accs)),
                 acc_batch=plan.acc_batch,
                 inputs={k: [next(given) for _ in v] for k, v in plan.inputs.items()},
-                custom=scope.custom,
-                shards=self.shards,
-                plans=scope.plans,
+                shards=scope.shards + ((b.marker,) if b.stack == "shard" else ()),
             )
             outs = run(jaxpr, consts, flat[:n_args], sub)
             entries = []
@@ -305,7 +265,7 @@ class Region:
                 for j, (avals, _) in enumerate(specs):
                     entries.append(got[j][0] if j < len(got) else zeros(avals))
             accs = [sub.accs[k] for k in plan.acc_avals]
-            return [*outs, *map(b.leave, _flat(accs)), *map(b.leave, _flat(entries))]
+            return [*outs, *map(b.leave, _flat([*accs, *entries]))]
 
         avals = [
             *in_avals,
@@ -321,14 +281,10 @@ class Region:
         plan, scope, b = self.plan, self.scope, self.boundary
         n_acc = len(self.accs)
         self.set_accs(leaves[:n_acc])
-        entries, i = leaves[n_acc:], 0
-        for key, specs in plan.entries.items():
-            for avals, lead in specs:
-                tree = jax.tree.structure(avals)
-                value = tree.unflatten(entries[i : i + tree.num_leaves])
-                i += tree.num_leaves
-                value = b.from_inside(value, lead)
-                scope.add_entry(key, value, b.after(lead), plan.sites[key])
+        specs = [(k, *spec) for k, specs in plan.entries.items() for spec in specs]
+        values = _unflat([avals for _, avals, _ in specs], leaves[n_acc:])
+        for (key, _, lead), value in zip(specs, values):
+            scope.add_entry(key, b.from_inside(value, lead), b.after(lead))
 
     def set_accs(self, leaves) -> None:
         """The accumulators leaving the region (a shard_map's, one per shard,
@@ -350,8 +306,7 @@ class Region:
         b = self.boundary
         for key, specs in self.plan.entries.items():
             for avals, lead in specs:
-                zero = zeros(b.stacked(avals, lead))
-                self.scope.add_entry(key, zero, b.after(lead), self.plan.sites[key])
+                self.scope.add_entry(key, zeros(b.stacked(avals, lead)), b.after(lead))
         return _bind(eqn, invals)
 
 
@@ -360,68 +315,51 @@ class Region:
 #
 
 
-def _call_rule(eqn, invals, scope: Scope, *, body_of, rebuild) -> list[Any]:
-    jaxpr, consts = body_of(eqn.params)
+def _call_rule(eqn, invals, scope: Scope, name: str) -> list[Any]:
+    # In the backward pass's recomputation of a checkpointed region, handlers act
+    # on its sites so that it computes the values the forward pass did (a
+    # substituted value, a perturbation), but what they report there is dropped:
+    # each execution is reported once, by the forward pass.
+    if eqn.primitive is _compat.remat_p and recomputes(eqn):
+        scope = scope.replay()
+    jaxpr = eqn.params[name]  # closed, but for a checkpoint's
+    closed = isinstance(jaxpr, _compat.ClosedJaxpr)
+    jaxpr, consts = (jaxpr.jaxpr, jaxpr.consts) if closed else (jaxpr, ())
     in_avals = [v.aval for v in eqn.invars]
     region = Region.of(scope, jaxpr, consts, in_avals)
     if scope.discovering:
         return region.discovered(eqn, invals)
     body, hoisted = region.trace(jaxpr, consts, in_avals)
-    n_out = len(eqn.outvars)
-    n_in = len(region.accs) + len(region.inputs)
-    params = rebuild(eqn.params, body, len(hoisted), n_in, len(body.outvars) - n_out)
+    params = {name: _compat.ClosedJaxpr(body, ()) if closed else body}
+    n_out, n_in = len(eqn.outvars), len(region.accs) + len(region.inputs)
+    if eqn.primitive is _compat.pjit_p:
+        n_extra_out = len(body.outvars) - n_out
+        params |= _jit_params(eqn.params, len(hoisted), n_in, n_extra_out)
     outs = _bind(eqn, [*hoisted, *invals, *region.accs, *region.inputs], **params)
     region.leave(outs[n_out:])
     return outs[:n_out]
 
 
-def _pad(seq, before: int, after: int, fill) -> tuple:
-    return (fill,) * before + tuple(seq) + (fill,) * after
+def _jit_params(params, n_hoisted: int, n_in: int, n_out: int) -> dict[str, Any]:
+    """jit's per-input and per-output params, for `n_hoisted` more inputs
+    before its own and `n_in` after, and `n_out` more outputs after its own."""
 
+    def pad(name, fill, before, after):
+        return (fill,) * before + tuple(params[name]) + (fill,) * after
 
-def _rebuild_jit(params, body, n_hoisted, n_extra_in, n_extra_out):
     unspec = _compat.UNSPECIFIED
     return dict(
-        jaxpr=_compat.ClosedJaxpr(body, ()),
-        in_shardings=_pad(params["in_shardings"], n_hoisted, n_extra_in, unspec),
-        in_layouts=_pad(params["in_layouts"], n_hoisted, n_extra_in, None),
-        donated_invars=_pad(params["donated_invars"], n_hoisted, n_extra_in, False),
-        out_shardings=_pad(params["out_shardings"], 0, n_extra_out, unspec),
-        out_layouts=_pad(params["out_layouts"], 0, n_extra_out, None),
+        in_shardings=pad("in_shardings", unspec, n_hoisted, n_in),
+        in_layouts=pad("in_layouts", None, n_hoisted, n_in),
+        donated_invars=pad("donated_invars", False, n_hoisted, n_in),
+        out_shardings=pad("out_shardings", unspec, 0, n_out),
+        out_layouts=pad("out_layouts", None, 0, n_out),
     )
 
 
-def _closed_body(name):
-    return lambda params: (params[name].jaxpr, params[name].consts)
-
-
-rules[_compat.pjit_p] = functools.partial(
-    _call_rule, body_of=_closed_body("jaxpr"), rebuild=_rebuild_jit
-)
-rules[_compat.closed_call_p] = functools.partial(
-    _call_rule,
-    body_of=_closed_body("call_jaxpr"),
-    rebuild=lambda p, body, *_: dict(call_jaxpr=_compat.ClosedJaxpr(body, ())),
-)
-
-
-def _remat_rule(eqn, invals, scope: Scope) -> list[Any]:
-    # In the backward pass's recomputation of a region, handlers act on its sites
-    # so that it computes the values the forward pass did (a substituted value,
-    # a perturbation), but what they report there is dropped: each execution is
-    # reported once, by the forward pass.
-    if recomputes(eqn):
-        scope = scope.replay()
-    return _call_rule(
-        eqn,
-        invals,
-        scope,
-        body_of=lambda p: (p["jaxpr"], ()),
-        rebuild=lambda p, body, *_: dict(jaxpr=body),
-    )
-
-
-rules[_compat.remat_p] = _remat_rule
+rules[_compat.pjit_p] = functools.partial(_call_rule, name="jaxpr")
+rules[_compat.closed_call_p] = functools.partial(_call_rule, name="call_jaxpr")
+rules[_compat.remat_p] = functools.partial(_call_rule, name="jaxpr")
 
 #
 # scan
@@ -445,39 +383,30 @@ def _scan_rule(eqn, invals, scope: Scope) -> list[Any]:
     # entries); scan wants the accumulators in the carry: (hoisted, consts, carry,
     # accs, xs, inputs) -> (carry, accs, ys, entries).
     n_h, n_acc = len(hoisted), len(region.accs)
-    iv, ov = list(body.invars), list(body.outvars)
-    c_end = n_h + n_consts + n_carry
-    x_end = c_end + n_xs
-    iv = iv[:c_end] + iv[x_end : x_end + n_acc] + iv[c_end:x_end] + iv[x_end + n_acc :]
-    y_end = n_carry + n_ys
-    ov = (
-        ov[:n_carry]
-        + ov[y_end : y_end + n_acc]
-        + ov[n_carry:y_end]
-        + ov[y_end + n_acc :]
+    x_end = n_h + len(invals)
+    accs_in = (x_end, x_end + n_acc, x_end - n_xs)
+    accs_out = (n_carry + n_ys, n_carry + n_ys + n_acc, n_carry)
+    body = body.replace(
+        invars=_moved(body.invars, *accs_in), outvars=_moved(body.outvars, *accs_out)
     )
     params = _compat.scan_params(
         p,
-        _compat.ClosedJaxpr(body.replace(invars=iv, outvars=ov), ()),
+        _compat.ClosedJaxpr(body, ()),
         n_consts=n_h + n_consts,
         n_carry=n_carry + n_acc,
         n_xs=n_xs + len(region.inputs),
-        n_ys=len(ov) - n_carry - n_acc,
+        n_ys=len(body.outvars) - n_carry - n_acc,
     )
-    carry_end = n_consts + n_carry
-    outs = _bind(
-        eqn,
-        [
-            *hoisted,
-            *invals[:carry_end],
-            *region.accs,
-            *invals[carry_end:],
-            *region.inputs,
-        ],
-        **params,
-    )
+    args = [*hoisted, *invals, *region.accs, *region.inputs]
+    outs = _bind(eqn, _moved(args, *accs_in), **params)
     region.leave(outs[n_carry : n_carry + n_acc] + outs[n_carry + n_acc + n_ys :])
     return outs[:n_carry] + outs[n_carry + n_acc : n_carry + n_acc + n_ys]
+
+
+def _moved(seq, start: int, stop: int, to: int) -> list[Any]:
+    """`seq` with its items `start:stop` moved to `to`, an index before `start`."""
+    seq = list(seq)
+    return seq[:to] + seq[start:stop] + seq[to:start] + seq[stop:]
 
 
 rules[_compat.scan_p] = _scan_rule
@@ -506,18 +435,17 @@ def _while_rule(eqn, invals, scope: Scope) -> list[Any]:
     new_body, hoisted = region.trace(body.jaxpr, body.consts, body.in_avals)
     # (hoisted, body_consts, carry, accs) -> (carry, accs): the accumulators
     # extend the carry; cond_fun ignores them.
-    accs = region.accs
     new_cond = _jaxpr.insert_invars(
-        cond.jaxpr, len(cond.jaxpr.invars), [jax.typeof(x) for x in accs]
+        cond.jaxpr, len(cond.jaxpr.invars), [jax.typeof(x) for x in region.accs]
     )
     params = dict(
         cond_jaxpr=_compat.ClosedJaxpr(new_cond, cond.consts),
         body_jaxpr=_compat.ClosedJaxpr(new_body, ()),
         body_nconsts=len(hoisted) + n_bc,
     )
-    cond_consts, rest = invals[:n_cc], invals[n_cc:]
-    outs = _bind(eqn, [*cond_consts, *hoisted, *rest, *accs], **params)
-    n_carry = len(rest) - n_bc
+    args = [*invals[:n_cc], *hoisted, *invals[n_cc:], *region.accs]
+    outs = _bind(eqn, args, **params)
+    n_carry = len(invals) - n_cc - n_bc
     region.leave(outs[n_carry:])
     return outs[:n_carry]
 
@@ -550,9 +478,8 @@ def _cond_rule(eqn, invals, scope: Scope) -> list[Any]:
         body = _jaxpr.insert_invars(body, 0, before)
         new_branches.append(_compat.ClosedJaxpr(body, ()))
     all_hoisted = [c for _, hoisted in traced for c in hoisted]
-    index, ops = invals[0], invals[1:]
-    extra = [*region.accs, *region.inputs]
-    outs = _bind(eqn, [index, *all_hoisted, *ops, *extra], branches=tuple(new_branches))
+    args = [invals[0], *all_hoisted, *invals[1:], *region.accs, *region.inputs]
+    outs = _bind(eqn, args, branches=tuple(new_branches))
     n_out = len(eqn.outvars)
     region.leave(outs[n_out:])
     return outs[:n_out]
@@ -600,30 +527,30 @@ def _custom(eqn, invals, scope: Scope) -> list[Any]:
     region = Region.of(scope, closed.jaxpr, closed.consts, in_avals)
     body, hoisted = region.trace(closed.jaxpr, closed.consts, in_avals)
     traced = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(body, ()))
-    n_out = len(eqn.outvars)
+
+    def collecting(hoisted, args, accs):
+        return traced(*hoisted, *args, *accs)
 
     def original(*args):
         return _bind(eqn, args, call_jaxpr=call_jaxpr)
 
+    n_out = len(eqn.outvars)
     if eqn.primitive is _compat.custom_vjp_call_p:
-        collecting = _collecting_custom_vjp(original, traced, n_out)
+        collecting = _collecting_custom_vjp(original, collecting, n_out)
     else:
-        collecting = _collecting_custom_jvp(original, traced, n_out)
+        collecting = _collecting_custom_jvp(original, collecting, n_out)
     outs = collecting(hoisted, invals, region.accs)
     region.leave(outs[n_out:])
     return outs[:n_out]
 
 
 def _collecting_custom_vjp(original, region, n_out):
-    @jax.custom_vjp
-    def collecting(hoisted, args, accs):
-        return region(*hoisted, *args, *accs)
+    collecting = jax.custom_vjp(region)
 
     def fwd(hoisted, args, accs):
         # Only the inputs JAX perturbs are differentiated, as the equation's
         # own forward rule expects (Equinox's asserts it).
-        hoisted, accs = _values(hoisted), _values(accs)
-        values = _values(args)
+        hoisted, values, accs = ([p.value for p in t] for t in (hoisted, args, accs))
         perturbed = tuple(i for i, a in enumerate(args) if a.perturbed)
 
         def of_perturbed(*xs):
@@ -633,7 +560,7 @@ def _collecting_custom_vjp(original, region, n_out):
             return original(*full)
 
         outs, vjp = jax.vjp(of_perturbed, *(values[i] for i in perturbed))
-        extra = region(*hoisted, *values, *accs)[n_out:]
+        extra = region(hoisted, values, accs)[n_out:]
         # (the perturbed positions travel as a residual with no leaves)
         where = jax.tree_util.Partial(
             functools.partial(_positions, perturbed, len(args))
@@ -642,38 +569,28 @@ def _collecting_custom_vjp(original, region, n_out):
 
     def bwd(residual, cts):
         vjp, where = residual
-        grads = iter(vjp([_materialized(c) for c in cts[:n_out]]))
+        cts = [_zero_tangent(c) if isinstance(c, _Zero) else c for c in cts[:n_out]]
+        grads = iter(vjp(cts))
         return None, [next(grads) if p else None for p in where()], None
 
     collecting.defvjp(fwd, bwd, symbolic_zeros=True)
     return collecting
 
 
-def _values(primals) -> list[Any]:
-    return [p.value for p in primals]
-
-
 def _positions(perturbed: tuple[int, ...], n: int) -> list[bool]:
     return [i in perturbed for i in range(n)]
 
 
-def _materialized(ct):
-    return _zero_tangent(ct) if isinstance(ct, _SymbolicZero) else ct
-
-
-_SymbolicZero = jax.custom_derivatives.SymbolicZero
+_Zero = jax.custom_derivatives.SymbolicZero
 
 
 def _collecting_custom_jvp(original, region, n_out):
-    @jax.custom_jvp
-    def collecting(hoisted, args, accs):
-        return region(*hoisted, *args, *accs)
+    collecting = jax.custom_jvp(region)
 
     @collecting.defjvp
     def jvp(primals, tangents):
-        hoisted, args, accs = primals
-        outs, t_outs = jax.jvp(lambda *a: original(*a), list(args), list(tangents[1]))
-        extra = region(*hoisted, *args, *accs)[n_out:]
+        outs, t_outs = jax.jvp(original, list(primals[1]), list(tangents[1]))
+        extra = region(*primals)[n_out:]
         return [*outs, *extra], [*t_outs, *map(_zero_tangent, extra)]
 
     return collecting
@@ -710,26 +627,16 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
     # run in a loop, or another over the same axes) enters split along it; any
     # other enters whole in every shard.
     m = b.marker
-    split = {k for k in scope.accs if m in scope.acc_batch.get(k, ())}
-    local = Scope(
-        scope.handlers,
-        accs={
-            k: _without_axis(types_of(v), scope.acc_batch[k].index(m))
-            if k in split
-            else types_of(v)
-            for k, v in scope.accs.items()
-        },
-        acc_batch={
-            k: tuple(a for a in v if a != m) for k, v in scope.acc_batch.items()
-        },
-        custom=scope.custom,
-        shards=scope.shards,
-        plans=scope.plans,
-    )
+    split = {k for k in scope.accs if m in scope.acc_batch[k]}
+    local = scope.inner()
+    for k, v in scope.accs.items():
+        axes, types = scope.acc_batch[k], types_of(v)
+        local.accs[k] = _without_axis(types, axes.index(m)) if k in split else types
+        local.acc_batch[k] = tuple(a for a in axes if a != m)
     body = p["jaxpr"]
     in_avals = [v.aval for v in body.invars]
     with _compat.shard_map_body(p):
-        plan = discover(body, (), in_avals, local, ((b.axes, b.size),))
+        plan = discover(body, (), in_avals, local, (m,))
     accs = []
     for key, inside in plan.acc_batch.items():
         if key in split:
@@ -753,15 +660,15 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
         return region.discovered(eqn, invals)
     with _compat.shard_map_body(p):
         new_body, hoisted = region.trace(body, (), in_avals)
-    n_out, n_acc = len(eqn.outvars), len(accs)
-    n_entries = len(new_body.outvars) - n_out - n_acc
-    replicated = jax.sharding.PartitionSpec()
+    # The hoisted constants enter whole in every shard; the region's own inputs
+    # and outputs are stacked over the shards.
+    n_out, replicated = len(eqn.outvars), jax.sharding.PartitionSpec()
     params = dict(
         jaxpr=new_body,
         in_specs=(replicated,) * len(hoisted)
         + tuple(p["in_specs"])
-        + (b.spec,) * (n_acc + len(region.inputs)),
-        out_specs=tuple(p["out_specs"]) + (b.spec,) * (n_acc + n_entries),
+        + (b.spec,) * (len(accs) + len(region.inputs)),
+        out_specs=tuple(p["out_specs"]) + (b.spec,) * (len(new_body.outvars) - n_out),
     )
     outs = _bind(eqn, [*hoisted, *invals, *accs, *region.inputs], **params)
     region.leave(outs[n_out:])

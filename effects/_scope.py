@@ -4,6 +4,7 @@ and the per-execution input values they consume."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -89,8 +90,6 @@ class Scope:
         if not isinstance(handlers, Handlers):
             handlers = Handlers(handlers)
         self.handlers = handlers
-        self.modes = handlers.modes
-        self.input_names = handlers.input_names
         # Inside a function with a custom derivative (the primitive's name):
         # a handler may look at values there, not change them.
         self.custom = custom
@@ -118,31 +117,27 @@ class Scope:
         # (see `_rules.discover`).
         self.plans: dict = {} if plans is None else plans
 
+    def inner(self, **fields) -> Scope:
+        """A fresh scope for a region inside this one: the same handlers, custom
+        rule, shard_maps and plans, unless `fields` say otherwise."""
+        same = dict(custom=self.custom, shards=self.shards, plans=self.plans)
+        return Scope(self.handlers, **(same | fields))
+
     def replay(self) -> Scope:
         """A scope for a region that recomputes executions reported elsewhere:
         the same handlers, and nothing it collects leaves it."""
-        return Scope(
-            self.handlers,
-            discovering=self.discovering,
-            replaying=True,
-            custom=self.custom,
-            shards=self.shards,
-            plans=self.plans,
-        )
+        return self.inner(discovering=self.discovering, replaying=True)
 
     def where(self, key: Key) -> str:
         return self.sites[key].where()
 
-    def mode(self, key: Key):
-        return self.modes[key[0]]
-
     # Appended entries -------------------------------------------------------
 
-    def add_entry(self, key: Key, value, axes: Axes, site: Site) -> None:
-        self.sites.setdefault(key, site)
+    def add_entry(self, key: Key, value, axes: Axes) -> None:
+        # (the key's site is known: its first execution, or a region's plan)
         entries = self.entries.setdefault(key, [])
         entries.append((_strong_tree(value), axes))
-        mode = self.mode(key)
+        mode = self.handlers.modes[key[0]]
         if len(entries) > 1 and mode.single:
             raise ValueError(
                 _STRICT_TWICE.format(where=self.where(key), mode=mode.label)
@@ -150,16 +145,12 @@ class Scope:
 
     # Accumulators -----------------------------------------------------------
 
-    def acc_for(self, key: Key, site: Site):
-        """The key's accumulator as an execution of `site` meets it (made, or
-        grown by the vmap batch axes the site has and it lacks)."""
-        mode = self.modes[key[0]]
-        batch = site.batch_sizes()
+    def acc(self, key: Key, init, batch: Axes):
+        """The key's accumulator: made by `init` (a thunk) if there is none yet,
+        grown by the vmap batch axes `batch` has and it lacks."""
         if key not in self.accs:
-            init = _acc_init(mode, site)
             self.acc_inits[key] = init
-            self.accs[key] = init()
-            self.acc_batch[key] = batch
+            self.accs[key], self.acc_batch[key] = init(), batch
         self.touched[key] = None
         have = self.acc_batch[key]
         if batch != have:
@@ -211,7 +202,6 @@ class Scope:
     ):
         """Takes one input entry per `(avals, lead)` in `expected`: for one
         execution of a site, or for all executions in a region inside this one."""
-        self.sites.setdefault(key, site)
         if self.discovering:
             self.input_avals.setdefault(key, []).extend(expected)
             if placeholders is not None:
@@ -220,16 +210,15 @@ class Scope:
                 jax.tree.map(_compat.vary_over_manual_axes, zeros(avals))
                 for avals, _ in expected
             ]
+        owner = _name(self.handlers[key[0]])
         if self.replaying:
-            handler = type(self.handlers[key[0]]).__name__
-            raise ValueError(_INPUT_IN_REPLAY.format(owner=handler, where=site.where()))
+            raise ValueError(_INPUT_IN_REPLAY.format(owner=owner, where=site.where()))
         remaining = self.inputs.get(key, [])
         if len(remaining) < len(expected):
-            handler = type(self.handlers[key[0]]).__name__
-            raise ValueError(_MISSING_INPUT.format(owner=handler, where=site.where()))
+            raise ValueError(_MISSING_INPUT.format(owner=owner, where=site.where()))
         taken, self.inputs[key] = remaining[: len(expected)], remaining[len(expected) :]
         for value, (avals, _) in zip(taken, expected):
-            _check_input(value, avals, site, key, self.handlers)
+            _check_input(value, avals, site, owner)
         return taken
 
 
@@ -247,15 +236,11 @@ def _strong_tree(value):
     return jax.tree.map(strong, value)
 
 
-def _check_input(value, avals, site: Site, key: Key, handlers) -> None:
-    got = jax.tree.map(shape_dtype, value)
-    if jax.tree.structure(got) != jax.tree.structure(avals) or any(
-        g.shape != a.shape or g.dtype != a.dtype
-        for g, a in zip(jax.tree.leaves(got), jax.tree.leaves(avals))
-    ):
-        handler = type(handlers[key[0]]).__name__
+def _check_input(value, avals, site: Site, owner: str) -> None:
+    got = types_of(value)
+    if types_key(got) != types_key(avals):
         raise ValueError(
-            f"{handler}: an entry for {site.where()} is {describe(got)}, but the "
+            f"{owner}: an entry for {site.where()} is {describe(got)}, but the "
             f"tag's value there is {describe(avals)}; shapes and dtypes must match "
             "the layout Tag() reports."
         )
@@ -265,22 +250,24 @@ def types_of(tree):
     return jax.tree.map(shape_dtype, tree)
 
 
+def types_key(types) -> tuple:
+    """What two trees of types must share to be alike: structure, shapes and
+    dtypes."""
+    leaves, tree = jax.tree.flatten(types)
+    return tree, tuple((t.shape, t.dtype) for t in leaves)
+
+
 def _acc_init(reduce, site: Site):
-    one, sizes = site.shape_dtype, site.batch_sizes()
+    # One example's accumulator, the same for every example. Inside a shard_map
+    # an accumulator differs per shard: it varies over the manual mesh axes from
+    # the start, as a loop carrying it needs.
+    value, sizes = reduce.init(zeros(site.shape_dtype)), site.batch_sizes()
 
-    def init():
-        # One example's accumulator, the same for every example. Inside a
-        # shard_map an accumulator differs per shard: it varies over the
-        # manual mesh axes from the start, as a loop carrying it needs.
-        value = reduce.init(zeros(one))
+    def per_example(x):
+        x = strong(x)
+        return _compat.vary_over_manual_axes(jnp.broadcast_to(x, sizes + x.shape))
 
-        def per_example(x):
-            x = strong(x)
-            return _compat.vary_over_manual_axes(jnp.broadcast_to(x, sizes + x.shape))
-
-        return jax.tree.map(per_example, value)
-
-    return init
+    return jax.tree.map(per_example, value)
 
 
 #
@@ -312,20 +299,20 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
     layout): the leaves the program goes on with. Under vmaps inside the
     handled function, `apply` runs under the same vmaps, on one example, so
     that every handler is the same inside and outside a vmap."""
-    handler, mode = scope.handlers[index], scope.modes[index]
+    handler, mode = scope.handlers[index], scope.handlers.modes[index]
     key: Key = (index, site.name)
     scope.sites.setdefault(key, site)
     front = site.to_front(leaves)
-    nb = site.nbatch
-    entry, has_input = None, site.name in scope.input_names[index]
+    entry, has_input = None, site.name in scope.handlers.input_names[index]
     if has_input:
         expected: list[tuple[Any, Axes]] = [(site.front_avals(), site.batch_sizes())]
         entry = scope.take_inputs(key, expected, site, [front])[0]
     acc, extra = None, 0
     if mode is not None and mode.reduces:
-        acc = scope.acc_for(key, site)
-        extra = len(scope.acc_batch[key]) - nb
-    axes = tuple(f"effects_example_{i}" for i in range(nb))
+        init = functools.partial(_acc_init, mode, site)
+        acc = scope.acc(key, init, site.batch_sizes())
+        extra = len(scope.acc_batch[key]) - site.nbatch
+    axes = tuple(f"effects_example_{i}" for i in range(site.nbatch))
     same: list[bool] = []
 
     def one(value, entry, acc):
@@ -360,7 +347,7 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
         fn = jax.vmap(fn, axis_name=name)
     changed, appended, acc = fn(front, entry, acc)
     for value in appended:
-        scope.add_entry(key, value, site.batch_sizes(), site)
+        scope.add_entry(key, value, site.batch_sizes())
     if mode is not None and mode.reduces:
         scope.accs[key] = acc
     if all(same):
@@ -396,30 +383,24 @@ def _checked(new, value, site: Site, handler) -> list[Any]:
     checking its structure, shapes and dtypes (a weakly typed number takes the
     site's dtype)."""
     want_leaves, want_tree = jax.tree.flatten(value)
-    if new is value:
-        return want_leaves
     leaves, tree = jax.tree.flatten(new)
-    bad = tree != want_tree
-    out = []
-    if not bad:
+    if tree == want_tree:
+        out = []
         for x, w in zip(leaves, want_leaves):
-            if x is w:
-                out.append(x)
-                continue
-            x, w = jnp.asarray(x), shape_dtype(w)  # (a leaf may be a literal)
-            if x.shape == w.shape and x.dtype != w.dtype and x.aval.weak_type:
-                x = x.astype(w.dtype)
-            if x.shape != w.shape or x.dtype != w.dtype:
-                bad = True
-                break
+            if x is not w:
+                x, w = jnp.asarray(x), shape_dtype(w)  # (a leaf may be a literal)
+                if x.shape == w.shape and x.dtype != w.dtype and x.aval.weak_type:
+                    x = x.astype(w.dtype)
+                if x.shape != w.shape or x.dtype != w.dtype:
+                    break
             out.append(x)
-    if bad:
-        raise ValueError(
-            _BAD_VALUE.format(
-                handler=_name(handler),
-                got=describe(jax.tree.map(shape_dtype, new)),
-                where=site.where(),
-                want=describe(jax.tree.map(shape_dtype, value)),
-            )
+        else:
+            return out
+    raise ValueError(
+        _BAD_VALUE.format(
+            handler=_name(handler),
+            got=describe(jax.tree.map(shape_dtype, new)),
+            where=site.where(),
+            want=describe(jax.tree.map(shape_dtype, value)),
         )
-    return out
+    )

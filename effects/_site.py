@@ -4,6 +4,7 @@ the layout users see (vmap batch axes first, outermost first)."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import jax
@@ -38,6 +39,7 @@ def describe(tree) -> str:
     )
 
 
+_SITE_PARAMS = operator.itemgetter("name", "collection", "kind", "treedef", "batch")
 CHECKPOINT_NAME = "checkpoint_name"
 _LEAF = jax.tree.structure(0)
 
@@ -84,15 +86,7 @@ class Site:
 
     @classmethod
     def from_eqn(cls, params, avals, shards=()) -> Site:
-        return cls(
-            params["name"],
-            params["collection"],
-            params["kind"],
-            params["treedef"],
-            params["batch"],
-            tuple(avals),
-            shards,
-        )
+        return cls(*_SITE_PARAMS(params), tuple(avals), shards)
 
     @classmethod
     def probe(cls, kind: str, collection: str, name: str) -> Site:
