@@ -122,7 +122,7 @@ def sites_in(jaxpr) -> frozenset[Key]:
 def recomputes(eqn) -> bool:
     """Whether `eqn` is the backward pass's recomputation of a `jax.checkpoint`
     region: the sites in it are executions of the forward pass's, computed
-    again, not executions of their own (see `_rewrite._remat_rule`). JAX marks
+    again, not executions of their own (see `_rules._call_rule`). JAX marks
     it `differentiated`, but also the forward part of a checkpoint in a scan in
     another checkpoint, which holds the tags that JAX's partial evaluation
     kept where they execute, marked `forward` (see
