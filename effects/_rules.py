@@ -653,10 +653,14 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
     if scope.discovering:
         stacked = [_stacked(zeros(a), b.size) for a in _flat(plan.acc_avals.values())]
         region.set_accs(stacked)
-        for key in plan.accs:  # first made here: what it starts as, stacked
-            scope.acc_inits[key] = functools.partial(
-                _stacked_init, plan.accs[key], b, plan.acc_batch[key]
-            )
+        for key, inside in plan.acc_batch.items():
+            # What it starts as, stacked: one first made here, or one made
+            # before in this region that entered whole and leaves split.
+            init = plan.accs.get(key)
+            if init is None and key not in split and key in scope.acc_inits:
+                init = scope.acc_inits[key]
+            if init is not None:
+                scope.acc_inits[key] = functools.partial(_stacked_init, init, b, inside)
         return region.discovered(eqn, invals)
     with _compat.shard_map_body(p):
         new_body, hoisted = region.trace(body, (), in_avals)

@@ -1437,6 +1437,41 @@ def test_nested_shard_maps_stack_their_axes_outermost_first():
     assert_trees_close(found, found_of(r=np.asarray(x).reshape(2, 2, 1)))
 
 
+@pytest.mark.parametrize("outer_first", [True, False])
+def test_a_sum_outside_and_inside_a_nested_shard_map_is_per_inner_shard(outer_first):
+    # As with a vmap: each inner shard's accumulator holds what the outer
+    # shard summed too, whichever runs first.
+    mesh = Mesh(np.array(devices(4)).reshape(2, 2), ("a", "b"))
+
+    def inner(x):
+        return fx.tag(x * 1.0, "r")
+
+    def outer(x):
+        here = jax.sharding.get_abstract_mesh()
+        if outer_first:
+            fx.tag(x[:1] * 2.0, "r")
+        y = jax.shard_map(
+            inner, mesh=here, in_specs=P("b"), out_specs=P("b"), axis_names={"b"}
+        )(x)
+        if not outer_first:
+            fx.tag(x[:1] * 2.0, "r")
+        return y
+
+    f = jax.shard_map(
+        outer, mesh=mesh, in_specs=P("a"), out_specs=P("a"), axis_names={"a"}
+    )
+    x = lin(-1.0, 1.0, 4)
+    xa = np.asarray(x).reshape(2, 2)  # [a, the a-shard's values]
+    want = xa[:, :1] * 2.0 + xa  # [a, b]: the a-shard's first value twice, + own
+    for g in (
+        fx.handle(f, fx.Tag(mode="sum")),
+        jax.jit(fx.handle(f, fx.Tag(mode="sum"))),
+    ):
+        out, found = g(x)
+        assert_trees_close(out, f(x))
+        assert_trees_close(found, found_of(r=want.reshape(2, 2, 1)))
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="a gap docs/sharp-bits.md names: differentiating a scan, JAX hoists "
