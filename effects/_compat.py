@@ -145,12 +145,6 @@ def is_top_level() -> bool:
     return _core.trace_ctx.is_top_level()
 
 
-def is_staging() -> bool:
-    """True when the current trace builds a jaxpr (under `jax.jit`,
-    `make_jaxpr`, a loop body): one that inlines a call bound on it."""
-    return type(_core.trace_ctx.trace) is _pe.DynamicJaxprTrace
-
-
 #
 # Tracing a Python function to a jaxpr
 #

@@ -62,6 +62,62 @@ def _plain_runs(jaxpr) -> dict[int, tuple[int, Any, list[Any]]]:
     return runs
 
 
+_MISSING = object()
+_one_copy_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _without_sites(jaxpr):
+    """For a jaxpr whose sites are all `tag`/`perturb` equations at its top
+    level (none in a sub-jaxpr, none recomputed) and whose other equations
+    carry no effect: `(part, its inputs, the sites' indices)`, with `part` the
+    other equations as one jaxpr (see `equations_jaxpr`) in which a site's
+    outputs are read as its inputs. None for any other jaxpr."""
+    hit = _one_copy_cache.get(jaxpr, _MISSING)
+    if hit is not _MISSING:
+        return hit
+    hit, subst, kept, indices = None, {}, [], []
+    for i, (eqn, sites) in enumerate(zip(jaxpr.eqns, _analyse(jaxpr)[1])):
+        if not sites:
+            if eqn.effects:
+                break
+            invars = [
+                subst.get(v, v) if type(v) is _compat.Var else v for v in eqn.invars
+            ]
+            changed = any(a is not b for a, b in zip(invars, eqn.invars))
+            kept.append(eqn.replace(invars=invars) if changed else eqn)
+        elif eqn.primitive is site_p and not eqn.params.get("recompute"):
+            indices.append(i)
+            for o, v in zip(eqn.outvars, eqn.invars):
+                subst[o] = subst.get(v, v) if type(v) is _compat.Var else v
+        else:
+            break
+    else:
+        if indices:
+            part, part_in = _jaxpr.equations_jaxpr(
+                jaxpr.replace(eqns=kept), 0, len(kept)
+            )
+            hit = (part, part_in, indices)
+    _one_copy_cache[jaxpr] = hit
+    return hit
+
+
+def _all_kept(jaxpr, scope: Scope) -> bool:
+    """Whether the first handler to match each site of `jaxpr` reports and
+    consumes it, as a handler that only looks does (it may still change the
+    value: `run` checks)."""
+    handlers = scope.handlers
+    for key in _analyse(jaxpr)[0]:
+        site = Site.probe(*key)
+        first = next(
+            (i for i, h in enumerate(handlers) if handlers.matches[i](h, site)), None
+        )
+        if first is None or not handlers.consumes[first]:
+            return False
+        if handlers.modes[first] is None:
+            return False
+    return True
+
+
 def _matched(handlers, sites) -> list[tuple[str, str, str]]:
     return [s for s in sites if any(_handler_may_match(h, s) for h in handlers)]
 
@@ -105,9 +161,28 @@ def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     literal = _compat.Literal
-    runs = _plain_runs(jaxpr)
     eqns, per_eqn = jaxpr.eqns, _analyse(jaxpr)[1]
     i = 0
+    one_copy = _without_sites(jaxpr)
+    if one_copy is not None and _all_kept(jaxpr, scope):
+        # Sites whose handlers keep their values: every other equation copied
+        # at once, then the sites handled in order. Should a handler change a
+        # value after all, the equations after its site run again with the new
+        # value (the copies made of them are left unused).
+        part, part_in, indices = one_copy
+        outs = _jaxpr.copy_into_trace(part, [read(v) for v in part_in])
+        if outs is not None:
+            env.update(zip(part.outvars, outs))
+            i = len(eqns)
+            for index in indices:
+                eqn = eqns[index]
+                invals = [read(v) for v in eqn.invars]
+                outs = _site_rule(eqn, invals, scope)
+                env.update(zip(eqn.outvars, outs))
+                if any(a is not b for a, b in zip(outs, invals)):
+                    i = index + 1
+                    break
+    runs = _plain_runs(jaxpr) if i < len(eqns) else {}
     while i < len(eqns):
         run_of_plain = runs.get(i)
         if run_of_plain is not None:

@@ -1088,6 +1088,37 @@ class Scale(fx.Handler):
         return jax.tree.map(lambda x: x * self.scale, value)
 
 
+class Doubler(fx.Handler):
+    """A user's handler that reports every tag and consumes it, as `Tag` does,
+    but doubles the value of `name`."""
+
+    mode = "append"
+    consumes = True
+    name: str = dataclasses.field(metadata={"static": True})
+    collection: str = dataclasses.field(
+        default="intermediates", metadata={"static": True}
+    )
+
+    def apply(self, site, value, ctx):
+        ctx.emit(value)
+        return value * 2.0 if site.name == self.name else value
+
+
+@pytest.mark.parametrize("name", ["a", "b", "none"])
+def test_a_reporting_handler_that_changes_one_value_changes_what_follows(name):
+    # Straight-line code whose sites a reporting, consuming handler keeps but
+    # one: everything after that site sees the new value, and what it reports
+    # is what each site saw.
+    a1 = np.sin(X) * (2.0 if name == "a" else 1.0)
+    b = a1 * f32(3.0) * (2.0 if name == "b" else 1.0)
+    a2 = np.cos(b) * (2.0 if name == "a" else 1.0)
+    want_found = {"intermediates": {"a": (np.sin(X), np.cos(b)), "b": (a1 * f32(3.0),)}}
+    for g in (fx.handle(line, Doubler(name)), jax.jit(fx.handle(line, Doubler(name)))):
+        out, found = g(X)
+        assert_trees_close(out, a2 + b)
+        assert_trees_close(found, want_found)
+
+
 def test_handler_subclass_is_a_frozen_dataclass_and_pytree():
     scale = Scale(jnp.float32(2.0), "b")
     assert jax.tree.leaves(scale) == [scale.scale]
