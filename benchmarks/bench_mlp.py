@@ -58,7 +58,8 @@ def make_hand_written():
         for i, w in enumerate(params):
             h = jnp.tanh(h @ w)
             found[f"layer{i}"] = (h,)
-        return h, {"intermediates": found}
+        # In program order, as `found` is (a plain dict flattens sorted).
+        return h, fx.Found(intermediates=fx.Found(found))
 
     return hand
 
