@@ -257,7 +257,7 @@ def _rows(label: str, call: int, entry) -> list[dict[str, Any]]:
     rows = []
     for path, leaf in leaves:
         name = label + (jax.tree_util.keystr(path) if len(leaves) > 1 else "")
-        base = dict(name=name, call=call, shape=None, dtype=None)
+        base: dict[str, Any] = dict(name=name, call=call, shape=None, dtype=None)
         if not _is_stats(leaf):
             x = np.asarray(leaf)
             leaf, base["shape"], base["dtype"] = (

@@ -405,10 +405,10 @@ class Handler:
     # looks them up in its cache at every call. (Handlers holding arrays are not
     # hashable, and are not cached.)
     def __hash__(self):
-        return hash((type(self), self._field_values(self)))
+        return hash((type(self), type(self)._field_values(self)))
 
     def __eq__(self, other):
-        values = self._field_values
+        values = type(self)._field_values
         return type(self) is type(other) and values(self) == values(other)
 
     def __repr__(self):

@@ -120,7 +120,9 @@ class Scope:
     def inner(self, **fields) -> Scope:
         """A fresh scope for a region inside this one: the same handlers, custom
         rule, shard_maps and plans, unless `fields` say otherwise."""
-        same = dict(custom=self.custom, shards=self.shards, plans=self.plans)
+        same: dict[str, Any] = dict(
+            custom=self.custom, shards=self.shards, plans=self.plans
+        )
         return Scope(self.handlers, **(same | fields))
 
     def replay(self) -> Scope:

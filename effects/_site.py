@@ -86,7 +86,8 @@ class Site:
 
     @classmethod
     def from_eqn(cls, params, avals, shards=()) -> Site:
-        return cls(*_SITE_PARAMS(params), tuple(avals), shards)
+        name, collection, kind, treedef, batch = _SITE_PARAMS(params)
+        return cls(name, collection, kind, treedef, batch, tuple(avals), shards)
 
     @classmethod
     def probe(cls, kind: str, collection: str, name: str) -> Site:
