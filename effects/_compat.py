@@ -4,7 +4,6 @@ in one place. Each entry names the JAX versions it was written against."""
 from __future__ import annotations
 
 import contextlib
-import inspect
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,30 +30,6 @@ eval_jaxpr = jax_core.eval_jaxpr
 Jaxpr = jex_core.Jaxpr
 Literal = jex_core.Literal
 Var = jex_core.Var
-
-#
-# Trace-context state
-#
-
-
-def trace_state(name: str, help: str, default: bool | None):
-    """A state that is part of JAX's trace context (jax 0.10): `jax.jit` caches
-    keyed on it, so a function traced once with the state off is traced again
-    with it on. A boolean for `default=False`, else a hashable value."""
-    make: Callable[..., Any] = (
-        _config.bool_state if default is False else _config.string_or_object_state
-    )
-    if "include_in_trace_context" in inspect.signature(make).parameters:
-        # jax 0.8+: the state declares itself part of the trace context.
-        return make(
-            name=name, default=default, help=help, include_in_trace_context=True
-        )
-    # jax 0.7: `include_in_jit_key` puts it in the C++ jit dispatch key, and a
-    # trace-context callback puts it in the Python trace caches' keys.
-    state = make(name=name, default=default, help=help, include_in_jit_key=True)
-    _config.register_trace_context_callback.append(lambda: state.value)  # pyright: ignore
-    return state
-
 
 #
 # Effects

@@ -21,11 +21,10 @@ from ._site import CHECKPOINT_NAME
 # True while `handle` traces a function. Sites bound in that state carry
 # `SiteEffect`, so JAX's dead-code elimination keeps a tag whose result is
 # unused. Outside it they carry no effect, so an unhandled program keeps jit's
-# fast dispatch path. The state is part of JAX's trace context: a `jax.jit`
-# function traced outside `handle` is traced again inside it.
-handling = _compat.trace_state(
-    "effects_handling", "Internal to `effects`: set while `handle` traces.", False
-)
+# fast dispatch path. The state is a JAX user context (part of JAX's trace
+# context and jit key): a `jax.jit` function traced outside `handle` is traced
+# again inside it.
+handling = jax.make_user_context(False)
 
 
 # While `handle` checks a program for a vmap that ran every branch of a `cond`
@@ -33,11 +32,7 @@ handling = _compat.trace_state(
 # cond batching rule refuses, as `(names, keys)`: their (kind, collection,
 # name), and those with the call path of the `tag`. Part of the trace context,
 # so jitted functions are traced again for the check.
-probing = _compat.trace_state(
-    "effects_probing",
-    "Internal to `effects`: set while `handle` checks branches.",
-    None,
-)
+probing = jax.make_user_context(None)
 
 
 class SiteEffect(_compat.Effect):
