@@ -62,7 +62,6 @@ def _plain_runs(jaxpr) -> dict[int, tuple[int, Any, list[Any]]]:
     return runs
 
 
-_MISSING = object()
 _one_copy_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -72,9 +71,8 @@ def _without_sites(jaxpr):
     carry no effect: `(part, its inputs, the sites' indices)`, with `part` the
     other equations as one jaxpr (see `equations_jaxpr`) in which a site's
     outputs are read as its inputs. None for any other jaxpr."""
-    hit = _one_copy_cache.get(jaxpr, _MISSING)
-    if hit is not _MISSING:
-        return hit
+    if jaxpr in _one_copy_cache:
+        return _one_copy_cache[jaxpr]
     hit, subst, kept, indices = None, {}, [], []
     for i, (eqn, sites) in enumerate(zip(jaxpr.eqns, _analyse(jaxpr)[1])):
         if not sites:
@@ -111,9 +109,9 @@ def _all_kept(jaxpr, scope: Scope) -> bool:
         first = next(
             (i for i, h in enumerate(handlers) if handlers.matches[i](h, site)), None
         )
-        if first is None or not handlers.consumes[first]:
+        if first is None or handlers.modes[first] is None:
             return False
-        if handlers.modes[first] is None:
+        if not handlers.consumes[first]:
             return False
     return True
 
@@ -163,8 +161,8 @@ def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
     literal = _compat.Literal
     eqns, per_eqn = jaxpr.eqns, _analyse(jaxpr)[1]
     i = 0
-    one_copy = _without_sites(jaxpr)
-    if one_copy is not None and _all_kept(jaxpr, scope):
+    one_copy = _without_sites(jaxpr) if _all_kept(jaxpr, scope) else None
+    if one_copy is not None:
         # Sites whose handlers keep their values: every other equation copied
         # at once, then the sites handled in order. Should a handler change a
         # value after all, the equations after its site run again with the new
