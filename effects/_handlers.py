@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import inspect
 import operator
 import re
 from collections.abc import Callable, Mapping
@@ -453,11 +454,11 @@ class Context:
     ```
     """
 
-    __slots__ = ("site", "_emit", "_input", "_axes")
+    __slots__ = ("site", "_emit", "_input", "_axes", "_at")
 
-    def __init__(self, site: Site, emit, entry, axes: tuple[str, ...]):
+    def __init__(self, site: Site, emit, entry, axes: tuple[str, ...], at):
         self.site = site
-        self._emit, self._input, self._axes = emit, entry, axes
+        self._emit, self._input, self._axes, self._at = emit, entry, axes, at
 
     def emit(self, value: PyTree) -> PyTree | None:
         """Reports `value` under the handler's `mode`. Under a reduction
@@ -475,6 +476,18 @@ class Context:
                 "execution of this name in the handler's `per_call_inputs()`."
             )
         return self._input
+
+    @property
+    def at(self) -> tuple[jax.Array, ...]:
+        """Which execution of the site this is, as int32 scalars `(call,
+        *iterations)`: the index of its entry among the name's executions (in
+        `found[collection][name]` under `Tag()`), then its iteration of each
+        `lax.scan`, `lax.while_loop` or `fori_loop` around the site in the
+        handled function, outermost first: where `Tag()` reports its value.
+        The iterations are traced values; a loop counts them only for a
+        handler that reads `at`, so the program is unchanged otherwise. The
+        same for every example of a `jax.vmap` (see `batch_index`)."""
+        return self._at()
 
     @property
     def batch_index(self) -> tuple[jax.Array, ...]:
@@ -839,18 +852,29 @@ class Substitute(Handler):
 
 
 class Intervene(Handler):
-    """Transforms the values of tags: `fns[name](value)` replaces the value at
-    every execution of the tag `name`.
+    """Transforms the values of tags: `fns[name](value)` (or `fns[name](value,
+    at)`) replaces the value at every execution of the tag `name`.
 
     The new value is passed on as the same tag, so a [`Tag`][effects.Tag]
     further out collects it. The functions are part of the handler's
     configuration and compared by identity: define them once, not as new
     lambdas at every call, or every call is traced and compiled again.
 
+    A function of two arguments also gets `at`, which execution this is: a
+    tuple of int32 scalars `(call, *iterations)`, the name's call number (the
+    index of its entry in what `Tag()` reports), then its iteration of each
+    `lax.scan`, `lax.while_loop` or `fori_loop` around the tag, outermost
+    first (see [`Context.at`][effects.Context]). So one layer of a model
+    written as a scan over stacked layers can be patched alone:
+    `lambda v, at: jnp.where(at[1] == k, clean[k], v)`, with `k` a Python
+    int or a traced one (`jax.vmap` over `k` patches every layer in one
+    program).
+
     **Arguments:**
 
-    - `fns`: a dict from name to a function of the tagged value, called once
-      per execution (so once per loop iteration) on one example's value
+    - `fns`: a dict from name to a function `fn(value)` or `fn(value, at)`
+      (a function that needs two positional arguments gets `at`), called
+      once per execution (so once per loop iteration) on one example's value
       (under a `jax.vmap` inside the handled function it runs under that
       vmap; inside a `shard_map`, on one shard's value), returning a value of
       the same structure, shapes and dtypes.
@@ -866,7 +890,9 @@ class Intervene(Handler):
     - `TypeError`: `fns` is not a dict from name to a callable.
     - `ValueError`, from [`handle`][effects.handle]: a name no tag has; a
       function returning another structure, shape or dtype; a tag inside a
-      `custom_jvp` or `custom_vjp` function.
+      `custom_jvp` or `custom_vjp` function; a function reading `at` in a
+      `jax.checkpoint` region the backward pass of a `jax.grad` inside
+      `handle` recomputes.
 
     **Example:**
 
@@ -880,18 +906,31 @@ class Intervene(Handler):
 
     out, _ = fx.handle(f, fx.Intervene({"h": ablate}))(jnp.ones(3))
     print(out)  # [0.        1.6829419 1.6829419]
+
+    def layers(x):  # three layers, as a scan
+        step = lambda h, _: (fx.tag(h + 1.0, "layer"), None)
+        return jax.lax.scan(step, x, None, length=3)[0]
+
+    def zero_layer_1(h, at):  # at = (call, iteration)
+        return jnp.where(at[1] == 1, 0.0, h)
+
+    out, _ = fx.handle(layers, fx.Intervene({"layer": zero_layer_1}))(0.0)
+    print(out)  # 1.0 (layer 1 zeroed, layer 2 adds 1)
     ```
     """
 
     collection: str = _static()
     fns: Any = _static()
+    takes_at: frozenset = _static()  # the names whose function takes `at`
 
     def __init__(
         self, fns: Mapping[str, Callable], *, collection: str = "intermediates"
     ):
         if not isinstance(fns, Mapping) or not all(callable(f) for f in fns.values()):
             raise TypeError("Intervene: fns must be a dict from name to a function.")
-        _set_fields(self, collection=collection, fns=_FrozenDict(fns))
+        fns = _FrozenDict(fns)
+        takes_at = frozenset(name for name, fn in fns.items() if _takes_at(fn))
+        _set_fields(self, collection=collection, fns=fns, takes_at=takes_at)
 
     def matches(self, site):
         return matches_tag(self, site, self.fns)
@@ -900,7 +939,23 @@ class Intervene(Handler):
         return tuple(self.fns)
 
     def apply(self, site, value, ctx):
-        return self.fns[site.name](value)
+        fn = self.fns[site.name]
+        return fn(value, ctx.at) if site.name in self.takes_at else fn(value)
+
+
+def _takes_at(fn) -> bool:
+    """Whether `fn` needs two positional arguments: `fn(value, at)`."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # (no signature: a builtin)
+        return False
+    for args in [(None,), (None, None)]:
+        try:
+            signature.bind(*args)
+        except TypeError:
+            continue
+        return len(args) == 2
+    return False
 
 
 #

@@ -41,6 +41,8 @@ class Plan:
     entries: dict[Key, list[tuple[Any, Axes]]]  # key -> [(avals tree, lead)]
     inputs: dict[Key, list[tuple[Any, Axes]]]
     sites: dict[Key, Site]
+    calls: dict[Key, int] = dataclasses.field(default_factory=dict)  # per run
+    index: bool = False  # whether a handler reads the loops' iterations
 
     def acc(self, scope: Scope, key: Key):
         """One accumulator's value entering the region (made, or grown by the
@@ -79,6 +81,9 @@ class Plan:
         for plan in plans:
             merged.sites.update(plan.sites)
             merged.accs.update(plan.accs)
+            merged.index |= plan.index
+            for key, n in plan.calls.items():  # (entries of a name, likewise)
+                merged.calls[key] = max(n, merged.calls.get(key, 0))
             for key, avals in plan.acc_avals.items():
                 # Where branches differ, the accumulator of the branch under
                 # more vmaps (the other's grows to it).
@@ -128,9 +133,12 @@ _BRANCHES_DIFFER = (
 )
 
 
-def discover(jaxpr, consts, in_avals, scope: Scope, shards=()) -> Plan:
+def discover(
+    jaxpr, consts, in_avals, scope: Scope, shards=(), loop: bool = False
+) -> Plan:
     """Traces `jaxpr` once, abstractly, to learn what the handlers emit in it
-    (`shards`: the shard_map the region is the body of, see `Site.shards`).
+    (`shards`: the shard_map the region is the body of, see `Site.shards`;
+    `loop`: whether it is a loop's body).
     A region is discovered once per state entering it in one rewrite: the
     rules of the regions around it, discovering and then tracing, meet it
     again in the same state."""
@@ -142,6 +150,7 @@ def discover(jaxpr, consts, in_avals, scope: Scope, shards=()) -> Plan:
         tuple(map(id, consts)),
         tuple(in_avals),
         shards,
+        loop,
         scope.custom,
         scope.shards,
         tuple((k, *types_key(t), scope.acc_batch[k]) for k, t in entering.items()),
@@ -160,6 +169,7 @@ def discover(jaxpr, consts, in_avals, scope: Scope, shards=()) -> Plan:
             },
             acc_batch=scope.acc_batch,
             shards=scope.shards + shards,
+            index=scope.index + ((jnp.int32(0),) if loop else ()),
         )
         outs = run(jaxpr, consts, args, sub)
         # Only types leave the trace: nothing may keep its tracers alive.
@@ -174,6 +184,8 @@ def discover(jaxpr, consts, in_avals, scope: Scope, shards=()) -> Plan:
                 },
                 inputs=dict(sub.input_avals),
                 sites=dict(sub.sites),
+                calls=dict(sub.calls),
+                index=sub.wants_index,
             )
         )
         return outs
@@ -215,10 +227,22 @@ class Region:
         return outs[:n_out]
     """
 
-    def __init__(self, scope: Scope, plan: Plan, boundary: Boundary = WHOLE, accs=None):
+    def __init__(
+        self,
+        scope: Scope,
+        plan: Plan,
+        boundary: Boundary = WHOLE,
+        accs=None,
+        loop: str | None = None,
+    ):
         self.scope, self.plan, self.boundary = scope, plan, boundary
         for key, site in plan.sites.items():  # known in order of first execution
             scope.sites.setdefault(key, site)
+        # The executions before the region's, and after them.
+        self.calls = dict(scope.calls)
+        for key, n in plan.calls.items():
+            scope.calls[key] = scope.calls.get(key, 0) + n
+        scope.wants_index |= plan.index
         if accs is None:
             accs = _flat(plan.acc(scope, key) for key in plan.acc_avals)
         self.accs, self.inputs = accs, []
@@ -229,13 +253,21 @@ class Region:
             values = scope.take_inputs(key, outside, plan.sites[key])
             for value, (_, lead) in zip(values, specs):
                 self.inputs += jax.tree.leaves(boundary.to_inside(value, lead))
+        # A loop's iteration, where a handler reads it (`Context.at`): a scan's
+        # as one more input sliced per iteration, a while_loop's as a counter
+        # after the accumulators in its carry.
+        self.counter = plan.index and loop == "lax.while_loop"
+        if plan.index and loop == "lax.scan":
+            self.inputs.append(jnp.arange(boundary.size, dtype=jnp.int32))
+        if self.counter:
+            self.accs = [*self.accs, jnp.int32(0)]
 
     @classmethod
     def of(cls, scope, jaxpr, consts, in_avals, boundary=WHOLE, loop=None) -> Region:
-        plan = discover(jaxpr, consts, in_avals, scope)
+        plan = discover(jaxpr, consts, in_avals, scope, loop=loop is not None)
         if loop is not None:
             plan.forbid(loop, scope)
-        return cls(scope, plan, boundary)
+        return cls(scope, plan, boundary, loop=loop)
 
     def trace(self, jaxpr, consts, in_avals):
         """Traces the region `(*args, *accs, *inputs) -> (*outs, *accs,
@@ -245,27 +277,32 @@ class Region:
         plan, scope, b = self.plan, self.scope, self.boundary
         acc_trees = list(plan.acc_avals.values())
         input_trees = [avals for specs in plan.inputs.values() for avals, _ in specs]
-        n_args, n_acc = len(in_avals), len(self.accs)
+        n_args, n_acc = len(in_avals), len(self.accs) - self.counter
+        n_in = len(jax.tree.leaves(input_trees))
+        # Where the loop's iteration comes in, if it is threaded.
+        at = n_acc if self.counter else -1 if len(self.inputs) > n_in else None
 
         def fn(*flat):
-            accs = _unflat(acc_trees, [b.enter(x) for x in flat[n_args:][:n_acc]])
-            given = iter(
-                _unflat(input_trees, [b.enter(x) for x in flat[n_args + n_acc :]])
-            )
+            args, flat = flat[:n_args], [b.enter(x) for x in flat[n_args:]]
+            accs = _unflat(acc_trees, flat[:n_acc])
+            given = iter(_unflat(input_trees, flat[n_acc + self.counter :][:n_in]))
             sub = scope.inner(
                 accs=dict(zip(plan.acc_avals, accs)),
                 acc_batch=plan.acc_batch,
                 inputs={k: [next(given) for _ in v] for k, v in plan.inputs.items()},
                 shards=scope.shards + ((b.marker,) if b.stack == "shard" else ()),
+                calls=self.calls,
+                index=scope.index + (() if at is None else (flat[at],)),
             )
-            outs = run(jaxpr, consts, flat[:n_args], sub)
+            outs = run(jaxpr, consts, args, sub)
             entries = []
             for key, specs in plan.entries.items():
                 got = sub.entries.get(key, [])
                 for j, (avals, _) in enumerate(specs):
                     entries.append(got[j][0] if j < len(got) else zeros(avals))
             accs = [sub.accs[k] for k in plan.acc_avals]
-            return [*outs, *map(b.leave, _flat([*accs, *entries]))]
+            counter = [flat[n_acc] + 1] if self.counter else []
+            return [*outs, *map(b.leave, _flat([*accs, *entries])), *counter]
 
         avals = [
             *in_avals,
@@ -279,10 +316,11 @@ class Region:
         outputs: the accumulators, then the entries (stacked along their first
         axis by a scan or shard_map)."""
         plan, scope, b = self.plan, self.scope, self.boundary
-        n_acc = len(self.accs)
+        n_acc = len(self.accs) - self.counter
         self.set_accs(leaves[:n_acc])
         specs = [(k, *spec) for k, specs in plan.entries.items() for spec in specs]
-        values = _unflat([avals for _, avals, _ in specs], leaves[n_acc:])
+        entries = leaves[n_acc : len(leaves) - self.counter]
+        values = _unflat([avals for _, avals, _ in specs], entries)
         for (key, _, lead), value in zip(specs, values):
             scope.add_entry(key, b.from_inside(value, lead), b.after(lead))
 

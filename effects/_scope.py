@@ -42,6 +42,12 @@ _MISSING_INPUT = (
 )
 
 
+_AT_IN_REPLAY = (
+    "{where} is in a `jax.checkpoint` region whose executions the backward pass "
+    "of a `jax.grad` inside `fx.handle` recomputes, where a handler cannot know "
+    "which execution it is (`at`). Handle the function before differentiating it "
+    "(`jax.grad(fx.handle(f, ...))`)."
+)
 _INPUT_IN_REPLAY = (
     "{owner} takes one entry per execution, but {where} is in a `jax.checkpoint` "
     "region whose executions the backward pass of a `jax.grad` inside `fx.handle` "
@@ -86,6 +92,8 @@ class Scope:
         custom: str | None = None,
         shards: tuple = (),
         plans: dict | None = None,
+        calls: dict | None = None,
+        index: tuple = (),
     ):
         if not isinstance(handlers, Handlers):
             handlers = Handlers(handlers)
@@ -116,12 +124,21 @@ class Scope:
         # The plans of the regions met in one rewrite, shared by all its scopes
         # (see `_rules.discover`).
         self.plans: dict = {} if plans is None else plans
+        # Per key, its executions so far in program order (the index of the
+        # next one's entry in the layout `Tag()` reports); while discovering,
+        # those in this region alone.
+        self.calls: dict[Key, int] = dict(calls or {})
+        # The iteration of each loop around this region, outermost first (int32
+        # scalars; while discovering, stand-ins), and whether a handler read them
+        # (`Context.at`): a loop threads its index only then.
+        self.index = index
+        self.wants_index = False
 
     def inner(self, **fields) -> Scope:
         """A fresh scope for a region inside this one: the same handlers, custom
         rule, shard_maps and plans, unless `fields` say otherwise."""
         same: dict[str, Any] = dict(
-            custom=self.custom, shards=self.shards, plans=self.plans
+            custom=self.custom, shards=self.shards, plans=self.plans, index=self.index
         )
         return Scope(self.handlers, **(same | fields))
 
@@ -315,7 +332,15 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
         acc = scope.acc(key, init, site.batch_sizes())
         extra = len(scope.acc_batch[key]) - site.nbatch
     axes = tuple(f"effects_example_{i}" for i in range(site.nbatch))
+    call = scope.calls.get(key, 0)
+    scope.calls[key] = call + 1
     same: list[bool] = []
+
+    def at():
+        if scope.replaying:
+            raise ValueError(_AT_IN_REPLAY.format(where=site.where()))
+        scope.wants_index = True
+        return (jnp.int32(call), *scope.index)
 
     def one(value, entry, acc):
         # Returns the leaves `apply` changed, what it appended, and the
@@ -333,7 +358,7 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
             state[0] = scope.fold(key, mode, state[0], x, extra)
             return state[0]
 
-        ctx = Context(site, emit, entry if has_input else NO_INPUT, axes)
+        ctx = Context(site, emit, entry if has_input else NO_INPUT, axes, at)
         new = type(handler).apply(handler, site, value, ctx)
         if new is value:  # kept whole, as a handler that only looks keeps it
             same[:] = [True] * len(leaves)

@@ -765,6 +765,186 @@ def test_intervene_unknown_name_lists_known():
 
 
 #
+# Intervene with the execution's place: fn(value, at)
+#
+
+# A stack of layers as a scan over stacked weights, the way large models are
+# written; `stack_ref` unrolls it by hand, with `on(i, h)` at layer i.
+L, D = 4, 3
+WS = _rng(7, (L, D, D)) / np.sqrt(D).astype(f32)
+
+
+def stack(x):
+    def layer(h, w):
+        return fx.tag(h + jnp.tanh(w @ h), "blocks"), None
+
+    return lax.scan(layer, x, WS)[0]
+
+
+def stack_ref(x, on=lambda i, h: h):
+    h = x
+    for i in range(L):
+        h = on(i, h + jnp.tanh(WS[i] @ h))
+    return h
+
+
+def _patch_layer(k, clean):
+    def patch(v, at):
+        return jnp.where(at[1] == k, clean[k], v)
+
+    return patch
+
+
+def test_intervene_at_patches_one_layer_of_a_scanned_stack():
+    clean_x, x = X, -X
+    _, found = fx.handle(stack, fx.Tag())(clean_x)
+    clean = found["intermediates"]["blocks"][0]  # (L, D): one row per layer
+    for k in range(L):
+        got = jax.jit(
+            fx.handle(stack, fx.Intervene({"blocks": _patch_layer(k, clean)}))
+        )(x)[0]
+        expected = evaluate(
+            lambda x: stack_ref(x, lambda i, h: clean[k] if i == k else h), x
+        )
+        assert_trees_close(got, expected)
+
+
+def test_intervene_at_grid_over_layers_is_one_vmapped_program():
+    clean_x, x = X, -X
+    clean = fx.handle(stack, fx.Tag())(clean_x)[1]["intermediates"]["blocks"][0]
+
+    def patched(k):  # k traced: every layer's patch in one program
+        return fx.handle(stack, fx.Intervene({"blocks": _patch_layer(k, clean)}))(x)[0]
+
+    got = jax.jit(jax.vmap(patched))(jnp.arange(L))
+    expected = jnp.stack(
+        [
+            evaluate(lambda x: stack_ref(x, lambda i, h: clean[k] if i == k else h), x)
+            for k in range(L)
+        ]
+    )
+    assert_trees_close(got, expected)
+
+
+def test_intervene_at_under_grad_and_vmap_inside():
+    k = 2
+
+    def scale_layer(v, at):
+        return jnp.where(at[1] == k, 3.0 * v, v)
+
+    def loss(x):
+        out, _ = fx.handle(stack, fx.Intervene({"blocks": scale_layer}))(x)
+        return jnp.sum(out**2)
+
+    def loss_ref(x):
+        return jnp.sum(stack_ref(x, lambda i, h: 3.0 * h if i == k else h) ** 2)
+
+    assert_trees_close(jax.grad(loss)(X), evaluate(jax.grad(loss_ref), X), rtol=1e-5)
+    # a vmap inside the handled function: `at` is the same for every example
+    xs = np.stack([X, -X, 2 * X])
+    got, _ = fx.handle(jax.vmap(stack), fx.Intervene({"blocks": scale_layer}))(xs)
+    expected = evaluate(
+        jax.vmap(lambda x: stack_ref(x, lambda i, h: 3.0 * h if i == k else h)), xs
+    )
+    assert_trees_close(got, expected)
+
+
+def test_intervene_at_counts_calls_and_nested_loops():
+    # `at` is (call, *iterations): where Tag() reports the value.
+    def f(x):
+        x = fx.tag(x, "h")  # call 0
+
+        def outer(c, _):
+            def inner(c, _):
+                return fx.tag(c + 1.0, "h"), None  # call 1, at (1, i, j)
+
+            return lax.scan(inner, c, None, length=3)[0], None
+
+        c = lax.scan(outer, x, None, length=2)[0]
+
+        def body(carry):
+            i, c = carry
+            return i + 1, fx.tag(c * 2.0, "h")  # call 2, at (2, iteration)
+
+        return lax.while_loop(lambda carry: carry[0] < 4, body, (0, c))[1]
+
+    def code(v, at):  # records `at` in the value: 1000 call + 100 i + 10 j
+        weights = jnp.array([1000, 100, 10][: len(at)], jnp.int32)
+        return v + jnp.sum(jnp.stack(at) * weights).astype(v.dtype)
+
+    out, found = fx.handle(f, fx.Intervene({"h": code}), fx.Tag(mode="sum"))(0.0)
+    # by hand
+    h = 0.0  # call 0: at (0,)
+    for i in range(2):
+        for j in range(3):
+            h = h + 1.0 + 1000 + 100 * i + 10 * j
+    for i in range(4):
+        h = 2.0 * h + 2000 + 100 * i
+    assert_trees_close(out, np.float32(h))
+
+
+def test_handler_reading_at_reports_where_tag_does():
+    # A user-written handler: `ctx.at` in a reported value lines up with Tag().
+    class Where(fx.Handler):
+        mode = "append"
+
+        def apply(self, site, value, ctx):
+            ctx.emit(jnp.stack(ctx.at))
+            return value
+
+    def f(x):
+        x = fx.tag(x, "h")
+        return lax.scan(lambda c, _: (fx.tag(c * 2.0, "h"), None), x, None, length=3)[0]
+
+    _, found = jax.jit(fx.handle(f, Where()))(1.0)
+    first, scanned = found["intermediates"]["h"]
+    np.testing.assert_array_equal(first, [0])
+    np.testing.assert_array_equal(scanned, [[1, 0], [1, 1], [1, 2]])
+
+
+def test_a_loop_threads_its_iteration_only_when_at_is_read():
+    def scan_inputs(handler):
+        jaxpr = jax.make_jaxpr(fx.handle(stack, handler))(X)
+        (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+        return [str(v.aval) for v in eqn.invars]
+
+    unhandled = scan_inputs(fx.Tag(names="nothing*"))
+    assert scan_inputs(fx.Intervene({"blocks": lambda v: v * 2.0})) == unhandled
+    with_at = scan_inputs(fx.Intervene({"blocks": lambda v, at: v * at[1]}))
+    assert with_at == [*unhandled, f"int32[{L}]"]  # the iteration, as an input
+
+
+def test_intervene_at_in_a_recomputed_checkpoint_is_refused(
+    jax_leak_check_false_report,
+):
+    # The backward pass recomputes the tagged value (tanh's derivative needs
+    # it) without knowing which execution it recomputes.
+    def layer(h, w):
+        return h + jnp.tanh(w @ fx.tag(jnp.sin(h), "blocks")), None
+
+    def loss(x):
+        return jnp.sum(lax.scan(jax.checkpoint(layer), x, WS)[0])
+
+    def double_layer_1(v, at):
+        return jnp.where(at[1] == 1, 2.0 * v, v)
+
+    with pytest.raises(ValueError, match="'blocks'.*jax.checkpoint.*recomputes"):
+        fx.handle(jax.grad(loss), fx.Intervene({"blocks": double_layer_1}))(X)
+
+    # handled first, then differentiated: fine
+    def loss_ref(x):
+        h = x
+        for i in range(L):
+            s = jnp.sin(h) * (2.0 if i == 1 else 1.0)
+            h = h + jnp.tanh(WS[i] @ s)
+        return jnp.sum(h)
+
+    handled = fx.handle(loss, fx.Intervene({"blocks": double_layer_1}))
+    got = jax.grad(lambda x: handled(x)[0])(X)
+    assert_trees_close(got, evaluate(jax.grad(loss_ref), X), rtol=1e-5)
+
+
+#
 # Every handler under jit, vmap and grad, outside and inside
 #
 

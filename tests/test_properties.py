@@ -1850,6 +1850,27 @@ class Shift(fx.Handler):
         return shifted
 
 
+class AtShift(Shift):
+    """`Shift` written with `ctx.at` instead of per-execution inputs: it looks
+    up each execution's offset by its place, in the layout `Tag()` reports
+    (one entry per call, then batch and shard axes, then one axis per scan)."""
+
+    def per_call_inputs(self):
+        return {}
+
+    def apply(self, site, value, ctx):
+        call, *iterations = ctx.at
+        lead = (slice(None),) * (site.nbatch + len(site.shards))
+        table = jnp.stack(self.offsets[site.name])
+        if table.size == 0:  # in a scan of length 0: never runs
+            shifted = value
+        else:
+            offset = table[call][(*lead, *iterations)]
+            shifted = jax.tree.map(jnp.add, value, ctx.example(offset))
+        ctx.emit(shifted)
+        return shifted
+
+
 def shift_offsets(infos, names) -> dict:
     """Offsets for `Shift`: for each name one entry per execution, in the layout
     `Tag()` reports."""
@@ -1907,6 +1928,9 @@ def test_a_user_handler_with_inputs_per_execution_equals_the_reference(program, 
     assert_close(out, expected.out, what="output")
     want = {"intermediates": {n: expected.append(n) for n in names}}
     assert_close(found, want, what="found")
+    # The same through `ctx.at`: each execution knows its place.
+    by_place = fx.handle(f, AtShift(offsets))(x)
+    assert_close(by_place, (out, found), what="AtShift (ctx.at)")
 
     w = loss_weights(program.shape)
     grad = jax.jit(jax.grad(lambda x: jnp.sum(fx.handle(f, shift)(x)[0] * w)))(x)
@@ -1920,6 +1944,8 @@ def test_a_user_handler_with_inputs_per_execution_equals_the_reference(program, 
     xs = program.batch()
     inside, inside_error = _outcome(jax.jit(jax.vmap(fx.handle(f, shift))), xs)
     assert inside_error is None, inside_error
+    by_place = jax.jit(jax.vmap(fx.handle(f, AtShift(offsets))))(xs)
+    assert_close(by_place, inside, what="vmap(handle(f, AtShift))")
     batched = Shift({n: tuple(np.stack([e, e]) for e in v) for n, v in offsets.items()})
     outside, outside_error = _outcome(fx.handle(jax.vmap(f), batched), xs)
     if outside_error is not None:

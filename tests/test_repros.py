@@ -1309,3 +1309,54 @@ def test_grad_collects_tags_in_equinox_nested_checkpoints(fn, modes, request):
         assert_trees_close(grad, jax.grad(fn)(x))
         assert_trees_close(found, want)
         assert found["intermediates"]
+
+
+#
+# One layer of a scanned stack of Equinox blocks
+#
+
+
+class _Block(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.lin(x))
+
+
+class _Stacked(eqx.Module):
+    blocks: _Block  # stacked: every leaf has a leading axis of layers
+
+    def __call__(self, x):
+        dyn, static = eqx.partition(self.blocks, eqx.is_array)
+        step = lambda x, d: (eqx.combine(d, static)(x), None)  # noqa: E731
+        return jax.lax.scan(step, x, dyn)[0]
+
+
+def test_intervene_patches_one_layer_of_a_scanned_equinox_stack():
+    """scale_scan_intervene_one_layer.py: in a scan over stacked Equinox blocks
+    (`eqx.filter_vmap` + `lax.scan`), Intervene's function saw no layer index,
+    so one layer could not be patched alone."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    make = lambda k: _Block(eqx.nn.Linear(3, 3, key=k))  # noqa: E731
+    model = _Stacked(eqx.filter_vmap(make)(keys))
+    tagged = fx.tag_modules(model)
+    x_clean, x_corrupt = jnp.ones(3), -jnp.ones(3)
+    clean = fx.handle(tagged, fx.Tag())(x_clean)[1]["intermediates"]["blocks"][0]
+
+    def by_hand(x, k):
+        dyn, static = eqx.partition(model.blocks, eqx.is_array)
+        for i in range(4):
+            x = eqx.combine(jax.tree.map(lambda a: a[i], dyn), static)(x)
+            x = clean[k] if i == k else x
+        return x
+
+    def patched(k):
+        def patch(v, at):
+            return jnp.where(at[1] == k, clean[k], v)
+
+        return fx.handle(tagged, fx.Intervene({"blocks": patch}))(x_corrupt)[0]
+
+    grid = jax.jit(jax.vmap(patched))(jnp.arange(4))
+    for k in range(4):
+        assert_trees_close(grid[k], by_hand(x_corrupt, k), rtol=1e-5)
+        assert_trees_close(patched(k), by_hand(x_corrupt, k), rtol=1e-5)
