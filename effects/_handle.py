@@ -17,7 +17,7 @@ import jax
 
 from . import _branches, _compat, _jaxpr, _nnx
 from ._handlers import Handler, Perturb, mode_of
-from ._primitives import handling, probing
+from ._primitives import handling, per_example, probing
 from ._rewrite import per_state, run
 from ._scope import Scope
 from ._site import CHECKPOINT_NAME, Site, aval
@@ -222,6 +222,7 @@ class _Traced:
     # those that do (found by tracing `fn` again: see `_every_branch`).
     suspects: frozenset
     every_branch: dict = dataclasses.field(default_factory=dict, compare=False)
+    batched: frozenset = frozenset()  # traced with these sites batched
 
 
 def _flat(fn, static, treedef, out_info: dict):
@@ -240,10 +241,12 @@ def _named_after(fn, static, treedef, dynamic):
     return fn
 
 
-def _trace(fn, static, treedef, dynamic) -> _Traced:
+def _trace(fn, static, treedef, dynamic, batched=frozenset()) -> _Traced:
+    """`fn` traced with its sites carrying their effect, and those named in
+    `batched` batched by any vmap (see `per_example`)."""
     out_info = {}
     avals = [aval(x) for x in dynamic]
-    with handling(True):
+    with handling(True), per_example(batched):
         jaxpr, consts = _jaxpr.trace(
             _flat(fn, static, treedef, out_info),
             avals,
@@ -259,6 +262,7 @@ def _trace(fn, static, treedef, dynamic) -> _Traced:
         out_info["static"],
         sites_in(jaxpr),
         _branches.suspects(jaxpr),
+        batched=batched,
     )
 
 
@@ -279,7 +283,7 @@ def _every_branch(traced: _Traced, handlers, fn, static, treedef, dynamic):
         named_after = _named_after(fn, static, treedef, dynamic)
 
         def retrace(keys):
-            with handling(True), probing(keys):
+            with handling(True), probing(keys), per_example(traced.batched):
                 _jaxpr.trace(_flat(fn, static, treedef, {}), avals, named_after)
 
         found = traced.every_branch[matched] = _branches.mixed(retrace, matched)
@@ -529,6 +533,8 @@ class _Config:
     # unhashable, a key of this object's own, so that a handled function kept
     # and called again still finds what it cached.
     key: Any
+    # The names the handlers give values per execution (see `per_example`).
+    batched: frozenset = frozenset()
 
     @classmethod
     def of(cls, handlers) -> tuple[_Config, list[Any]]:
@@ -539,7 +545,9 @@ class _Config:
             hash(key)
         except TypeError:  # a dict of arrays (`Perturb(deltas)`, `Substitute`)
             key = _arrays_key(handlers)
-        return cls(handlers, static, treedef, object() if key is None else key), leaves
+        batched = frozenset(n for h in handlers for n in h.per_call_inputs())
+        key = object() if key is None else key
+        return cls(handlers, static, treedef, key, batched), leaves
 
 
 def _arrays_key(handlers):
@@ -569,9 +577,12 @@ def _program(
     cached: it belongs to one trace."""
     # A check for branches a vmap evaluated traces with sites marked: never cache.
     sig = _signature(static, treedef, dynamic) if probing.value is None else None
+    batched = config.batched
+    if sig is not None and batched:
+        sig = (sig, batched)
     traced = None if sig is None else cache.traces.get(sig)
     if traced is None:
-        traced = _trace(fn, static, treedef, dynamic)
+        traced = _trace(fn, static, treedef, dynamic, batched)
         if sig is not None and not any(map(_is_tracer, traced.consts)):
             cache.traces.put(sig, traced)
     handlers = config.handlers
@@ -968,7 +979,10 @@ def intermediate_grads(
     the sites' shapes, then takes `jax.value_and_grad` with respect to deltas
     added there by `Perturb(deltas)`. With `kind="tag"` it needs no change to
     the function: the gradient with respect to every layer
-    [`fx.tag_modules`][effects.tag_modules] tags, for example.
+    [`fx.tag_modules`][effects.tag_modules] tags, for example. Under a
+    `jax.vmap` inside `fn` (a loss averaging over a batch), each example has
+    its own gradient, also at a value that does not depend on the example (a
+    position embedding): the gradient with respect to that example's copy.
 
     **Arguments:**
 

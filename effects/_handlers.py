@@ -669,7 +669,10 @@ class Perturb(Handler):
 
     - `deltas`: None, or a dict from name to a tuple with one delta per
       execution (stacked over scan iterations), as `Perturb()` reports. Names
-      absent from `deltas` are left alone.
+      absent from `deltas` are left alone. Under a `jax.vmap` inside the
+      handled function the deltas are per example, also at a value the vmap
+      does not batch (it then batches it, see
+      [Semantics](../semantics.md#layout-vmap-shard_map-and-scan-axes)).
     - `collection`: the collection of the sites; by default `"perturbations"`
       (`"intermediates"` with `kind="tag"`).
     - `names`: which names; see [`Names`][effects.Names].

@@ -35,6 +35,14 @@ handling = jax.make_user_context(False)
 probing = jax.make_user_context(None)
 
 
+# While `handle` traces for handlers that give a value per execution (in the
+# layout `Tag()` reports, so per example): the names of those sites. A vmap
+# batches their values even where they do not depend on the example (a
+# position embedding inside a per-example model), so that each example's copy
+# can take its own value: what follows them is then computed per example.
+per_example = jax.make_user_context(frozenset())
+
+
 class SiteEffect(_compat.Effect):
     __str__ = lambda self: "EffectsSite"  # noqa: E731
 
@@ -104,6 +112,11 @@ def _site_batch(axis_size, vals, dims, *, batch, **params):
     # Leaves stay where vmap put their batch axis (moving it would add a transpose
     # to the unhandled program); the axis, or None with the size for an unbatched
     # leaf, is recorded outermost-first for handlers to use when they collect.
+    if params["name"] in per_example.value and None in dims:
+        vals = [
+            v if d is not None else _broadcast(v, axis_size) for v, d in zip(vals, dims)
+        ]
+        dims = [0 if d is None else d for d in dims]
     new_batch = []
     for d, entries in zip(dims, batch):
         shifted = tuple(
@@ -116,6 +129,10 @@ def _site_batch(axis_size, vals, dims, *, batch, **params):
 
 
 _compat.register_batch_rule(site_p, _site_batch)
+
+
+def _broadcast(x, size: int):
+    return jax.lax.broadcast_in_dim(x, (size, *x.shape), tuple(range(1, x.ndim + 1)))
 
 
 def _site_partial_eval_custom(saveable, unks_in, inst_in, eqn):

@@ -301,7 +301,9 @@ _CHANGED_IN_CUSTOM = (
 _CHANGED_UNBATCHED = (
     "{handler} changes {where}, a value that the vmap inside the handled "
     "function does not batch, differently per example. Move the handler "
-    "inside the vmap (`jax.vmap(fx.handle(f, ...))`)."
+    "inside the vmap (`jax.vmap(fx.handle(f, ...))`), or give the values per "
+    "execution (`Substitute(values, per_call=True)`, or a handler's "
+    "`per_call_inputs()`): the vmap then batches the value."
 )
 _BAD_VALUE = (
     "{handler} gives {got} for {where}, whose value is {want}; the shape and "

@@ -551,6 +551,98 @@ def test_intermediate_grads_vmap_inside_loss():
     assert_trees_close(grads, {"h": ((-np.sin(h) * x).T,)})
 
 
+def _mean_of_examples(per_example):
+    """A loss averaging `per_example(xi, pos)` over a batch, where `pos`, tagged
+    inside the vmap, does not depend on the example (a position embedding)."""
+
+    def loss(x):  # x: (B, 3)
+        def one(xi):
+            pos = fx.tag(jnp.cos(jnp.arange(3.0)), "pos")
+            return per_example(xi, pos)
+
+        return jnp.mean(jax.vmap(one)(x))
+
+    return loss
+
+
+def _ref_with_pos_deltas(per_example, x, d):
+    """The same loss with an explicit per-example delta added at `pos`."""
+    pos = np.cos(np.arange(3.0, dtype=f32))
+    return jnp.mean(jax.vmap(lambda xi, di: per_example(xi, pos + di))(x, d))
+
+
+def test_intermediate_grads_at_a_value_the_batch_does_not_change():
+    # The loss averages over a batch, so the handler cannot move inside the
+    # vmap; each example's copy of `pos` has its own gradient.
+    def per_example(xi, pos):
+        h = fx.tag(jnp.tanh(xi * pos), "h")
+        return jnp.sum(h * pos)
+
+    loss = _mean_of_examples(per_example)
+    x = _rng(30, (B + 1, 3))
+    value, grads = evaluate(fx.intermediate_grads(loss, kind="tag"), x)
+    zeros = np.zeros((B + 1, 3), f32)
+    assert_trees_close(value, evaluate(loss, x))
+    want = evaluate(jax.grad(lambda d: _ref_with_pos_deltas(per_example, x, d)), zeros)
+    assert_trees_close(grads["pos"], (want,), rtol=1e-5)
+    # the deltas themselves, each example's own: the output moves as by hand
+    d = _rng(31, (B + 1, 3))
+    out, _ = fx.handle(loss, fx.Perturb({"pos": (d,)}, kind="tag"))(x)
+    assert_trees_close(
+        out, evaluate(lambda x: _ref_with_pos_deltas(per_example, x, d), x)
+    )
+    # and what Tag() reports is unchanged: `pos` broadcast along the batch
+    _, found = fx.handle(loss, fx.Tag(names="pos"))(x)
+    np.testing.assert_allclose(
+        found["intermediates"]["pos"][0],
+        np.broadcast_to(np.cos(np.arange(3.0)), (B + 1, 3)),
+        rtol=1e-6,
+    )
+
+
+def test_per_example_values_at_an_unbatched_tag_in_a_scan_and_under_jit():
+    # Substitute(per_call=True) gives each example its own value, in a scan
+    # inside the vmap, through a jit.
+    def loss(x):  # x: (B, 3)
+        @jax.jit
+        def one(xi):
+            def step(c, w):
+                return c * w + fx.tag(jnp.sin(w), "s"), None
+
+            return jnp.sum(lax.scan(step, xi, jnp.arange(1.0, 4.0))[0])
+
+        return jnp.sum(jax.vmap(one)(x))
+
+    x = _rng(32, (B, 3))
+    _, found = fx.handle(loss, fx.Tag())(x)
+    (s,) = found["intermediates"]["s"]
+    assert s.shape == (B, 3)  # per example, per iteration
+    new = s + np.arange(B * 3, dtype=f32).reshape(B, 3)
+    out, _ = fx.handle(loss, fx.Substitute({"s": (new,)}, per_call=True))(x)
+
+    def by_hand(xi, si):
+        c = xi
+        for i, w in enumerate([1.0, 2.0, 3.0]):
+            c = c * w + si[i]
+        return jnp.sum(c)
+
+    assert_trees_close(out, evaluate(lambda x: jnp.sum(jax.vmap(by_hand)(x, new)), x))
+
+
+def test_values_per_execution_leave_other_programs_alone():
+    # Only the names a handler gives values per execution are batched: under
+    # Tag(), `pos` stays one value, broadcast where it meets the batch.
+    loss = _mean_of_examples(lambda xi, pos: jnp.sum(xi * pos))
+    x = _rng(33, (B, 3))
+    plain = str(jax.make_jaxpr(fx.handle(loss, fx.Tag()))(x))
+    d = (np.zeros((B, 3), f32),)
+    perturbed = fx.handle(loss, fx.Perturb({"pos": d}, kind="tag"))
+    perturbed = str(jax.make_jaxpr(perturbed)(x))
+    assert "f32[1,3] = broadcast_in_dim" in plain
+    assert "f32[1,3] = broadcast_in_dim" not in perturbed
+    assert f"f32[{B},3] = broadcast_in_dim" in perturbed
+
+
 #
 # Substitute
 #

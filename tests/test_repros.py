@@ -1360,3 +1360,48 @@ def test_intervene_patches_one_layer_of_a_scanned_equinox_stack():
     for k in range(4):
         assert_trees_close(grid[k], by_hand(x_corrupt, k), rtol=1e-5)
         assert_trees_close(patched(k), by_hand(x_corrupt, k), rtol=1e-5)
+
+
+#
+# The gradient at a value the batch does not change
+#
+
+
+class _Embedder(eqx.Module):
+    wte: eqx.nn.Embedding
+    wpe: eqx.nn.Embedding
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 3)
+        self.wte = eqx.nn.Embedding(7, 4, key=k[0])
+        self.wpe = eqx.nn.Embedding(5, 4, key=k[1])
+        self.out = eqx.nn.Linear(4, 1, key=k[2])
+
+    def __call__(self, tokens, pos_delta=0.0):  # one example: (T,)
+        h = jax.vmap(self.wte)(tokens)
+        h = h + jax.vmap(self.wpe)(jnp.arange(tokens.shape[0])) + pos_delta
+        return jnp.sum(jax.vmap(self.out)(jnp.tanh(h)))
+
+
+def test_intermediate_grads_at_a_position_embedding():
+    """scale_intermediate_grads_unbatched_tag.py: intermediate_grads(kind="tag")
+    refused a loss vmapping over the batch whose tagged position embedding
+    (`jax.vmap(self.wpe)(jnp.arange(T))`) does not depend on the example."""
+    model = _Embedder(jax.random.key(0))
+    tokens = jnp.array([[1, 2, 3], [4, 5, 6]])
+
+    def loss(m, tokens):
+        return jnp.mean(jax.vmap(m)(tokens))
+
+    value, grads = fx.intermediate_grads(loss, kind="tag")(
+        fx.tag_modules(model), tokens
+    )
+
+    def by_hand(deltas):  # one delta per example at the position embedding
+        return jnp.mean(jax.vmap(model)(tokens, deltas))
+
+    zeros = jnp.zeros((2, 3, 4))
+    assert_trees_close(value, loss(model, tokens))
+    assert_trees_close(grads["wpe"], (jax.grad(by_hand)(zeros),), rtol=1e-5)
+    assert grads["wte"][0].shape == (2, 3, 4)
