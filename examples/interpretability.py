@@ -216,6 +216,18 @@ check(
 )
 check("patching the last block at the last position", exact[-1, -1], 1.0)
 
+# --8<-- [start:chunked]
+# The same grid in chunks: `jax.lax.map` runs a `vmap` over each chunk of 6
+# patches and a `scan` over the chunks, so memory grows with the chunk, not
+# with the grid.
+patches = [a.reshape(-1) for a in jnp.meshgrid(layers, positions, indexing="ij")]
+chunked_fn = jax.jit(
+    lambda patches: jax.lax.map(lambda p: patched(*p), patches, batch_size=6)
+)
+chunked = chunked_fn(patches).reshape(len(RESIDUALS), LENGTH)
+# --8<-- [end:chunked]
+check("the grid in chunks of 6", chunked, grid_fn(layers, positions))
+
 #
 # Attribution patching: the same grid to first order, from one backward pass
 #
