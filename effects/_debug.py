@@ -66,14 +66,19 @@ class Stats(Tag):
     value has NaN moments; integers and 16-bit floats are summarised in
     float32, complex numbers by their absolute values. Entries are a tuple
     with one entry per execution; inside a `lax.scan` each statistic is
-    stacked along the scan (shape `(length,)`), and under a `jax.vmap` inside
-    the handled function it has the batch axes first (statistics per
-    example). [`fx.summary`][effects.summary] renders them as a table.
+    stacked along the scan (shape `(length,)`). Under a `jax.vmap` inside the
+    handled function (an Equinox model's `vmap` over tokens, say), they are
+    per example by default, with the batch axes first; with
+    `per_example=False`, over the whole value, batch axes included: one set
+    per execution, whatever the batch. [`fx.summary`][effects.summary]
+    renders them as a table.
 
     **Arguments:**
 
     - `collection`: the collection whose tags are summarised.
     - `names`: which names; see [`Names`][effects.Names].
+    - `per_example`: whether statistics are per example of each `jax.vmap`
+      inside the handled function (True) or over the whole batch (False).
 
     **Returns:**
 
@@ -103,9 +108,19 @@ class Stats(Tag):
     ```
     """
 
-    def __init__(self, collection: str = "intermediates", *, names: Names = None):
+    per_example: bool = dataclasses.field(metadata={"static": True})  # pyright: ignore[reportIncompatibleVariableOverride]
+
+    def __init__(
+        self,
+        collection: str = "intermediates",
+        *,
+        names: Names = None,
+        per_example: bool = True,
+    ):
         super().__init__(collection, names=names)
-        object.__setattr__(self, "mode", _STATS)  # (a frozen dataclass's field)
+        # (frozen dataclass fields)
+        object.__setattr__(self, "mode", _STATS)
+        object.__setattr__(self, "per_example", bool(per_example))
 
     def apply(self, site, value, ctx):
         ctx.emit(jax.tree.map(_leaf_stats, value))

@@ -341,6 +341,13 @@ class Handler:
     - `consumes`: whether a site it matches is hidden from handlers further
       out (`Tag`, `Stats` and `Perturb` consume; `Substitute` and `Intervene`
       pass the new value on as the same site). Default `False`.
+    - `per_example`: `True` (the default) for `apply` to run per example as
+      above; `False` for it to run once per execution on the whole batch of
+      the vmaps inside the handled function, in the layout `Tag()` reports
+      (batch axes first), and to report one value per execution (as
+      `Stats(per_example=False)` does). The law `handle(vmap(f), H) ==
+      vmap(handle(f, H))` is then not kept, by design: a handler of the
+      whole batch sees the vmaps inside `handle` only.
 
     Two optional methods: `per_call_inputs() -> {name: (entry, ...)}`, one
     entry per execution in the layout `Tag()` reports, read by
@@ -388,6 +395,7 @@ class Handler:
 
     mode: ClassVar[Any] = None
     consumes: ClassVar[bool] = False
+    per_example: ClassVar[bool] = True
     # Whether the class or a base defines its own `__init__` (as `Tag` does, to
     # validate its arguments): it is then kept, and no dataclass one generated.
     _custom_init: ClassVar[bool] = False

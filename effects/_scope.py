@@ -69,6 +69,7 @@ class Handlers(tuple):
     modes: tuple
     consumes: tuple[bool, ...]
     input_names: tuple[frozenset, ...]
+    per_example: tuple[bool, ...]
 
     def __new__(cls, handlers):
         self = super().__new__(cls, handlers)
@@ -76,6 +77,7 @@ class Handlers(tuple):
         self.modes = tuple(mode_of(h) for h in handlers)
         self.consumes = tuple(bool(h.consumes) for h in handlers)
         self.input_names = tuple(frozenset(h.per_call_inputs()) for h in handlers)
+        self.per_example = tuple(bool(h.per_example) for h in handlers)
         return self
 
 
@@ -276,11 +278,13 @@ def types_key(types) -> tuple:
     return tree, tuple((t.shape, t.dtype) for t in leaves)
 
 
-def _acc_init(reduce, site: Site):
-    # One example's accumulator, the same for every example. Inside a shard_map
-    # an accumulator differs per shard: it varies over the manual mesh axes from
-    # the start, as a loop carrying it needs.
-    value, sizes = reduce.init(zeros(site.shape_dtype)), site.batch_sizes()
+def _acc_init(reduce, site: Site, sizes: tuple[int, ...]):
+    # One example's accumulator, the same for every example (of the vmaps of
+    # `sizes`; none for a handler of the whole batch, whose `init` gets zeros
+    # shaped like the whole value). Inside a shard_map an accumulator differs
+    # per shard: it varies over the manual mesh axes from the start, as a loop
+    # carrying it needs.
+    value = reduce.init(zeros(site.front_avals() if not sizes else site.shape_dtype))
 
     def per_example(x):
         x = strong(x)
@@ -319,21 +323,25 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
     """Handler `index` acts at one execution of `site` (leaves in program
     layout): the leaves the program goes on with. Under vmaps inside the
     handled function, `apply` runs under the same vmaps, on one example, so
-    that every handler is the same inside and outside a vmap."""
-    handler, mode = scope.handlers[index], scope.handlers.modes[index]
+    that every handler is the same inside and outside a vmap (unless the
+    handler asks for the whole batch: `per_example = False`)."""
+    handlers = scope.handlers
+    handler, mode = handlers[index], handlers.modes[index]
     key: Key = (index, site.name)
     scope.sites.setdefault(key, site)
     front = site.to_front(leaves)
-    entry, has_input = None, site.name in scope.handlers.input_names[index]
+    # The vmaps `apply` runs under, and those of what it emits.
+    sizes = site.batch_sizes() if handlers.per_example[index] else ()
+    entry, has_input = None, site.name in handlers.input_names[index]
     if has_input:
         expected: list[tuple[Any, Axes]] = [(site.front_avals(), site.batch_sizes())]
         entry = scope.take_inputs(key, expected, site, [front])[0]
     acc, extra = None, 0
     if mode is not None and mode.reduces:
-        init = functools.partial(_acc_init, mode, site)
-        acc = scope.acc(key, init, site.batch_sizes())
-        extra = len(scope.acc_batch[key]) - site.nbatch
-    axes = tuple(f"effects_example_{i}" for i in range(site.nbatch))
+        init = functools.partial(_acc_init, mode, site, sizes)
+        acc = scope.acc(key, init, sizes)
+        extra = len(scope.acc_batch[key]) - len(sizes)
+    axes = tuple(f"effects_example_{i}" for i in range(len(sizes)))
     call = scope.calls.get(key, 0)
     scope.calls[key] = call + 1
     same: list[bool] = []
@@ -376,7 +384,7 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
         fn = jax.vmap(fn, axis_name=name)
     changed, appended, acc = fn(front, entry, acc)
     for value in appended:
-        scope.add_entry(key, value, site.batch_sizes())
+        scope.add_entry(key, value, sizes)
     if mode is not None and mode.reduces:
         scope.accs[key] = acc
     if all(same):

@@ -87,6 +87,76 @@ def test_stats_per_example_under_vmap_in_either_order():
         assert_stats(entry, values["h"][0][b])
 
 
+def test_stats_over_the_whole_batch():
+    # Per token (two vmaps, as an Equinox model's over tokens) and in a scan:
+    # per_example=False summarises each execution over all examples at once.
+    def g(x):  # x: (batch, tokens, 6)
+        per_token = jax.vmap(jax.vmap(f))
+        fx.tag(jnp.sum(x), "total")  # a value no vmap batches
+        return per_token(x)
+
+    xs = jnp.stack([jnp.stack([X, -X, 2 * X]), jnp.stack([X + 1, X * X, -2 * X])])
+    out, found = fx.handle(g, fx.Stats(per_example=False))(xs)
+    plain, values = fx.handle(g, fx.Tag())(xs)
+    assert_trees_close(out, plain)
+    stats, values = found["intermediates"], values["intermediates"]
+    for name in ("total", "h", "log", "inv", "nothing_finite"):
+        (entry,) = stats[name]
+        assert entry["mean"].shape == ()
+        assert_stats(entry, values[name][0])
+    (entry,) = stats["c"]  # one per iteration of the scan, over the batch
+    assert entry["mean"].shape == (3,)
+    for i in range(3):
+        assert_stats({k: v[i] for k, v in entry.items()}, values["c"][0][:, :, i])
+    # summary: one row per execution (and scan iteration), not per example
+    assert len(fx.summary(found).rows) == 5 + 3
+    per_example = fx.handle(g, fx.Stats())(xs)[1]
+    assert len(fx.summary(per_example).rows) == 6 * (4 + 3) + 1
+    # under jit, and a vmap outside handle is invisible to it (per example)
+    assert_trees_close(
+        jax.jit(fx.handle(g, fx.Stats(per_example=False)))(xs), (out, found)
+    )
+    outside = jax.vmap(fx.handle(jax.vmap(f), fx.Stats(per_example=False)))(xs)[1]
+    for b in range(2):
+        assert_stats(
+            {k: v[b] for k, v in outside["intermediates"]["h"][0].items()},
+            values["h"][0][b],
+        )
+
+
+def test_a_user_handler_over_the_whole_batch():
+    # `per_example = False`: `apply` gets the batch, batch axes first, and may
+    # change it and report reductions of it.
+    class Center(fx.Handler):
+        """Subtracts the batch mean of every tag, and sums its norms."""
+
+        mode = fx.Reduce(lambda total, x: total + x, lambda zeros: jnp.float32(0))
+        per_example = False
+
+        def apply(self, site, value, ctx):
+            ctx.emit(jnp.sqrt(jnp.sum(value**2)))
+            return value - jnp.mean(value, axis=0)
+
+    def g(x):  # x: (B, 3)
+        def one(xi):
+            def step(c, _):
+                return fx.tag(jnp.tanh(c), "c"), None
+
+            return jax.lax.scan(step, xi, None, length=2)[0]
+
+        return jax.vmap(one)(x)
+
+    x = jnp.array([[0.5, -1.0, 2.0], [1.5, 0.25, -3.0]])
+    out, found = fx.handle(g, Center())(x)
+    c, norms = x, 0.0
+    for _ in range(2):
+        c = np.tanh(c)
+        norms += np.sqrt(np.sum(c**2))
+        c = c - c.mean(axis=0)
+    assert_trees_close(out, c)
+    assert_trees_close(found["intermediates"]["c"], np.float32(norms))
+
+
 def test_stats_of_integers_low_precision_and_pytrees():
     def g(x):
         fx.tag(jnp.arange(5), "ints")
