@@ -366,6 +366,22 @@ def site_shapes(model, tokens):
     return jax.eval_shape(run), order
 
 
+def hand_whole_stats(scanned):
+    """By hand: the batch's logits and the statistics of every module output
+    over the whole batch (per scan iteration inside the scan)."""
+
+    def run(model, tokens):
+        logits, found = hand_collect(_collect)(model, tokens)
+        stats = {}
+        for n, (v,) in found["intermediates"].items():
+            # (batch, layers, ...) inside the scan: statistics per layer
+            per_layer = scanned and _in_scan(n)
+            stats[n] = jax.vmap(leaf_stats, 1)(v) if per_layer else leaf_stats(v)
+        return logits, as_found(stats)
+
+    return run
+
+
 def hand_grads(names):
     """By hand: the loss and its gradients with respect to zero deltas added at
     the outputs of `names`."""
@@ -614,13 +630,16 @@ class Measure:
     def label(self, what):
         return f"{self.form}: {what}"
 
-    def steady(self, what, a, b, limit=1.03, repeats=None, warmup=1):
+    def steady(self, what, a, b, limit: float | None = 1.03, repeats=None, warmup=1):
         log(self.label(f"{what}, steady"))
-        before = _compiles[0]
-        pair = compare(a, b, repeats=repeats or self.repeats, warmup=warmup)
+        for _ in range(warmup):
+            a(), b()
+        before = _compiles[0]  # (after the warm-up, which may compile)
+        pair = compare(a, b, repeats=repeats or self.repeats, warmup=0)
         if _compiles[0] != before:  # then it is not the steady state
             what += f" ({_compiles[0] - before} compilations!)"
-        target = f"≤ {limit:g}" + ("" if limit in (1.03, 1.1) else " †")
+        target = "—" if limit is None else f"≤ {limit:g}"
+        target += "" if limit in (None, 1.03, 1.1) else " †"
         self.rows.append(ratio_row(self.label(f"{what}, steady"), pair, limit, target))
 
     def first(self, what, make_a, make_b, repeats=None):
@@ -650,6 +669,37 @@ class Measure:
         )
         self.steady(
             name, blocking(run, tagged, tokens), blocking(by_hand, self.plain, tokens)
+        )
+
+    def whole_stats(self):
+        """`Stats(per_example=False)`: statistics over the whole batch, one
+        set per execution (per scan iteration inside the scan), against the
+        same by hand and against the plain model; and `Stats()`, per example,
+        against the plain model."""
+        name = "`Stats(per_example=False)`"
+        tagged, tokens, plain = self.tagged, self.tokens, self.plain
+        run = fx.handle(batched, fx.Stats(per_example=False))
+        scanned = self.form == "scan"
+        by_hand = eqx.filter_jit(hand_whole_stats(scanned))
+        (out_a, found_a), (out_b, found_b) = run(tagged, tokens), by_hand(plain, tokens)
+        close(f"{name}: logits", out_a, out_b, 1e-5)
+        same_found(name, found_a, found_b, 1e-4)
+        self.steady(
+            name, blocking(run, tagged, tokens), blocking(by_hand, plain, tokens)
+        )
+        model = eqx.filter_jit(batched)
+        self.steady(
+            f"{name} vs the plain model",
+            blocking(run, tagged, tokens),
+            blocking(model, plain, tokens),
+            limit=1.1,
+        )
+        per_example = fx.handle(batched, fx.Stats())
+        self.steady(
+            "`Stats()` (per example) vs the plain model",
+            blocking(per_example, tagged, tokens),
+            blocking(model, plain, tokens),
+            limit=None,
         )
 
     def grads(self):
@@ -933,6 +983,7 @@ def main():
         m.unrolled = listed if form == "scan" else None
         m.collected("`Tag()`", fx.Tag(), _collect, 1e-5)
         m.collected("`Stats()`", fx.Stats(), _stats, 1e-4)
+        m.whole_stats()
         m.grads()
         m.nonfinite(backward=False)
         m.nonfinite(backward=True)

@@ -29,6 +29,7 @@ SCRIPTS = [
     "bench_stats.py",
     "bench_handlers.py",
     "bench_first_result.py",
+    "bench_gpt.py",
 ]
 
 TITLE = (
