@@ -298,24 +298,26 @@ def _stats(name, value, _, __):
     return value, leaf_stats(value)
 
 
-def leaf_stats(x):
-    """What `fx.Stats()` keeps of one example's value, written out."""
+def leaf_stats(x, axis=None):
+    """What `fx.Stats()` keeps of one example's value, written out: over the
+    axes `axis` (None: all)."""
     finite = jnp.isfinite(x)
-    count = jnp.sum(finite)
+    count = jnp.sum(finite, axis)
     n = jnp.maximum(count, 1)
-    mean = jnp.sum(x, where=finite) / n
+    mean = jnp.sum(x, axis, where=finite) / n
+    centred = x - (mean if axis is None else jnp.expand_dims(mean, axis))
 
     def some(v):
         return jnp.where(count > 0, v, jnp.nan)
 
     return {
         "mean": some(mean),
-        "std": some(jnp.sqrt(jnp.sum((x - mean) ** 2, where=finite) / n)),
-        "min": some(jnp.min(x, initial=jnp.inf, where=finite)),
-        "max": some(jnp.max(x, initial=-jnp.inf, where=finite)),
-        "mean_abs": some(jnp.sum(jnp.abs(x), where=finite) / n),
-        "nan_count": jnp.sum(jnp.isnan(x), dtype=jnp.int32),
-        "inf_count": jnp.sum(jnp.isinf(x), dtype=jnp.int32),
+        "std": some(jnp.sqrt(jnp.sum(centred**2, axis, where=finite) / n)),
+        "min": some(jnp.min(x, axis, initial=jnp.inf, where=finite)),
+        "max": some(jnp.max(x, axis, initial=-jnp.inf, where=finite)),
+        "mean_abs": some(jnp.sum(jnp.abs(x), axis, where=finite) / n),
+        "nan_count": jnp.sum(jnp.isnan(x), axis, dtype=jnp.int32),
+        "inf_count": jnp.sum(jnp.isinf(x), axis, dtype=jnp.int32),
     }
 
 
@@ -376,7 +378,8 @@ def hand_whole_stats(scanned):
         for n, (v,) in found["intermediates"].items():
             # (batch, layers, ...) inside the scan: statistics per layer
             per_layer = scanned and _in_scan(n)
-            stats[n] = jax.vmap(leaf_stats, 1)(v) if per_layer else leaf_stats(v)
+            axis = tuple(a for a in range(v.ndim) if a != 1) if per_layer else None
+            stats[n] = leaf_stats(v, axis)
         return logits, as_found(stats)
 
     return run
