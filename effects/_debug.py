@@ -309,7 +309,13 @@ class BadSite:
       in scans (then `iteration` says which); else counting every execution.
     - `iteration`: the scan iteration (a tuple for nested scans, outermost
       first), or None.
-    - `backward`: whether it is the cotangent that went bad.
+    - `backward`: whether it is the cotangent that went bad; False for a
+      value, also from `find_nonfinite(..., backward=True)` when the forward
+      pass is already non-finite.
+    - `backward_search`: whether `find_nonfinite` was called with
+      `backward=True`. Not compared: the forward site it returns equals the
+      one `backward=False` returns, and only `str()` differs, saying that the
+      forward pass is already non-finite.
 
     **Example:**
 
@@ -324,6 +330,7 @@ class BadSite:
     call: int
     iteration: int | tuple[int, ...] | None
     backward: bool = False
+    backward_search: bool = dataclasses.field(default=False, compare=False)
 
     def __str__(self) -> str:
         where = f"call {self.call}"
@@ -334,10 +341,17 @@ class BadSite:
             if self.backward
             else "the first value with"
         )
-        return (
+        said = (
             f"The tag {self.name!r} (collection {self.collection!r}) is {what} a "
             f"NaN or an Inf, at its {where}."
         )
+        if self.backward_search and not self.backward:
+            said += (
+                " The forward pass is already non-finite, so the backward search "
+                "does not apply: it reports gradients that go bad while every "
+                "tagged value is finite."
+            )
+        return said
 
 
 _CODE = "effects-nonfinite-site:"
@@ -365,7 +379,8 @@ class _Check(Handler):
     first failing check in execution order being the one reported, with the
     tag's index in `keys` as its code; with `backward`, an identity whose
     backward pass checks the cotangent instead, with the execution's index
-    among its name's (counted here) in the message."""
+    among its name's (counted here) in the message, at the tags in `keys` but
+    those in `skip`."""
 
     collection: ClassVar[str] = ""
     keys: tuple = dataclasses.field(metadata={"static": True})  # (collection, name)s
@@ -373,9 +388,11 @@ class _Check(Handler):
     # With `backward`: a zero added to every tag, that differentiating with
     # respect to it computes the cotangent of every one.
     zero: Any = None
+    skip: tuple = dataclasses.field(default=(), metadata={"static": True})
 
     def matches(self, site):
-        return site.kind == "tag" and (site.collection, site.name) in self.keys
+        key = (site.collection, site.name)
+        return site.kind == "tag" and key in self.keys and key not in self.skip
 
     @property
     def mode(self):  # pyright: ignore[reportIncompatibleVariableOverride]
@@ -437,27 +454,33 @@ def find_nonfinite(
     left as it was.
 
     With `backward=True` (`fn` returns a scalar), it runs the backward pass
-    too and returns the first tag, in the order the backward pass computes
-    cotangents, whose cotangent (the gradient of the output with respect to
-    the tag's value) holds a NaN or an Inf: the site nearest the output where
-    the gradient goes bad. In `h = tag(x * 0, "h"); s = tag(jnp.sqrt(h), "s")`
-    that is `h`: the cotangent of `s` is finite, `sqrt`'s derivative at 0 is
-    not. The value `fn` returns is not checked. A tag inside a function with a
-    custom derivative (`custom_jvp`, `custom_vjp`) has no cotangent of its own
-    (the custom rule differentiates the function as a whole): the backward
-    check passes over it, and the forward check covers it.
+    too and, when every tagged value is finite, returns the first tag, in the
+    order the backward pass computes cotangents, whose cotangent (the gradient
+    of the output with respect to the tag's value) holds a NaN or an Inf: the
+    site nearest the output where the gradient goes bad. In `h = tag(x * 0,
+    "h"); s = tag(jnp.sqrt(h), "s")` that is `h`: the cotangent of `s` is
+    finite, `sqrt`'s derivative at 0 is not. When the forward pass already
+    holds a non-finite value, that value is the cause, and no cotangent it
+    spoils is reported: it returns the site `backward=False` returns
+    (`backward` False on it), whose `str()` says that the forward pass is
+    already non-finite. Both run in one compiled program: the checked forward
+    pass, then the gradient (its own forward pass and the backward pass). The
+    value `fn` returns is not checked. A tag inside a function with a custom
+    derivative (`custom_jvp`, `custom_vjp`) has no cotangent of its own (the
+    custom rule differentiates the function as a whole): the backward check
+    passes over it, and the forward check covers it.
 
     **Arguments:**
 
     - `fn`: the function to run.
     - `*args`, `**kwargs`: its arguments.
-    - `backward`: whether to check the cotangents of the backward pass instead
-      of the values.
+    - `backward`: whether to check the cotangents of the backward pass too,
+      after the values.
 
     **Returns:**
 
     A [`BadSite`][effects.BadSite] naming the tag and the execution, or None
-    when every checked value is finite (or `fn` has no tag).
+    when every checked value (and cotangent) is finite (or `fn` has no tag).
 
     **Raises:**
 
@@ -483,6 +506,9 @@ def find_nonfinite(
         return jnp.sum(fx.tag(jnp.sqrt(h), "s"))
 
     print(fx.find_nonfinite(g, jnp.ones(2), backward=True).name)  # h
+    # With a NaN value already, its site: the forward pass is the cause.
+    bad = fx.find_nonfinite(f, jnp.array([1.0, -1.0]), backward=True)
+    print(bad.name, bad.backward)  # h False
     ```
     """
     # The sites and the compiled check, cached per function, argument signature
@@ -498,35 +524,42 @@ def find_nonfinite(
         return None
     code, *n = message.split(_CODE)[1].split()[0].split(":")
     collection, name = keys[int(code)]
-    if not backward:  # the first bad execution, as the counter saw it
+    # A cotangent's check says which execution (`code:n`); a value's, forward,
+    # does not: its first bad execution is the one the counter saw.
+    cotangent = bool(n)
+    if not cotangent:
         first = np.asarray(found[collection][name][1])
         n = [first[first >= 0].min()]
-    return _bad_site(listed[collection][name], collection, name, int(n[0]), backward)
+    infos = listed[collection][name]
+    bad = _bad_site(infos, collection, name, int(n[0]), cotangent)
+    return dataclasses.replace(bad, backward_search=backward)
 
 
 def _nonfinite_check(backward: bool, call, dynamic):
     """`(listed, keys, check)` for `find_nonfinite`: the sites of
     `call(dynamic)`, the checked `(collection, name)`s (a message's code is an
-    index into them), and `check(dynamic) -> (checkify error, found)`, jitted;
-    `check` is None when there is nothing to check."""
+    index into them), and `check(dynamic) -> (checkify error, found)`, jitted,
+    `found` the counters' (each name's first non-finite execution), with
+    `backward` the backward pass's checks after the forward pass's; `check` is
+    None when there is nothing to check."""
     # Imported here: on jax 0.7-0.9 importing it registers checkify's rules in
     # JAX's tables, which `import effects` alone must not do.
     from jax.experimental import checkify
 
     listed = sites(call)(dynamic)
-    # Backward, not a tag inside a function with a custom derivative: it has no
-    # cotangent of its own (the custom rule differentiates the function whole).
-    keys = tuple(
-        (c, n)
-        for c, names in listed.items()
-        for n, infos in names.items()
-        if not (backward and all("custom" in info.loops for info in infos))
-    )
+    keys = tuple((c, n) for c, names in listed.items() for n in names)
     if not keys:
         return listed, keys, None
+    # Backward, not a tag inside a function with a custom derivative: it has no
+    # cotangent of its own (the custom rule differentiates the function whole).
+    custom = tuple(
+        key
+        for key in keys
+        if all("custom" in info.loops for info in listed[key[0]][key[1]])
+    )
 
     def output(zero, dynamic):
-        out, _ = handle(call, _Check(keys, True, zero))(dynamic)
+        out, _ = handle(call, _Check(keys, True, zero, skip=custom))(dynamic)
         if not (isinstance(out, jax.Array) and out.shape == ()):
             got = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), out
@@ -538,10 +571,16 @@ def _nonfinite_check(backward: bool, call, dynamic):
         return out
 
     def check(dynamic):
-        if backward:
-            return jax.grad(output)(jnp.float32(0), dynamic)
         handlers = (_Check(keys), *(Tag(c, mode=_COUNTER) for c in listed))
-        return handle(call, *handlers)(dynamic)[1]
+        found = handle(call, *handlers)(dynamic)[1]
+        if backward:
+            # After the forward checks, in the same program: checkify reports
+            # the first failing check, so a non-finite value wins over the
+            # cotangents it spoils. The forward checks run on a pass of their
+            # own: under `jax.grad`, JAX's partial evaluation of a `scan` drops
+            # the checks of its forward part (they have no output to keep).
+            jax.grad(output)(jnp.float32(0), dynamic)
+        return found
 
     return listed, keys, jax.jit(checkify.checkify(check, errors=checkify.user_checks))
 

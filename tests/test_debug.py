@@ -399,18 +399,28 @@ def backward_program(x, r):
 
 
 def backward_reference(x, r):
-    """The cotangents of `backward_program`'s tags by hand in NumPy, in the
-    order the backward pass computes them, and the first non-finite one."""
+    """What `find_nonfinite(backward_program, x, r, backward=True)` finds, by
+    hand in NumPy: the first non-finite tagged value in execution order if
+    there is one (the forward pass is already bad), else the first non-finite
+    cotangent in the order the backward pass computes them, as `(name, call,
+    iteration, backward)`."""
     x, r = np.asarray(x, np.float64), np.asarray(r, np.float64)
-    log = []
+    values, cotangents = [], []
 
-    def ct(name, value, iteration=None):
-        log.append((name, 0, iteration, bool(np.all(np.isfinite(value)))))
+    def value(name, v, iteration=None):
+        values.append((name, 0, iteration, False, bool(np.all(np.isfinite(v)))))
+
+    def ct(name, v, iteration=None):
+        cotangents.append((name, 0, iteration, True, bool(np.all(np.isfinite(v)))))
 
     with np.errstate(all="ignore"):
         c = [x * x]
-        for ri in r:
+        value("h", c[0])
+        for i, ri in enumerate(r):
+            value("s", np.sqrt(c[-1] - ri), i)
             c.append(2 * np.sqrt(c[-1] - ri))
+            value("after", c[-1], i)
+        value("log", np.log(c[-1]))
         ct("log", np.ones_like(x))  # d sum(y) / d y
         ct_c = 1 / c[-1]
         for i in reversed(range(len(r))):
@@ -419,7 +429,9 @@ def backward_reference(x, r):
             ct("s", ct_s, i)
             ct_c = ct_s * 0.5 / np.sqrt(c[i] - r[i])
         ct("h", ct_c)
-    return next(((n, c, it) for n, c, it, ok in log if not ok), None)
+    bad = [site for *site, ok in values if not ok]
+    bad = bad or [site for *site, ok in cotangents if not ok]
+    return tuple(bad[0]) if bad else None
 
 
 @pytest.mark.parametrize(
@@ -427,22 +439,62 @@ def backward_reference(x, r):
     [
         ([0.0, 1.0], [0.0, -1.0, -1.0]),  # sqrt'(0) at the first step: "h"
         ([0.5, 1.0], [0.0, 1.0, -1.0]),  # sqrt'(0) at the second: "after" 0
-        ([0.15625, 1.0], [0.0, 0.25, 0.5]),  # log'(0): "after" 2, nearest the loss
-        ([0.0, 1.0], [0.0, 1.0, -1.0]),  # NaN from the forward pass: "after" 2
+        ([0.15625, 1.0], [0.0, 0.25, 0.5]),  # log(0) = -inf: the value of "log"
+        ([0.0, 1.0], [0.0, 1.0, -1.0]),  # sqrt(-1) = NaN: the value of "s" 1
         ([2.0, 1.0], [0.0, 1.0, -1.0]),  # finite
     ],
 )
-def test_find_nonfinite_backward_reports_the_first_bad_cotangent(x, r):
+def test_find_nonfinite_backward_reports_the_first_bad_value_or_cotangent(x, r):
+    # The first bad value when the forward pass is already non-finite.
     x, r = jnp.asarray(x, jnp.float32), jnp.asarray(r, jnp.float32)
     want = backward_reference(x, r)
     got = fx.find_nonfinite(backward_program, x, r, backward=True)
     if want is None:
         assert got is None
         assert np.all(np.isfinite(jax.grad(backward_program)(x, r)))
-    else:
-        name, call, iteration = want
-        assert got == fx.BadSite(name, "intermediates", call, iteration, True)
-        assert f"'{name}'" in str(got) and "backward pass" in str(got)
+        return
+    name, call, iteration, backward = want
+    assert got == fx.BadSite(name, "intermediates", call, iteration, backward)
+    assert f"'{name}'" in str(got)
+    if backward:
+        assert "backward pass" in str(got)
+    else:  # the site backward=False finds, and a message that says so
+        assert got == fx.find_nonfinite(backward_program, x, r)
+        assert "forward pass is already non-finite" in str(got)
+
+
+def test_find_nonfinite_backward_reports_a_value_that_is_already_bad_in_a_scan():
+    # The NaN first appears at scan iteration 2, spoils every value after it
+    # (the tag after the scan too) and every cotangent: backward=True reports
+    # the value, as backward=False does, not a cotangent.
+    def f(x):
+        h = fx.tag(x + 1.0, "h")
+
+        def body(c, i):
+            c = fx.tag(jnp.sqrt(c - i), "c")  # of a negative from i = 2 on
+            return c, None
+
+        c, _ = jax.lax.scan(body, h, jnp.arange(4.0))
+        return jnp.sum(fx.tag(jnp.exp(c), "after"))
+
+    x = jnp.array([0.5, 7.0])
+    # The reference: the values by hand, and the gradient, non-finite too.
+    c, values = np.float64(1.5), []
+    with np.errstate(invalid="ignore"):
+        for i in range(4):
+            c = np.sqrt(c - i)
+            values.append(c)
+    assert np.isfinite(values[:2]).all() and np.isnan(values[2])
+    assert not np.all(np.isfinite(jax.grad(f)(x)))
+
+    want = fx.BadSite("c", "intermediates", 0, 2)
+    forward = fx.find_nonfinite(f, x)
+    backward = fx.find_nonfinite(f, x, backward=True)
+    assert forward == backward == want
+    assert backward.backward is False and backward.backward_search is True
+    assert "forward pass is already non-finite" in str(backward)
+    assert "forward pass" not in str(forward)
+    assert str(backward).startswith(str(forward))
 
 
 def test_find_nonfinite_backward_the_example_of_its_docstring_and_errors():
@@ -539,12 +591,17 @@ def custom_program(x):
 def test_find_nonfinite_in_functions_with_custom_derivatives(x, forward, backward):
     # Forward, every tag is checked; backward, a tag inside a custom_jvp or
     # custom_vjp function has no cotangent of its own, and the custom rules'
-    # cotangent reaches the tag outside.
+    # cotangent reaches the tag outside (`backward`: the first bad cotangent,
+    # by hand). A non-finite value, inside such a function too, comes first:
+    # backward=True reports it as backward=False does.
     x = jnp.array(x)
     got = fx.find_nonfinite(custom_program, x)
     assert (got and got.name) == forward
-    got = fx.find_nonfinite(custom_program, x, backward=True)
-    assert (got and got.name) == backward
+    got_backward = fx.find_nonfinite(custom_program, x, backward=True)
+    if forward is not None:
+        assert got_backward == got and not got_backward.backward
+    else:
+        assert (got_backward and got_backward.name) == backward
     grad_finite = bool(jnp.all(jnp.isfinite(jax.grad(custom_program)(x))))
     assert grad_finite == (backward is None)
 
@@ -585,7 +642,9 @@ def test_find_nonfinite_compiles_once_per_signature():
                 for x in (log_bad, ok, sqrt_bad, grad_bad)
             ]
             assert finite == [False, True, False, False]
-            assert names == ["h", None, "h", "h"]
+            # The values first (log_bad, sqrt_bad), then the gradient.
+            assert names == ["h", None, "s", "h"]
+            assert [b and b.backward for b in got] == [False, None, False, True]
         else:
             assert names == ["h", None, "s", None]
 
@@ -611,6 +670,38 @@ def test_find_nonfinite_of_equinox_models_compiles_once():
     assert good is None
     assert not bool(jnp.all(jnp.isfinite(models[1](x))))
     assert bool(jnp.all(jnp.isfinite(models[2](x))))
+
+
+def test_find_nonfinite_backward_of_an_equinox_model_argument_compiles_once():
+    # `find_nonfinite(loss, model, x, backward=True)` again with a new x, or a
+    # new model of the same structure: nothing traced or compiled again.
+    from helpers import CountCompiles
+
+    def loss(model, x):
+        return jnp.mean(jax.vmap(model)(x) ** 2)
+
+    def model(seed, nan=False):
+        mlp = eqx.nn.MLP(4, 1, 4, 2, key=jax.random.key(seed))
+        if nan:  # a NaN weight in the second layer
+            w = mlp.layers[1].weight.at[0, 0].set(jnp.nan)
+            mlp = eqx.tree_at(lambda m: m.layers[1].weight, mlp, w)
+        return fx.tag_modules(mlp)
+
+    xs = [jax.random.normal(jax.random.key(i), (3, 4)) for i in range(3)]
+    models = [model(0), model(1), model(2, nan=True)]
+    for backward in (False, True):
+        fx.find_nonfinite(loss, models[0], xs[0], backward=backward)
+        with CountCompiles() as counter:
+            got = [
+                fx.find_nonfinite(loss, m, x, backward=backward)
+                for m, x in zip(models, xs[1:] + xs[:1])
+            ]
+        assert counter.traces == 0 and counter.compiles == 0
+        assert got[:2] == [None, None]
+        assert got[2] == fx.BadSite("layers.1", "intermediates", 0, None)
+    for m, x in zip(models, xs[1:] + xs[:1]):  # the reference
+        finite = bool(jnp.isfinite(loss(m, x)))
+        assert finite == (m is not models[2])
 
 
 def test_find_nonfinite_keeps_no_dead_function_alive():

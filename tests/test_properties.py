@@ -114,7 +114,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import leak_checks, no_leak_checks, plain
+from helpers import devices, leak_checks, no_leak_checks, plain
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from jax import lax
@@ -141,7 +141,7 @@ FUZZ = settings(
 )
 
 JAX = tuple(int(p) for p in jax.__version__.split(".")[:2])
-MESH = Mesh(np.array(jax.devices()[:2]), ("s",))
+MESH = Mesh(np.array(devices(2)), ("s",))  # (the CPU's, on a single GPU)
 MAX_DEPTH = 3
 CUSTOM_FACTOR = 1.5  # the custom rules' derivative, relative to the true one
 TAGGED = ("intermediates", "loop")  # the tag collections: outside, inside while

@@ -1405,3 +1405,51 @@ def test_intermediate_grads_at_a_position_embedding():
     assert_trees_close(value, loss(model, tokens))
     assert_trees_close(grads["wpe"], (jax.grad(by_hand)(zeros),), rtol=1e-5)
     assert grads["wte"][0].shape == (2, 3, 4)
+
+
+# find_nonfinite(backward=True) when the forward pass is already non-finite
+#
+
+
+class _Net(eqx.Module):
+    """The model of scale_find_nonfinite_backward_forward_nan.py."""
+
+    l0: eqx.nn.Linear
+    l1: eqx.nn.Linear
+    l2: eqx.nn.Linear
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 4)
+        self.l0, self.l1, self.l2 = (eqx.nn.Linear(4, 4, key=ki) for ki in k[:3])
+        self.out = eqx.nn.Linear(4, 1, key=k[3])
+
+    def __call__(self, x):
+        for layer in (self.l0, self.l1, self.l2):
+            x = jnp.tanh(layer(x))
+        return self.out(x)[0]
+
+
+def test_find_nonfinite_backward_reports_the_nan_weight_of_the_forward_pass():
+    """scale_find_nonfinite_backward_forward_nan.py: with a NaN weight in l1,
+    find_nonfinite(..., backward=True) named 'out', the tag nearest the loss
+    where the backward pass first meets a NaN cotangent, not l1, whose value
+    the forward pass already holds non-finite."""
+    net = _Net(jax.random.key(0))
+    bad = eqx.tree_at(lambda m: m.l1.weight, net, net.l1.weight.at[0, 0].set(jnp.nan))
+    tagged = fx.tag_modules(bad)
+
+    def loss(m, x):
+        return jnp.mean(jax.vmap(m)(x) ** 2)
+
+    x = jnp.ones((2, 4))
+    # The reference: l0's value is finite, l1's is not.
+    h0 = jax.vmap(lambda v: jnp.tanh(bad.l0(v)))(x)
+    assert bool(jnp.all(jnp.isfinite(h0)))
+    assert not bool(jnp.all(jnp.isfinite(jax.vmap(bad.l1)(h0))))
+
+    forward = fx.find_nonfinite(loss, tagged, x)
+    backward = fx.find_nonfinite(loss, tagged, x, backward=True)
+    assert forward == backward == fx.BadSite("l1", "intermediates", 0, None)
+    assert not backward.backward
+    assert "forward pass is already non-finite" in str(backward)
