@@ -445,36 +445,52 @@ def checked_order(model, tokens, names):
 def hand_check(backward: bool, names):
     """By hand, what `fx.find_nonfinite(loss, model, tokens)` checks: the
     index in `executions` of the first execution whose value holds a NaN or an
-    Inf or, with `backward`, of the last whose cotangent does (the first the
-    backward pass computes); -1 when there is none. Only `names` are checked."""
+    Inf; with `backward`, when there is none, the number of executions plus
+    the index of the last whose cotangent does (the first the backward pass
+    computes); -1 when there is none. Only `names` are checked. Backward, one
+    forward pass gives both the values' flags and the gradient."""
 
     def check(model, tokens):
         order = checked_order(model, tokens, names)
         scanned = any(isinstance(e, tuple) for e in order)
+
+        def flag(name, value, delta, _):
+            if name not in names:
+                return value, None
+            finite = jnp.all(jnp.isfinite(value))
+            return (value if delta is None else value + delta), finite
+
+        def run(deltas):
+            def one(t, d):
+                logits, kept, _ = hand_run(flag, model, t, d)
+                return logits, kept
+
+            logits, kept = jax.vmap(one)(tokens, deltas)
+            return loss_of(logits, tokens), kept
+
         if backward:
-            grads = hand_grads(names)(model, tokens)[1]
-            good = {
-                # every axis but the scan's (1, after the batch's)
-                n: jnp.all(
-                    jnp.isfinite(g),
-                    axis=[
-                        a
-                        for a in range(g.ndim)
-                        if not (a == 1 and scanned and _in_scan(n))
-                    ],
-                )
-                for n, (g,) in grads.items()
+            shapes, _ = site_shapes(model, tokens)
+            deltas = {
+                n: jnp.zeros((len(tokens), *s.shape), s.dtype)
+                for n, s in shapes.items()
+                if n in names
             }
+            (_, kept), grads = jax.value_and_grad(run, has_aux=True)(deltas)
         else:
-            keep_finite = lambda n, v, _, __: (v, jnp.all(jnp.isfinite(v)))  # noqa: E731
-            kept = jax.vmap(lambda t: hand_run(keep_finite, model, t)[1])(tokens)
-            good = {n: jnp.all(f, 0) for n, f in kept.items()}  # over the batch
-        flags = _in_order(good, order)
-        if backward:
-            bad = len(flags) - 1 - jnp.argmin(flags[::-1])
-        else:
-            bad = jnp.argmin(flags)
-        return jnp.where(jnp.all(flags), -1, bad)
+            kept = run({})[1]
+        # Over the batch (and, for the gradients, every axis but the scan's).
+        values = _in_order({n: jnp.all(f, 0) for n, f in kept.items()}, order)
+        first = jnp.where(jnp.all(values), -1, jnp.argmin(values))
+        if not backward:
+            return first
+
+        def good(n, g):
+            keep = 1 if scanned and _in_scan(n) else None
+            return jnp.all(jnp.isfinite(g), [a for a in range(g.ndim) if a != keep])
+
+        cotangents = _in_order({n: good(n, g) for n, g in grads.items()}, order)
+        last = 2 * len(cotangents) - 1 - jnp.argmin(cotangents[::-1])
+        return jnp.where(first >= 0, first, jnp.where(jnp.all(cotangents), -1, last))
 
     return check
 
@@ -746,11 +762,11 @@ class Measure:
 
         def by_hand(model):
             i = int(check(model, tokens))
-            return None if i < 0 else where[i]
+            return None if i < 0 else (*where[i % len(where)], i >= len(where))
 
         def handled(model):
             bad = fx.find_nonfinite(loss, tag(model), tokens, backward=backward)
-            return None if bad is None else (bad.name, bad.iteration)
+            return None if bad is None else (bad.name, bad.iteration, bad.backward)
 
         assert handled(plain) is None and by_hand(plain) is None, name
         # A NaN in block 1's MLP weight: both name the same execution.
