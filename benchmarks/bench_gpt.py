@@ -502,8 +502,7 @@ def hand_check(backward: bool, names):
 
 def metric(logits, tokens):
     """How much the last position prefers the clean first token over the
-    corrupted one (the token ids are in `tokens`' first two positions... of
-    `PAIR`, set in `main`)."""
+    corrupted one (their ids: `PAIR`, set in `main`)."""
     return logits[-1, PAIR[0]] - logits[-1, PAIR[1]]
 
 
