@@ -19,7 +19,7 @@ from . import _branches, _compat, _jaxpr, _nnx
 from ._handlers import Handler, Perturb, mode_of
 from ._primitives import handling, per_example, probing
 from ._rewrite import per_state, run
-from ._scope import Scope
+from ._scope import Scope, Unbatched
 from ._site import CHECKPOINT_NAME, Site, aval
 from ._sites import sites_in
 
@@ -577,7 +577,39 @@ def _program(
     cached: it belongs to one trace."""
     # A check for branches a vmap evaluated traces with sites marked: never cache.
     sig = _signature(static, treedef, dynamic) if probing.value is None else None
+    key = None
+    if sig is not None:
+        key = (sig, config.key, tuple(map(aval, h_leaves)), bool(handling.value))
+        program = cache.programs.get(key)
+        if program is not None:
+            return program
+    # The sites whose values a vmap inside `fn` batches although they do not
+    # depend on the example: those the handlers give values per execution, and
+    # those a handler turns out to change per example (each traces again).
     batched = config.batched
+    while True:
+        traced = _traced(cache, fn, static, treedef, dynamic, sig, batched)
+        handlers = config.handlers
+        _check_names(traced.sites, handlers)
+        _check_reporters(traced.sites, handlers)
+        every_branch = _every_branch(traced, handlers, fn, static, treedef, dynamic)
+        _check_branches(every_branch, handlers)
+        try:
+            program = _rewrite(traced, config, h_leaves, _name(fn))
+        except Unbatched as e:
+            if e.name in batched:
+                raise
+            batched |= {e.name}
+            continue
+        break
+    if key is not None and not any(map(_is_tracer, [*program.consts, *traced.consts])):
+        cache.programs.put(key, program)
+    return program
+
+
+def _traced(cache: _Cache, fn, static, treedef, dynamic, sig, batched) -> _Traced:
+    """`fn` traced (from `cache` where it can be), with the sites named in
+    `batched` batched by any vmap."""
     if sig is not None and batched:
         sig = (sig, batched)
     traced = None if sig is None else cache.traces.get(sig)
@@ -585,21 +617,7 @@ def _program(
         traced = _trace(fn, static, treedef, dynamic, batched)
         if sig is not None and not any(map(_is_tracer, traced.consts)):
             cache.traces.put(sig, traced)
-    handlers = config.handlers
-    _check_names(traced.sites, handlers)
-    _check_reporters(traced.sites, handlers)
-    every_branch = _every_branch(traced, handlers, fn, static, treedef, dynamic)
-    _check_branches(every_branch, handlers)
-    key = None
-    if sig is not None:
-        key = (sig, config.key, tuple(map(aval, h_leaves)), bool(handling.value))
-        program = cache.programs.get(key)
-        if program is not None:
-            return program
-    program = _rewrite(traced, config, h_leaves, _name(fn))
-    if key is not None and not any(map(_is_tracer, [*program.consts, *traced.consts])):
-        cache.programs.put(key, program)
-    return program
+    return traced
 
 
 def _name(fn) -> str:

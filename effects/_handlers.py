@@ -371,8 +371,10 @@ class Handler:
     - `ValueError`, from [`handle`][effects.handle], naming the tag and the
       handler: `apply` returns a value of another structure, shape or dtype;
       it changes a value inside a `custom_jvp`/`custom_vjp` function (whose
-      rule would not know) or an unbatched value under a `vmap` inside the
-      handled function; or `mode` cannot be honoured where the site is.
+      rule would not know); or `mode` cannot be honoured where the site is.
+      (A value a `vmap` inside the handled function leaves unbatched, which
+      `apply` changes per example, is no error: `handle` has the vmap batch
+      it.)
     - `TypeError`, when the subclass is defined, for fields a dataclass cannot
       have (a field without a default after one with a default).
 

@@ -302,13 +302,24 @@ _CHANGED_IN_CUSTOM = (
     "{handler} changes its value there without the custom rule knowing. Move "
     "the tag out of the custom_jvp/custom_vjp function, or handle inside it."
 )
-_CHANGED_UNBATCHED = (
-    "{handler} changes {where}, a value that the vmap inside the handled "
-    "function does not batch, differently per example. Move the handler "
-    "inside the vmap (`jax.vmap(fx.handle(f, ...))`), or give the values per "
-    "execution (`Substitute(values, per_call=True)`, or a handler's "
-    "`per_call_inputs()`): the vmap then batches the value."
-)
+
+
+class Unbatched(ValueError):
+    """A handler changes per example a value a vmap inside the handled function
+    does not batch: `handle` traces the function again with the vmap batching
+    the site `name` (see `_primitives.per_example`). Raised only once that is
+    done, it is an error."""
+
+    def __init__(self, handler, site: Site):
+        super().__init__(
+            f"{_name(handler)} changes {site.where()}, a value that the vmap "
+            "inside the handled function does not batch, differently per "
+            "example. Move the handler inside the vmap "
+            "(`jax.vmap(fx.handle(f, ...))`)."
+        )
+        self.name = site.name
+
+
 _BAD_VALUE = (
     "{handler} gives {got} for {where}, whose value is {want}; the shape and "
     "dtype must stay the same (and the pytree structure)."
@@ -401,9 +412,7 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
             continue
         x = next(it)
         if any(a is None for a, _ in entries):
-            raise ValueError(
-                _CHANGED_UNBATCHED.format(handler=_name(handler), where=site.where())
-            )
+            raise Unbatched(handler, site)
         x = to_program(x, entries)
         if site.shards:
             x = site.vary_like(x, site.avals[j], _name(handler))

@@ -629,6 +629,51 @@ def test_per_example_values_at_an_unbatched_tag_in_a_scan_and_under_jit():
     assert_trees_close(out, evaluate(lambda x: jnp.sum(jax.vmap(by_hand)(x, new)), x))
 
 
+def test_any_handler_may_change_an_unbatched_value_per_example():
+    # Substitute with one value per example, a user handler reading its
+    # example's index, find_nonfinite's backward checks: the vmap batches the
+    # value, as a hand-written program computing it per example would.
+    def per_example(xi, pos):
+        return jnp.sum(jnp.tanh(xi * pos))
+
+    loss = _mean_of_examples(per_example)
+    x = _rng(34, (B, 3))
+    values = _rng(35, (B, 3))
+    out, _ = fx.handle(loss, fx.Substitute({"pos": values}))(x)
+    by_hand = jnp.mean(jax.vmap(per_example)(x, values))
+    assert_trees_close(out, by_hand)
+
+    class ByExample(fx.Handler):
+        def matches(self, site):
+            return site.name == "pos"
+
+        def apply(self, site, value, ctx):
+            return value * (1.0 + ctx.batch_index[0])
+
+    out, _ = jax.jit(fx.handle(loss, ByExample()))(x)
+    pos = np.cos(np.arange(3.0, dtype=f32))
+    scaled = pos * (1.0 + np.arange(B, dtype=f32))[:, None]
+    assert_trees_close(
+        out, evaluate(lambda x: jnp.mean(jax.vmap(per_example)(x, scaled)), x)
+    )
+
+    # handle(vmap(f), H) == vmap(handle(f, H))
+    def one(xi):
+        return per_example(xi, fx.tag(jnp.cos(jnp.arange(3.0)), "pos"))
+
+    clip = fx.Intervene({"pos": lambda v: jnp.clip(v, -0.5, 0.5)})
+    inside = jax.vmap(fx.handle(one, clip))(x)[0]
+    outside = fx.handle(jax.vmap(one), clip)(x)[0]
+    assert_trees_close(outside, inside)
+    # the backward NaN search checks the cotangent of every example's copy
+    bad = fx.find_nonfinite(
+        _mean_of_examples(lambda xi, pos: jnp.sum(jnp.sqrt(pos - 1.0) * xi)),
+        x,
+        backward=True,
+    )
+    assert bad is not None and bad.name == "pos"
+
+
 def test_values_per_execution_leave_other_programs_alone():
     # Only the names a handler gives values per execution are batched: under
     # Tag(), `pos` stays one value, broadcast where it meets the batch.
