@@ -208,7 +208,7 @@ def test_blocks_are_found():
     # A snippet include runs the section it names, from the named file.
     page = ROOT / "docs/guides/interpretability.md"
     sources = {block.source for block in code_blocks(page)}
-    assert sources == {ROOT / "examples/interpretability.py"}
+    assert sources == {ROOT / "examples/interpretability.py", page}
     # The output a page shows after a block is the block's.
     page = ROOT / "docs/guides/extracting-intermediates.md"
     shown = [b.output for b in code_blocks(page) if b.output is not None]
