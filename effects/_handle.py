@@ -17,7 +17,7 @@ import jax
 
 from . import _branches, _compat, _jaxpr, _nnx
 from ._handlers import Handler, Perturb, mode_of
-from ._primitives import handling, per_example, probing
+from ._primitives import batched_sites, handling, probing
 from ._rewrite import per_state, run
 from ._scope import Scope, Unbatched
 from ._site import CHECKPOINT_NAME, Site, aval
@@ -243,10 +243,10 @@ def _named_after(fn, static, treedef, dynamic):
 
 def _trace(fn, static, treedef, dynamic, batched=frozenset()) -> _Traced:
     """`fn` traced with its sites carrying their effect, and those named in
-    `batched` batched by any vmap (see `per_example`)."""
+    `batched` batched by any vmap (see `batched_sites`)."""
     out_info = {}
     avals = [aval(x) for x in dynamic]
-    with handling(True), per_example(batched):
+    with handling(True), batched_sites(batched):
         jaxpr, consts = _jaxpr.trace(
             _flat(fn, static, treedef, out_info),
             avals,
@@ -283,7 +283,7 @@ def _every_branch(traced: _Traced, handlers, fn, static, treedef, dynamic):
         named_after = _named_after(fn, static, treedef, dynamic)
 
         def retrace(keys):
-            with handling(True), probing(keys), per_example(traced.batched):
+            with handling(True), probing(keys), batched_sites(traced.batched):
                 _jaxpr.trace(_flat(fn, static, treedef, {}), avals, named_after)
 
         found = traced.every_branch[matched] = _branches.mixed(retrace, matched)
@@ -533,7 +533,7 @@ class _Config:
     # unhashable, a key of this object's own, so that a handled function kept
     # and called again still finds what it cached.
     key: Any
-    # The names the handlers give values per execution (see `per_example`).
+    # The names the handlers give values per execution (see `batched_sites`).
     batched: frozenset = frozenset()
 
     @classmethod
@@ -586,10 +586,9 @@ def _program(
     # The sites whose values a vmap inside `fn` batches although they do not
     # depend on the example: those the handlers give values per execution, and
     # those a handler turns out to change per example (each traces again).
-    batched = config.batched
+    batched, handlers = config.batched, config.handlers
     while True:
         traced = _traced(cache, fn, static, treedef, dynamic, sig, batched)
-        handlers = config.handlers
         _check_names(traced.sites, handlers)
         _check_reporters(traced.sites, handlers)
         every_branch = _every_branch(traced, handlers, fn, static, treedef, dynamic)

@@ -35,12 +35,13 @@ handling = jax.make_user_context(False)
 probing = jax.make_user_context(None)
 
 
-# While `handle` traces for handlers that give a value per execution (in the
-# layout `Tag()` reports, so per example): the names of those sites. A vmap
-# batches their values even where they do not depend on the example (a
-# position embedding inside a per-example model), so that each example's copy
-# can take its own value: what follows them is then computed per example.
-per_example = jax.make_user_context(frozenset())
+# While `handle` traces: the names of the sites whose values a handler changes
+# per example (given per execution, in the layout `Tag()` reports, or found to
+# change while rewriting: see `_scope.Unbatched`). A vmap batches their values
+# even where they do not depend on the example (a position embedding inside a
+# per-example model), so that each example's copy can take its own value:
+# what follows them is then computed per example.
+batched_sites = jax.make_user_context(frozenset())
 
 
 class SiteEffect(_compat.Effect):
@@ -112,7 +113,7 @@ def _site_batch(axis_size, vals, dims, *, batch, **params):
     # Leaves stay where vmap put their batch axis (moving it would add a transpose
     # to the unhandled program); the axis, or None with the size for an unbatched
     # leaf, is recorded outermost-first for handlers to use when they collect.
-    if params["name"] in per_example.value and None in dims:
+    if params["name"] in batched_sites.value and None in dims:
         vals = [
             v if d is not None else _broadcast(v, axis_size) for v, d in zip(vals, dims)
         ]

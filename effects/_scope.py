@@ -307,7 +307,7 @@ _CHANGED_IN_CUSTOM = (
 class Unbatched(ValueError):
     """A handler changes per example a value a vmap inside the handled function
     does not batch: `handle` traces the function again with the vmap batching
-    the site `name` (see `_primitives.per_example`). Raised only once that is
+    the site `name` (see `_primitives.batched_sites`). Raised only once that is
     done, it is an error."""
 
     def __init__(self, handler, site: Site):
