@@ -42,7 +42,7 @@ def suspects(jaxpr) -> frozenset[Key]:
     ):
         return frozenset()
     return frozenset(
-        (*s.key, _compat.call_path(s.eqn.source_info.traceback))
+        (*s.key[:3], _compat.call_path(s.eqn.source_info.traceback))
         for s in tags
         if not any(map(_keeps_branches, s.path))
     )

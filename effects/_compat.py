@@ -75,6 +75,12 @@ def current_call_path() -> tuple[tuple[str, int, int], ...]:
     return call_path(_source_info_util.current().traceback)
 
 
+def dce(jaxpr):
+    """`jaxpr` without the equations no output needs, loop outputs included
+    (jax 0.7-0.12: `pe.dce_jaxpr`); equations with effects are kept."""
+    return _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
+
+
 def allow_effect(effect_type: type) -> None:
     # jax 0.10: an unordered effect must be allowed in each of these sets to pass
     # through control flow, custom derivatives, remat and lowering, and be in

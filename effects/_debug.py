@@ -79,6 +79,8 @@ class Stats(Tag):
     - `names`: which names; see [`Names`][effects.Names].
     - `per_example`: whether statistics are per example of each `jax.vmap`
       inside the handled function (True) or over the whole batch (False).
+    - `of`: `"value"`, `"tangent"` or `"cotangent"`: statistics of the values,
+      or of their derivatives as [`Tag(of=...)`][effects.Tag] collects them.
 
     **Returns:**
 
@@ -116,8 +118,9 @@ class Stats(Tag):
         *,
         names: Names = None,
         per_example: bool = True,
+        of: str = "value",
     ):
-        super().__init__(collection, names=names)
+        super().__init__(collection, names=names, of=of)
         # (frozen dataclass fields)
         object.__setattr__(self, "mode", _STATS)
         object.__setattr__(self, "per_example", bool(per_example))

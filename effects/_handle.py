@@ -16,7 +16,7 @@ import equinox as eqx
 import jax
 
 from . import _branches, _compat, _jaxpr, _nnx
-from ._handlers import Handler, Perturb, mode_of
+from ._handlers import Handler, Perturb, found_key, mode_of
 from ._primitives import batched_sites, handling, probing
 from ._rewrite import per_state, run
 from ._scope import Scope, Unbatched
@@ -378,10 +378,10 @@ def _unknown_name(h, name: str, probes, consumer) -> str:
 def _check_reporters(sites, handlers) -> None:
     """No two handlers report one `checkpoint_name` (never consumed, so every
     handler sees it) into the same collection of `found`."""
-    for k, c, n in sites:  # at every call: no sorting, names only on error
+    for k, c, n, part in sites:  # at every call: no sorting, names only on error
         if c != CHECKPOINT_NAME:
             continue
-        probe = Site.probe(k, c, n)
+        probe = Site.probe(k, c, n, part)
         hits = [h for h in handlers if mode_of(h) is not None and h.matches(probe)]
         if len(hits) > 1:
             raise ValueError(
@@ -471,7 +471,7 @@ def _report(scope: Scope, handlers) -> Found:
     """What the handlers found, once the whole function has run, each
     collection's names in the order the program first executed them."""
     for key, left in scope.inputs.items():
-        if left:
+        if left and len(key) == 2:
             where = scope.sites[key].where() if key in scope.sites else repr(key[1])
             raise ValueError(
                 _LEFTOVER.format(
@@ -481,20 +481,30 @@ def _report(scope: Scope, handlers) -> Found:
     found = Found()
     modes = scope.handlers.modes
     for h, mode in zip(handlers, modes):
-        collection = getattr(h, "collection", None)
-        if mode is not None and isinstance(collection, str):
-            found.setdefault(collection, Found())
+        key = found_key(h)
+        if mode is not None and key is not None:
+            found.setdefault(key, Found())
     for key, site in scope.sites.items():  # in order of first execution
-        i, name = key
+        if len(key) > 2:  # (a handler of the value, differentiated)
+            continue
+        i, name = key[0], key[1]
         mode = modes[i]
         if mode is None:
             continue
-        names = found.setdefault(site.collection, Found())
+        collection = site.collection
+        if site.part != "value":
+            collection = f"{collection}:{site.part}"
+        names = found.setdefault(collection, Found())
         if key in scope.accs:
             names[name] = scope.accs[key]
         elif key in scope.entries:
             values = tuple(v for v, _ in scope.entries[key])
+            if site.part == "cotangent":  # (the backward pass runs last first)
+                values = values[::-1]
             names[name] = values[0] if mode.single else values
+    for collection, names in found.items():
+        if collection.endswith(":cotangent"):  # names too, in forward order
+            found[collection] = Found(reversed(names.items()))
     return found
 
 
@@ -513,7 +523,9 @@ def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:
 
     in_avals = [*map(aval, h_leaves), *(v.aval for v in traced.jaxpr.invars)]
     jaxpr, consts = _jaxpr.trace(rewritten, in_avals)
-    closed = _compat.ClosedJaxpr(jaxpr, ())
+    # What a dropped derivative site needed goes too (a value a forward loop
+    # kept for the backward pass): the program of the hand-written function.
+    closed = _compat.ClosedJaxpr(_compat.dce(jaxpr), ())
     return _Program(closed, consts, traced, info["tree"], name)
 
 

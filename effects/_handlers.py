@@ -349,6 +349,22 @@ class Handler:
       vmap(handle(f, H))` is then not kept, by design: a handler of the
       whole batch sees the vmaps inside `handle` only.
 
+    - `of`: the part of a site the handler acts on: `"value"` (the default),
+      or, under a `jax.jvp` or `jax.grad` inside [`handle`][effects.handle],
+      `"tangent"` or `"cotangent"`: `apply` then gets the derivative of one
+      execution's value (`site.part` says which, `ctx.primal` is the value
+      itself) and returns the derivative the program goes on with: a gradient
+      clip at a layer, say. A handler of the value is differentiated where the
+      program is: its JVP acts on the tangent and its VJP on the cotangent,
+      so `handle(jax.grad(f), H) == jax.grad(handle(f, H))` (see
+      [Gradients and tangents](../guides/derivatives.md)).
+
+    - `looks_only`: `True` for a handler whose `apply` always returns the
+      value it gets (it only emits, as `Tag` and `Stats` do). Default
+      `False`: at a tangent or cotangent site, `apply` runs again on the
+      value, reporting nothing, to be differentiated there; with `True` that
+      is skipped, as the handler's derivative is the identity.
+
     Two optional methods: `per_call_inputs() -> {name: (entry, ...)}`, one
     entry per execution in the layout `Tag()` reports, read by
     `ctx.next_input()`; and `required_names() -> (name, ...)`, names that
@@ -398,6 +414,8 @@ class Handler:
     mode: ClassVar[Any] = None
     consumes: ClassVar[bool] = False
     per_example: ClassVar[bool] = True
+    of: ClassVar[str] = "value"
+    looks_only: ClassVar[bool] = False
     # Whether the class or a base defines its own `__init__` (as `Tag` does, to
     # validate its arguments): it is then kept, and no dataclass one generated.
     _custom_init: ClassVar[bool] = False
@@ -426,7 +444,11 @@ class Handler:
         return eqx.tree_pformat(self)
 
     def matches(self, site: Site) -> bool:
-        return site.kind == "tag" and site.collection == "intermediates"
+        return (
+            site.kind == "tag"
+            and site.collection == "intermediates"
+            and site.part == self.of
+        )
 
     def apply(self, site: Site, value: PyTree, ctx: Context) -> PyTree:
         raise NotImplementedError(
@@ -464,11 +486,23 @@ class Context:
     ```
     """
 
-    __slots__ = ("site", "_emit", "_input", "_axes", "_at")
+    __slots__ = ("site", "_emit", "_input", "_axes", "_at", "_primal")
 
-    def __init__(self, site: Site, emit, entry, axes: tuple[str, ...], at):
+    def __init__(self, site: Site, emit, entry, axes: tuple[str, ...], at, primal):
         self.site = site
         self._emit, self._input, self._axes, self._at = emit, entry, axes, at
+        self._primal = primal
+
+    @property
+    def primal(self) -> PyTree:
+        """At a tangent or cotangent site (`site.part`), the value whose
+        derivative `apply` gets, for one example; at a value site, an error."""
+        if self._primal is NO_INPUT:
+            raise ValueError(
+                f"{self.site.where()}: `ctx.primal` is the value at a tangent or "
+                "cotangent site; here `apply` gets the value itself."
+            )
+        return self._primal
 
     def emit(self, value: PyTree) -> PyTree | None:
         """Reports `value` under the handler's `mode`. Under a reduction
@@ -537,6 +571,17 @@ class Context:
 
 
 NO_INPUT = object()
+PARTS = ("value", "tangent", "cotangent")
+
+
+def found_key(handler) -> str | None:
+    """The key of `found` a handler reports under: its collection; for the
+    tangents or cotangents of a collection, `"collection:tangent"` and
+    `"collection:cotangent"`, beside the values."""
+    collection = getattr(handler, "collection", None)
+    if not isinstance(collection, str):
+        return None
+    return collection if handler.of == "value" else f"{collection}:{handler.of}"
 
 
 def mode_of(handler: Handler) -> Append | Reduce | None:
@@ -558,6 +603,8 @@ def matches_tag(handler, site, names=None) -> bool:
     (Handler.matches, and the name filter, spelt out: this runs at every
     site.)"""
     if site.kind != "tag" or site.collection != handler.collection:
+        return False
+    if site.part != handler.of:
         return False
     if names is not None:
         return site.name in names
@@ -596,11 +643,21 @@ class Tag(Handler):
     - `names`: which names; see [`Names`][effects.Names].
     - `mode`: `"append"`, `"strict"`, `"last"`, `"sum"` or a
       [`Reduce`][effects.Reduce], as above.
+    - `of`: what to collect: `"value"` (the default), or the derivatives of
+      the values that a `jax.jvp` (`"tangent"`) or `jax.grad`/`jax.vjp`
+      (`"cotangent"`) inside the handled function takes: with `"cotangent"`,
+      the gradient with respect to every tag in one backward pass. See
+      [Gradients and tangents](../guides/derivatives.md).
 
     **Returns:**
 
-    As a handler: in `found[collection]`, a dict from name to value, names in
-    the order the program first executed them; `{}` if no tag matched.
+    As a handler: in `found[collection]` (for derivatives,
+    `found[f"{collection}:{of}"]`), a dict from name to value, names in the
+    order the program first executed them; `{}` if no tag matched.
+    Cotangents are in the order of the executions whose values they belong to,
+    as values are, though the backward pass runs in reverse; a reduction
+    folds them in the order the backward pass runs (`"last"` is the
+    cotangent of the first execution).
 
     **Raises:**
 
@@ -631,9 +688,11 @@ class Tag(Handler):
     """
 
     consumes: ClassVar[bool] = True
+    looks_only: ClassVar[bool] = True
     collection: str = _static()
     names: Any = _static()
     mode: Any = _static()  # pyright: ignore[reportIncompatibleVariableOverride]
+    of: str = _static()  # pyright: ignore[reportIncompatibleVariableOverride]
 
     def __init__(
         self,
@@ -641,6 +700,7 @@ class Tag(Handler):
         *,
         names: Names = None,
         mode: str | Reduce = "append",
+        of: str = "value",
     ):
         owner = type(self).__name__  # (a subclass's, `Stats`)
         if not isinstance(collection, str):
@@ -649,8 +709,16 @@ class Tag(Handler):
             )
         if not (isinstance(mode, Reduce) or mode in _MODES):
             raise ValueError(_BAD_MODE.format(mode=mode))
+        if of not in PARTS:
+            raise ValueError(
+                f"{owner}: of={of!r}; use 'value', 'tangent' or 'cotangent'."
+            )
         _set_fields(
-            self, collection=collection, names=_check_names(names, owner), mode=mode
+            self,
+            collection=collection,
+            names=_check_names(names, owner),
+            mode=mode,
+            of=of,
         )
 
     def matches(self, site):
@@ -760,7 +828,7 @@ class Perturb(Handler):
     def matches(self, site):
         if site.kind != self.kind or site.collection != self.collection:
             return False
-        if not _name_matches(self.names, site.name):
+        if site.part != "value" or not _name_matches(self.names, site.name):
             return False
         return self.deltas is None or site.name in self.deltas
 

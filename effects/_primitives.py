@@ -83,50 +83,115 @@ def bind_site(leaves, params, effect: bool) -> list[Any]:
     return Primitive.bind(site_p, *leaves, **dict(params, effect=effect))
 
 
+# Sites of three parts. A `tag` or `perturb` is a site of the value. While
+# `handle` traces, the JVP of a value site makes, beside it, a site of the
+# tangent, and transposing that makes a site of the cotangent. A derivative
+# site takes the primal value's leaves, then the derivative's, and returns the
+# derivative's: handlers act on the derivative knowing the primal (see
+# `_rewrite.handle_derivative`). Outside `handle` no derivative site is made:
+# tangents pass a site untouched, so the unhandled program and its derivatives
+# stay those of the untagged program.
+DERIVATIVE = {"tangent": "cotangent", "cotangent": "tangent"}  # part -> transposed
+
+
+def part_of(params) -> str:
+    return params.get("part", "value")
+
+
+def _derivative_leaves(args, params):
+    """The derivative's leaves among a site's arguments (all, for a value site)."""
+    return args[len(args) // 2 :] if part_of(params) != "value" else args
+
+
 @site_p.def_impl
-def _site_impl(*args, **_):
-    return args
+def _site_impl(*args, **params):
+    return _derivative_leaves(args, params)
 
 
 @site_p.def_effectful_abstract_eval
-def _site_abstract_eval(*avals, effect, **_):
+def _site_abstract_eval(*avals, effect, **params):
+    avals = _derivative_leaves(avals, params)
     if effect == "probe":
         return avals, {site_effect, _compat.io_effect}
     return avals, {site_effect} if effect else set()
 
 
-mlir.register_lowering(site_p, lambda ctx, *args, **_: args)
+mlir.register_lowering(
+    site_p, lambda ctx, *args, **params: _derivative_leaves(args, params)
+)
 
 
 def _site_jvp(primals, tangents, **params):
-    # Only primal values are sites; tangents pass through untouched.
-    return site_p.bind(*primals, **params), tangents
+    outs = site_p.bind(*primals, **params)
+    if not handling.value or all(type(t) is ad.Zero for t in tangents):
+        return outs, tangents
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    if part_of(params) == "value":
+        return outs, site_p.bind(*primals, *tangents, **dict(params, part="tangent"))
+    # The derivative of a derivative site, linear in the derivative: handlers
+    # that change values are refused there (`higher`), others pass it on.
+    n = len(primals) // 2
+    higher = site_p.bind(*primals[:n], *tangents[n:], **dict(params, higher=True))
+    return outs, higher
 
 
 ad.primitive_jvps[site_p] = _site_jvp
 
 
-ad.primitive_transposes[site_p] = lambda cts, *args, **params: cts
+def _site_transpose(cts, *args, **params):
+    part = part_of(params)
+    if part == "value":
+        return cts
+    n = len(args) // 2
+    cts = [ad.instantiate_zeros(c) for c in cts]
+    flipped = part if params.get("higher") else DERIVATIVE[part]
+    return [None] * n + list(site_p.bind(*args[:n], *cts, **dict(params, part=flipped)))
+
+
+ad.primitive_transposes[site_p] = _site_transpose
 
 
 def _site_batch(axis_size, vals, dims, *, batch, **params):
     # Leaves stay where vmap put their batch axis (moving it would add a transpose
     # to the unhandled program); the axis, or None with the size for an unbatched
     # leaf, is recorded outermost-first for handlers to use when they collect.
+    vals, dims = list(vals), list(dims)
     if params["name"] in batched_sites.value and None in dims:
         vals = [
             v if d is not None else _broadcast(v, axis_size) for v, d in zip(vals, dims)
         ]
         dims = [0 if d is None else d for d in dims]
+    n = len(vals) // 2
+    if part_of(params) != "value":
+        # A primal leaf and its derivative are batched alike (the derivative is
+        # batched alone under `jax.jacfwd`): handlers see them per example.
+        for i in range(n):
+            vals[i], vals[n + i], dims[i], dims[n + i] = _alike(
+                vals[i], vals[n + i], dims[i], dims[n + i], axis_size
+            )
+        dims_out = dims[n:]
+    else:
+        dims_out = dims
     new_batch = []
-    for d, entries in zip(dims, batch):
+    for d, entries in zip(dims_out, batch):
         shifted = tuple(
             (None if a is None else a + (d is not None and a >= d), size)
             for a, size in entries
         )
         new_batch.append(((d, axis_size),) + shifted)
     outs = site_p.bind(*vals, batch=tuple(new_batch), **params)
-    return outs, list(dims)
+    return outs, dims_out
+
+
+def _alike(p, t, dp, dt, size: int):
+    """A primal leaf and its derivative with their batch axes at one place."""
+    if dp == dt:
+        return p, t, dp, dt
+    if dp is None:
+        return jnp.moveaxis(_broadcast(p, size), 0, dt), t, dt, dt
+    if dt is None:
+        return p, jnp.moveaxis(_broadcast(t, size), 0, dp), dp, dp
+    return jnp.moveaxis(p, dp, dt), t, dt, dt
 
 
 _compat.register_batch_rule(site_p, _site_batch)
@@ -160,6 +225,13 @@ def _site_partial_eval_custom(saveable, unks_in, inst_in, eqn):
         v for v, inst in zip(eqn.invars, inst_in) if not inst and type(v) is _compat.Var
     ]
     copy = eqn  # a copy already (a region partially evaluated again) stays one
+    if part_of(eqn.params) != "value":
+        # A derivative site executes where its derivative is computed, once.
+        if any(unks_in):
+            return None, eqn, [True] * n, [True] * n, residuals
+        params = dict(eqn.params, effect=False, recompute=True)
+        copy = eqn.replace(params=params, effects=set())
+        return eqn, copy, [False] * n, [True] * n, residuals
     if not eqn.params.get("recompute"):
         params = dict(eqn.params, forward=True)
         copy = eqn.replace(

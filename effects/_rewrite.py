@@ -13,6 +13,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from . import _compat, _jaxpr
 from ._handlers import Handler
 from ._primitives import bind_site, handling, probing, site_effect, site_p
@@ -83,7 +85,11 @@ def _without_sites(jaxpr):
             ]
             changed = any(a is not b for a, b in zip(invars, eqn.invars))
             kept.append(eqn.replace(invars=invars) if changed else eqn)
-        elif eqn.primitive is site_p and not eqn.params.get("recompute"):
+        elif (
+            eqn.primitive is site_p
+            and not eqn.params.get("recompute")
+            and "part" not in eqn.params
+        ):
             indices.append(i)
             for o, v in zip(eqn.outvars, eqn.invars):
                 subst[o] = subst.get(v, v) if type(v) is _compat.Var else v
@@ -105,9 +111,16 @@ def _all_kept(jaxpr, scope: Scope) -> bool:
     value: `run` checks)."""
     handlers = scope.handlers
     for key in _analyse(jaxpr)[0]:
+        if key[3] != "value":
+            return False
         site = Site.probe(*key)
         first = next(
-            (i for i, h in enumerate(handlers) if handlers.matches[i](h, site)), None
+            (
+                i
+                for i, h in enumerate(handlers)
+                if handlers.parts[i] == "value" and handlers.matches[i](h, site)
+            ),
+            None,
         )
         if first is None or handlers.modes[first] is None:
             return False
@@ -121,7 +134,10 @@ def _matched(handlers, sites) -> list[tuple[str, str, str]]:
 
 
 def _handler_may_match(h: Handler, s) -> bool:
-    return h.matches(Site.probe(*s))
+    """Whether `h` may act at sites with the key `s`: a handler of the value
+    acts at (is differentiated at) the value's tangent and cotangent sites."""
+    of = h.of
+    return (of == s[3] or of == "value") and h.matches(Site.probe(*s[:3], part=of))
 
 
 #
@@ -250,12 +266,98 @@ def handle_site(params, avals, invals, scope: Scope, effect=None) -> list[Any]:
     is bound again, for handlers further out (carrying the site effect if
     `effect`; by default, if the current handling state says so)."""
     site = Site.from_eqn(params, avals, scope.shards)
+    if site.part != "value":
+        return _derivative(site, params, avals, list(invals), scope, effect)
     leaves, consumed = _act(site, list(invals), scope)
     if consumed:
         return leaves
     if effect is None:
         return site_p.bind(*leaves, **params)
     return bind_site(leaves, params, effect)
+
+
+_HIGHER = (
+    "{handler} changes {where} in a program that differentiates it twice "
+    "inside `fx.handle` (`jax.hessian`, `jax.jvp` of `jax.grad`, ...): only "
+    "first derivatives are taken through a handler. Differentiate the handled "
+    "function instead (`jax.hessian(fx.handle(f, ...))`)."
+)
+
+
+def _derivative(site: Site, params, avals, invals, scope: Scope, effect):
+    """The handlers act at a tangent or cotangent site: a handler of that part
+    gets the derivative (and the value, `ctx.primal`); a handler of the value
+    is differentiated there, so that handling commutes with differentiation:
+    its JVP acts on the tangent, its VJP (at the value) on the cotangent, in
+    the order the derivative flows (the handlers' order for a tangent, the
+    reverse for a cotangent). Handlers further out (an enclosing `handle`) see
+    the derivative after these for a tangent, before them for a cotangent, as
+    they see the value after these."""
+    n = len(invals) // 2
+    primal, leaves = invals[:n], invals[n:]
+    value = site.of("value", avals[:n])
+    handlers, part = scope.handlers, site.part
+    higher = bool(params.get("higher"))
+    # The handlers acting, in order, and whether each is one of the value.
+    steps: list[tuple[int, bool]] = []
+    sees_value, consumed = not params.get("value_consumed"), False
+    consumable = site.collection != CHECKPOINT_NAME
+    for i, (h, matches) in enumerate(zip(handlers, handlers.matches)):
+        of = handlers.parts[i]
+        if of == "value" and sees_value and matches(h, value):
+            if not handlers.looks_only[i]:
+                steps.append((i, True))
+            sees_value = not (handlers.consumes[i] and consumable)
+        elif of == part and not (higher or consumed) and matches(h, site):
+            steps.append((i, False))
+            consumed = handlers.consumes[i] and consumable
+    # An enclosing `handle` sees the site (a value no handler here consumed
+    # is its to change); with none, it is dropped, and so is the value the
+    # backward pass kept for it.
+    outer = not consumed and (bool(handling.value) if effect is None else effect)
+    again = dict(params, value_consumed=True) if not sees_value else params
+
+    def rebind(p, d):
+        return bind_site(
+            [*p, *d], again, bool(handling.value) if effect is None else effect
+        )
+
+    if higher:
+        for i, _ in steps:
+            if act(scope, i, value, primal, within="higher") is not primal:
+                raise ValueError(
+                    _HIGHER.format(
+                        handler=type(handlers[i]).__name__, where=value.where()
+                    )
+                )
+        return rebind(primal, leaves) if outer else leaves
+    if part == "tangent":
+        p, d = primal, leaves
+        for i, of_value in steps:
+            if of_value:
+                p, d = _jvp(lambda q, i=i: act(scope, i, value, q, within=part), p, d)
+            else:
+                d = act(scope, i, site, d, primal=p)
+        return rebind(p, d) if outer else d
+    # A cotangent: the values each handler saw, then the derivatives back.
+    seen, p = [], primal
+    for i, of_value in steps:
+        back = None
+        if of_value:
+            p_in = p
+            p, back = jax.vjp(lambda q, i=i: act(scope, i, value, q, within=part), p)
+            seen.append((i, p_in, back))
+        else:
+            seen.append((i, p, None))
+    d = rebind(p, leaves) if outer else leaves
+    for i, p_i, back in reversed(seen):
+        d = list(back(d)[0]) if back is not None else act(scope, i, site, d, primal=p_i)
+    return d
+
+
+def _jvp(fn, primal, tangent):
+    out, tangent_out = jax.jvp(fn, (primal,), (tangent,))
+    return list(out), list(tangent_out)
 
 
 def _act(site: Site, leaves: list[Any], scope: Scope) -> tuple[list[Any], bool]:
@@ -265,7 +367,7 @@ def _act(site: Site, leaves: list[Any], scope: Scope) -> tuple[list[Any], bool]:
     consumable = site.collection != CHECKPOINT_NAME
     handlers = scope.handlers
     for i, (handler, matches) in enumerate(zip(handlers, handlers.matches)):
-        if matches(handler, site):
+        if handlers.parts[i] == "value" and matches(handler, site):
             leaves = act(scope, i, site, leaves)
             if handlers.consumes[i] and consumable:
                 return leaves, True

@@ -4,6 +4,7 @@ and the per-execution input values they consume."""
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -11,11 +12,14 @@ import jax
 import jax.numpy as jnp
 
 from . import _compat
-from ._handlers import NO_INPUT, Context, Handler, mode_of
+from ._handlers import NO_INPUT, PARTS, Context, Handler, mode_of
 from ._layout import Axes, grow, to_program
 from ._site import Site, describe, shape_dtype, strong
 
-Key = tuple[int, str]  # (handler index, site name)
+# (handler index, site name); with a third element, the part ("tangent",
+# "cotangent") at whose site a handler of the value is differentiated: its
+# per-execution inputs and call numbers there are counted apart.
+Key = tuple
 
 _STRICT_TWICE = (
     "{where} was executed more than once, but {mode} collects a single value. "
@@ -48,6 +52,12 @@ _AT_IN_REPLAY = (
     "which execution it is (`at`). Handle the function before differentiating it "
     "(`jax.grad(fx.handle(f, ...))`)."
 )
+_AT_BACKWARD = (
+    "{where}: a handler reads `at` in the backward pass of a `jax.grad` inside "
+    "`fx.handle`, which runs the executions last first; their call numbers are "
+    "not known there. Handle the function before differentiating it "
+    "(`jax.grad(fx.handle(f, ...))`)."
+)
 _INPUT_IN_REPLAY = (
     "{owner} takes one entry per execution, but {where} is in a `jax.checkpoint` "
     "region whose executions the backward pass of a `jax.grad` inside `fx.handle` "
@@ -70,6 +80,8 @@ class Handlers(tuple):
     consumes: tuple[bool, ...]
     input_names: tuple[frozenset, ...]
     per_example: tuple[bool, ...]
+    parts: tuple[str, ...]
+    looks_only: tuple[bool, ...]
 
     def __new__(cls, handlers):
         self = super().__new__(cls, handlers)
@@ -78,6 +90,14 @@ class Handlers(tuple):
         self.consumes = tuple(bool(h.consumes) for h in handlers)
         self.input_names = tuple(frozenset(h.per_call_inputs()) for h in handlers)
         self.per_example = tuple(bool(h.per_example) for h in handlers)
+        self.parts = tuple(h.of for h in handlers)
+        self.looks_only = tuple(bool(h.looks_only) for h in handlers)
+        for h, part in zip(handlers, self.parts):
+            if part not in PARTS:
+                raise ValueError(
+                    f"{type(h).__name__}.of is {part!r}; use 'value', 'tangent' "
+                    "or 'cotangent'."
+                )
         return self
 
 
@@ -112,9 +132,8 @@ class Scope:
         self.replaying = replaying
         self.entries: dict[Key, list[tuple[Any, Axes]]] = {}
         self.accs: dict[Key, Any] = dict(accs or {})
-        self.inputs: dict[Key, list[Any]] = {
-            k: list(v) for k, v in (inputs or {}).items()
-        }
+        self.given = inputs or {}
+        self.inputs: dict[Key, list[Any]] = {k: list(v) for k, v in self.given.items()}
         # Filled while discovering, for the rule that threads this region.
         self.acc_inits: dict[Key, Any] = {}
         self.touched: dict[Key, None] = {}  # accumulators updated here, in order
@@ -140,14 +159,22 @@ class Scope:
         """A fresh scope for a region inside this one: the same handlers, custom
         rule, shard_maps and plans, unless `fields` say otherwise."""
         same: dict[str, Any] = dict(
-            custom=self.custom, shards=self.shards, plans=self.plans, index=self.index
+            custom=self.custom,
+            shards=self.shards,
+            plans=self.plans,
+            index=self.index,
+            replaying=self.replaying,
         )
         return Scope(self.handlers, **(same | fields))
 
     def replay(self) -> Scope:
-        """A scope for a region that recomputes executions reported elsewhere:
-        the same handlers, and nothing it collects leaves it."""
-        return self.inner(discovering=self.discovering, replaying=True)
+        """This scope, for a region that recomputes executions of values
+        reported elsewhere: handlers act on the values, but report nothing
+        there. (The derivative sites of the backward pass's recomputation of
+        a `jax.checkpoint` region are executions of their own: they report.)"""
+        replay = copy.copy(self)
+        replay.replaying = True
+        return replay
 
     def where(self, key: Key) -> str:
         return self.sites[key].where()
@@ -234,10 +261,18 @@ class Scope:
         owner = _name(self.handlers[key[0]])
         if self.replaying:
             raise ValueError(_INPUT_IN_REPLAY.format(owner=owner, where=site.where()))
-        remaining = self.inputs.get(key, [])
+        remaining = self.inputs.get(key)
+        if remaining is None:  # a handler of the value, at a derivative site
+            remaining = list(self.given.get(key[:2], []))
         if len(remaining) < len(expected):
             raise ValueError(_MISSING_INPUT.format(owner=owner, where=site.where()))
-        taken, self.inputs[key] = remaining[: len(expected)], remaining[len(expected) :]
+        n = len(expected)
+        if site.part == "cotangent" or key[2:] == ("cotangent",):
+            # A backward pass runs the executions last first: it takes the
+            # entries from the end.
+            taken, self.inputs[key] = remaining[-n:], remaining[:-n]
+        else:
+            taken, self.inputs[key] = remaining[:n], remaining[n:]
         for value, (avals, _) in zip(taken, expected):
             _check_input(value, avals, site, owner)
         return taken
@@ -330,17 +365,33 @@ _NO_MODE = (
 )
 
 
-def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
+def act(
+    scope: Scope,
+    index: int,
+    site: Site,
+    leaves: list[Any],
+    primal: list[Any] | None = None,
+    within: str | None = None,
+) -> list[Any]:
     """Handler `index` acts at one execution of `site` (leaves in program
     layout): the leaves the program goes on with. Under vmaps inside the
     handled function, `apply` runs under the same vmaps, on one example, so
     that every handler is the same inside and outside a vmap (unless the
-    handler asks for the whole batch: `per_example = False`)."""
+    handler asks for the whole batch: `per_example = False`).
+
+    At a derivative site, `primal` is the value's leaves (`ctx.primal`).
+    `within` names the part ("tangent", "cotangent") of the derivative site at
+    which a handler of the value runs only to be differentiated: it reports
+    nothing, and counts its executions and inputs apart."""
     handlers = scope.handlers
     handler, mode = handlers[index], handlers.modes[index]
-    key: Key = (index, site.name)
+    key: Key = (index, site.name) if within is None else (index, site.name, within)
+    quiet = within is not None or (scope.replaying and site.part == "value")
+    if quiet:
+        mode = None
     scope.sites.setdefault(key, site)
     front = site.to_front(leaves)
+    front_primal = None if primal is None else site.to_front(primal)
     # The vmaps `apply` runs under, and those of what it emits.
     sizes = site.batch_sizes() if handlers.per_example[index] else ()
     entry, has_input = None, site.name in handlers.input_names[index]
@@ -360,15 +411,19 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
     def at():
         if scope.replaying:
             raise ValueError(_AT_IN_REPLAY.format(where=site.where()))
+        if "cotangent" in (site.part, within):
+            raise ValueError(_AT_BACKWARD.format(where=site.where()))
         scope.wants_index = True
         return (jnp.int32(call), *scope.index)
 
-    def one(value, entry, acc):
+    def one(value, entry, acc, primal):
         # Returns the leaves `apply` changed, what it appended, and the
         # accumulator; `same` records (at trace time) which leaves it kept.
         appended, state = [], [acc]
 
         def emit(x):
+            if quiet:  # (recomputed, or differentiated only: reports nothing)
+                return None
             if mode is None:
                 where = site.where()
                 raise ValueError(_NO_MODE.format(handler=_name(handler), where=where))
@@ -379,7 +434,8 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
             state[0] = scope.fold(key, mode, state[0], x, extra)
             return state[0]
 
-        ctx = Context(site, emit, entry if has_input else NO_INPUT, axes, at)
+        primal = NO_INPUT if primal is None else primal
+        ctx = Context(site, emit, entry if has_input else NO_INPUT, axes, at, primal)
         new = type(handler).apply(handler, site, value, ctx)
         if new is value:  # kept whole, as a handler that only looks keeps it
             same[:] = [True] * len(leaves)
@@ -393,7 +449,7 @@ def act(scope: Scope, index: int, site: Site, leaves: list[Any]) -> list[Any]:
     fn = one
     for name in reversed(axes):  # the outermost vmap last
         fn = jax.vmap(fn, axis_name=name)
-    changed, appended, acc = fn(front, entry, acc)
+    changed, appended, acc = fn(front, entry, acc, front_primal)
     for value in appended:
         scope.add_entry(key, value, sizes)
     if mode is not None and mode.reduces:

@@ -65,6 +65,10 @@ class Site:
 
     - `name`, `collection`: as given to `tag` or `perturb`.
     - `kind`: `"tag"` or `"perturb"`.
+    - `part`: `"value"`, or under a `jax.jvp` or `jax.grad` inside
+      [`handle`][effects.handle], `"tangent"` or `"cotangent"`: the
+      derivative of the value that `apply` then receives (see
+      [`Handler.of`][effects.Handler]).
     - `shape_dtype`: the structure, shapes and dtypes of the value `apply`
       receives (one example's), a pytree of `jax.ShapeDtypeStruct`; None when
       `matches` is asked before the value is known.
@@ -83,17 +87,29 @@ class Site:
     # Per `shard_map` (or pmap) of the handled function the site runs in,
     # outermost first: its manual mesh axes and its number of shards.
     shards: tuple[tuple[tuple[str, ...], int], ...] = ()
+    part: str = "value"  # "value", "tangent" or "cotangent"
 
     @classmethod
     def from_eqn(cls, params, avals, shards=()) -> Site:
+        """The site of an equation with `params` whose inputs have `avals`
+        (a derivative site's: the primal leaves, then the derivative's)."""
         name, collection, kind, treedef, batch = _SITE_PARAMS(params)
-        return cls(name, collection, kind, treedef, batch, tuple(avals), shards)
+        part = params.get("part", "value")
+        if part != "value":
+            avals = avals[len(avals) // 2 :]
+        return cls(name, collection, kind, treedef, batch, tuple(avals), shards, part)
 
     @classmethod
-    def probe(cls, kind: str, collection: str, name: str) -> Site:
+    def probe(cls, kind: str, collection: str, name: str, part="value") -> Site:
         """A site known only by name, for matching and messages before any value
         is at hand (e.g. from `sites_in`)."""
-        return cls(name, collection, kind, None, (), ())
+        return cls(name, collection, kind, None, (), (), (), part)
+
+    def of(self, part: str, avals=None) -> Site:
+        """This site's `part` ("value", "tangent" or "cotangent"), whose leaves
+        have `avals` (by default, this part's)."""
+        avals = self.avals if avals is None else tuple(avals)
+        return dataclasses.replace(self, part=part, avals=avals)
 
     def batch_sizes(self) -> tuple[int, ...]:
         """The sizes of the vmap batch axes the value has, outermost first."""
@@ -105,7 +121,8 @@ class Site:
 
     def where(self) -> str:
         what = "tag" if self.kind == "tag" else "perturb site"
-        return f"{what} {self.name!r} (collection {self.collection!r})"
+        where = f"{what} {self.name!r} (collection {self.collection!r})"
+        return where if self.part == "value" else f"the {self.part} of {where}"
 
     @property
     def shape_dtype(self):

@@ -19,7 +19,7 @@ from . import _compat, _jaxpr, _nnx
 from ._primitives import handling, site_p
 from ._site import Site, checkpoint_name_params, describe
 
-Key = tuple[str, str, str]  # (kind, collection, name)
+Key = tuple[str, str, str, str]  # (kind, collection, name, part)
 
 
 def site_params(eqn) -> dict[str, Any] | None:
@@ -62,12 +62,15 @@ class Located(NamedTuple):
     def key(self) -> Key:
         p = site_params(self.eqn)
         assert p is not None
-        return p["kind"], p["collection"], p["name"]
+        return p["kind"], p["collection"], p["name"], p.get("part", "value")
 
     @property
     def recomputed(self) -> bool:
         """Whether this is the backward pass's copy of a site (see `recomputes`),
-        not a site of its own."""
+        not a site of its own. (A derivative site is its own, wherever it is:
+        the backward pass computes each cotangent once.)"""
+        if self.key[3] != "value":
+            return False
         return bool(self.eqn.params.get("recompute")) or any(
             recomputes(r.eqn) for r in self.path
         )
@@ -115,7 +118,8 @@ def walk(jaxpr) -> _Walk:
 
 
 def sites_in(jaxpr) -> frozenset[Key]:
-    """(kind, collection, name) of every site in `jaxpr` and its sub-jaxprs."""
+    """(kind, collection, name, part) of every site in `jaxpr` and its
+    sub-jaxprs."""
     return walk(jaxpr).keys
 
 
@@ -162,6 +166,9 @@ class SiteInfo:
       function first).
     - `where`: the control flow around it, outermost first, such as
       `"scan(length=12) > cond branch 1"`; `""` at the top level.
+    - `part`: `"value"`; `"tangent"` or `"cotangent"` for the derivative of
+      the value that a `jax.jvp` or `jax.grad` inside the function takes (see
+      [`Tag(of=...)`][effects.Tag]).
     - `loops`: per enclosing region, outermost first: a scan's length,
       `"while"`, `"branch"`, `"custom"` (a `custom_jvp` or `custom_vjp`
       function), `"other"`, or None for a `jit`. Left out of its `repr` and of
@@ -184,6 +191,7 @@ class SiteInfo:
     name: str
     value: Any
     where: str
+    part: str = "value"
     loops: tuple = dataclasses.field(default=(), repr=False, compare=False)
 
 
@@ -218,12 +226,20 @@ class Sites(dict):
     def __str__(self) -> str:
         from ._debug import text_table  # (the one table layout, `fx.summary`'s)
 
-        rows = [("collection", "name", "kind", "value", "where")]
-        for infos in (i for names in self.values() for i in names.values()):
-            rows += [
-                (i.collection, i.name, i.kind, describe(i.value), i.where)
-                for i in infos
-            ]
+        infos = [i for names in self.values() for v in names.values() for i in v]
+        parts = any(i.part != "value" for i in infos)  # a column only then
+        rows = [("collection", "name", "kind", *("part",) * parts, "value", "where")]
+        rows += [
+            (
+                i.collection,
+                i.name,
+                i.kind,
+                *(i.part,) * parts,
+                describe(i.value),
+                i.where,
+            )
+            for i in infos
+        ]
         return text_table(rows)
 
 
@@ -286,7 +302,13 @@ def sites(fn: Callable) -> Callable[..., Sites]:
             where = " > ".join(label for label, _ in around)
             loops = tuple(loop for _, loop in around)
             info = SiteInfo(
-                site.kind, site.collection, site.name, site.front_avals(), where, loops
+                site.kind,
+                site.collection,
+                site.name,
+                site.front_avals(),
+                where,
+                site.part,
+                loops,
             )
             found.setdefault(site.collection, {}).setdefault(site.name, []).append(info)
         return found

@@ -1,0 +1,426 @@
+"""Tangent and cotangent sites: `Tag(of=...)` against `jax.jvp` and `jax.grad`
+of hand-written references, and the laws `handle(jax.grad(f), H) ==
+jax.grad(handle(f, H))` and `handle(jvp of f, H) == jax.jvp(handle(f, H))`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_trees_close, optimized_hlo
+from jax import lax
+
+import effects as fx
+
+f32 = np.float32
+N = 4
+X = np.linspace(-1.0, 1.2, 3).astype(f32)
+V = np.array([0.3, -0.7, 1.1], f32)
+W = np.linspace(0.5, 1.5, N * 3).astype(f32).reshape(N, 3)
+
+
+def _stack(x, d_h=None, d_out=None, reverse=False, checkpoint=False, tag=True):
+    """A scan of tanh layers with a tag per iteration and one at the end; with
+    `d_h`/`d_out`, those zeros added at the tagged values instead (the
+    reference: the gradient with respect to them is the cotangent)."""
+    mark = fx.tag if tag else (lambda v, name: v)
+
+    def step(c, wd):
+        w, d = wd
+        h = mark(jnp.tanh(c * w), "h")
+        if d is not None:
+            h = h + d
+        return h + 0.1 * c, h
+
+    if checkpoint:
+        step = jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable)
+    c, hs = lax.scan(step, x, (W, d_h), reverse=reverse)
+    out = mark(c**2, "out")
+    if d_out is not None:
+        out = out + d_out
+    return jnp.sum(out * jnp.arange(1.0, 4.0)), hs
+
+
+def loss(x, **kw):
+    return _stack(x, **kw)[0]
+
+
+def _cotangents(**kw):
+    zh, zo = np.zeros((N, 3), f32), np.zeros(3, f32)
+    grad = jax.grad(
+        lambda x, dh, do: loss(x, d_h=dh, d_out=do, tag=False, **kw), (0, 1, 2)
+    )
+    gx, gh, go = grad(X, zh, zo)
+    return gx, {"intermediates:cotangent": {"h": (gh,), "out": (go,)}}
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_cotangents_of_every_tag_in_one_backward_pass(reverse, checkpoint):
+    got = fx.handle(jax.grad(loss), fx.Tag(of="cotangent"))
+    kw = dict(reverse=reverse, checkpoint=checkpoint)
+    got = jax.jit(fx.handle(jax.grad(lambda x: loss(x, **kw)), fx.Tag(of="cotangent")))(
+        X
+    )
+    # stacked in iteration order, though the backward scan runs in reverse
+    assert_trees_close(got, _cotangents(**kw), rtol=1e-5, atol=1e-6)
+
+
+def test_cotangents_equal_intermediate_grads():
+    (value, gx), found = fx.handle(jax.value_and_grad(loss), fx.Tag(of="cotangent"))(X)
+    ig_value, grads = fx.intermediate_grads(loss, kind="tag")(X)
+    assert_trees_close(value, ig_value)
+    assert_trees_close(found["intermediates:cotangent"], grads)
+    assert_trees_close(gx, jax.grad(lambda x: loss(x, tag=False))(X))
+
+
+def test_values_and_cotangents_side_by_side():
+    # values and their gradients in one program, each in its own part of found
+    _, found = fx.handle(jax.grad(loss), fx.Tag(), fx.Tag(of="cotangent"))(X)
+    _, hs = _stack(X, tag=False)
+    assert list(found) == ["intermediates", "intermediates:cotangent"]
+    assert_trees_close(found["intermediates"]["h"], (hs,))
+    assert_trees_close(
+        found["intermediates:cotangent"], _cotangents()[1]["intermediates:cotangent"]
+    )
+
+
+def test_tangents_of_every_tag_in_one_forward_pass():
+    def values(x):
+        out, hs = _stack(x, tag=False)
+        c = lax.scan(lambda c, w: (jnp.tanh(c * w) + 0.1 * c, None), x, W)[0]
+        return out, hs, c**2
+
+    (_, t_out), found = fx.handle(
+        lambda x: jax.jvp(loss, (x,), (V,)), fx.Tag(of="tangent")
+    )(X)
+    (_, hs, o), (want_out, t_hs, t_o) = jax.jvp(values, (X,), (V,))
+    assert_trees_close(t_out, want_out)
+    assert_trees_close(found, {"intermediates:tangent": {"h": (t_hs,), "out": (t_o,)}})
+
+
+def _loop(x):
+    def body(c):
+        i, h = c
+        return i + 1, fx.tag(jnp.sin(h) * 1.1 + 0.2, "h")
+
+    return lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1]
+
+
+def test_tangents_in_a_while_loop():
+    def unrolled(x):
+        hs = []
+        for _ in range(3):
+            x = jnp.sin(x) * 1.1 + 0.2
+            hs.append(x)
+        return hs
+
+    _, ts = jax.jvp(unrolled, (X,), (V,))
+    for mode, want in [("last", ts[-1]), ("sum", sum(ts))]:
+        _, found = fx.handle(
+            lambda x: jax.jvp(_loop, (x,), (V,)), fx.Tag(of="tangent", mode=mode)
+        )(X)
+        assert_trees_close(found["intermediates:tangent"]["h"], want)
+
+
+def test_cotangents_per_taken_branch():
+    def f(x, d=None):
+        def one(x):
+            h = fx.tag(jnp.sin(x), "h")
+            return (h if d is None else h + d) * 2
+
+        def two(x):
+            h = fx.tag(jnp.cos(x) * x, "h")
+            return h if d is None else h + d
+
+        return jnp.sum(lax.cond(jnp.sum(x) > 0, one, two, x) ** 2)
+
+    for x in (X, -X - 1):
+        _, found = fx.handle(jax.grad(f), fx.Tag(of="cotangent"))(x)
+        want = jax.grad(f, 1)(x, np.zeros(3, f32))
+        assert_trees_close(found, {"intermediates:cotangent": {"h": (want,)}})
+
+
+def test_per_example_gradients_of_every_tag():
+    xb = np.stack([X, V, X * V]).astype(f32)
+    # vmap outside handle, and inside (batch axes first in found)
+    outside = jax.vmap(fx.handle(jax.grad(loss), fx.Tag(of="cotangent")))(xb)
+    inside = fx.handle(jax.vmap(jax.grad(loss)), fx.Tag(of="cotangent"))(xb)
+    want = jax.vmap(lambda x: _cotangents_at(x))(xb)
+    assert_trees_close(outside, want)
+    assert_trees_close(inside, want)
+
+
+def _cotangents_at(x):
+    zh, zo = jnp.zeros((N, 3)), jnp.zeros(3)
+    grad = jax.grad(lambda x, dh, do: loss(x, d_h=dh, d_out=do, tag=False), (0, 1, 2))
+    gx, gh, go = grad(x, zh, zo)
+    return gx, {"intermediates:cotangent": {"h": (gh,), "out": (go,)}}
+
+
+def test_cotangents_through_nested_jit():
+    got = fx.handle(jax.grad(jax.jit(loss)), fx.Tag(of="cotangent", mode="sum"))(X)
+    gx, found = _cotangents()
+    want = {
+        k: {n: v[0].sum(0) if n == "h" else v[0] for n, v in d.items()}
+        for k, d in found.items()
+    }
+    assert_trees_close(got, (gx, want))
+
+
+#
+# The laws: handling commutes with differentiation
+#
+
+
+class Scale(fx.Handler):
+    """A user's handler of the value, nonlinear: differentiated where it acts."""
+
+    power: float = dataclasses.field(metadata={"static": True})
+
+    def matches(self, site):
+        return site.kind == "tag" and site.name == "h"
+
+    def apply(self, site, value, ctx):
+        return value * jnp.abs(value) ** self.power
+
+
+HANDLERS = {
+    "intervene": lambda: fx.Intervene({"h": lambda v: v**3 + jnp.sin(v)}),
+    "intervene_at": lambda: fx.Intervene({"out": lambda v, at: v * (at[0] + 2.0)}),
+    "substitute": lambda: fx.Substitute({"out": V}),
+    "substitute_per_call": lambda: fx.Substitute(
+        {"h": (np.ones((N, 3), f32) * 0.25,)}, per_call=True
+    ),
+    "perturb": lambda: fx.Perturb({"h": (np.full((N, 3), 0.1, f32),)}, kind="tag"),
+    "user": lambda: Scale(0.5),
+    "two": lambda: (fx.Intervene({"h": jnp.sin}), Scale(1.0)),
+}
+
+
+def _handlers(name):
+    h = HANDLERS[name]()
+    return h if isinstance(h, tuple) else (h,)
+
+
+@pytest.mark.parametrize("name", [n for n in HANDLERS if n != "intervene_at"])
+def test_handle_commutes_with_grad(name):
+    # (`at` in the backward pass is refused: see the test below)
+    hs = _handlers(name)
+    got, _ = fx.handle(jax.value_and_grad(loss), *hs)(X)
+    want = jax.value_and_grad(lambda x: fx.handle(loss, *hs)(x)[0])(X)
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
+    # and against the function hand-patched, for one of them
+    if name == "intervene":
+        assert_trees_close(got, jax.value_and_grad(_patched)(X), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(HANDLERS))
+def test_handle_commutes_with_jvp(name):
+    hs = _handlers(name)
+    got, _ = fx.handle(lambda x: jax.jvp(loss, (x,), (V,)), *hs)(X)
+    want = jax.jvp(lambda x: fx.handle(loss, *hs)(x)[0], (X,), (V,))
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_handle_commutes_with_grad_under_vmap_and_jacobians():
+    h = HANDLERS["intervene"]()
+    xb = np.stack([X, V]).astype(f32)
+    handled = lambda x: fx.handle(loss, h)(x)[0]  # noqa: E731
+    got = fx.handle(jax.vmap(jax.grad(loss)), h)(xb)[0]
+    assert_trees_close(got, jax.vmap(jax.grad(handled))(xb), rtol=1e-5, atol=1e-5)
+    vec = lambda x: _stack(x)[1]  # noqa: E731
+    got = fx.handle(jax.jacrev(vec), h)(X)[0]
+    want = jax.jacrev(lambda x: fx.handle(vec, h)(x)[0])(X)
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_tangents_under_jacfwd():
+    # jacfwd batches the tangents alone: the value is broadcast to them, and
+    # the tangents of every tag are one per basis vector
+    got, found = fx.handle(jax.jacfwd(loss), fx.Tag(of="tangent"))(X)
+    basis = np.eye(3, dtype=f32)
+    per_vector = [
+        fx.handle(lambda x: jax.jvp(loss, (x,), (e,)), fx.Tag(of="tangent"))(X)[1]
+        for e in basis
+    ]
+    want = jax.tree.map(lambda *t: jnp.stack(t), *per_vector)
+    assert_trees_close(got, jax.jacfwd(lambda x: loss(x, tag=False))(X))
+    assert_trees_close(found, want, rtol=1e-5, atol=1e-6)
+
+
+def _patched(x):
+    c = x
+    for w in W:
+        h = jnp.tanh(c * w)
+        c = h**3 + jnp.sin(h) + 0.1 * c
+    return jnp.sum(c**2 * jnp.arange(1.0, 4.0))
+
+
+def test_second_derivatives():
+    # of a handled function: as JAX takes them
+    h = HANDLERS["intervene"]()
+    hess = jax.hessian(lambda x: fx.handle(loss, h)(x)[0])(X)
+    assert_trees_close(hess, jax.hessian(_patched)(X), rtol=1e-4, atol=1e-4)
+    # inside handle: fine for handlers that only look, refused for one that changes
+    got, found = fx.handle(jax.hessian(loss), fx.Tag(mode="sum"))(X)
+    want = jax.hessian(lambda x: loss(x, tag=False))(X)
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
+    assert set(found["intermediates"]) == {"h", "out"}
+    hvp = lambda x: jax.jvp(jax.grad(loss), (x,), (V,))  # noqa: E731
+    with pytest.raises(ValueError, match="differentiates it twice"):
+        fx.handle(hvp, h)(X)
+
+
+def test_a_gradient_clip_at_one_layer():
+    # A user's handler of the cotangent, against the gradient of a function
+    # clipped by hand (an identity whose backward pass clips).
+    class ClipGrad(fx.Handler):
+        of = "cotangent"
+        bound: float = dataclasses.field(metadata={"static": True})
+
+        def matches(self, site):
+            return site.kind == "tag" and site.name == "out"
+
+        def apply(self, site, value, ctx):
+            assert ctx.primal.shape == value.shape
+            return jnp.clip(value, -self.bound, self.bound)
+
+    @jax.custom_vjp
+    def clip_grad(x):
+        return x
+
+    clip_grad.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1.5, 1.5),))
+
+    def by_hand(x):
+        c = lax.scan(lambda c, w: (jnp.tanh(c * w) + 0.1 * c, None), x, W)[0]
+        return jnp.sum(clip_grad(c**2) * jnp.arange(1.0, 4.0))
+
+    got, found = fx.handle(jax.grad(loss), ClipGrad(1.5))(X)
+    assert found == {}
+    want = jax.grad(by_hand)(X)
+    assert_trees_close(got, want)
+    assert not np.allclose(want, jax.grad(loss)(X))
+
+
+def test_at_in_the_backward_pass_is_refused():
+    h = fx.Intervene({"h": lambda v, at: v * at[1]})
+    with pytest.raises(ValueError, match="backward pass of a `jax.grad`"):
+        fx.handle(jax.grad(loss), h)(X)
+
+
+def test_sites_lists_the_parts():
+    listed = fx.sites(jax.grad(loss))(X)
+    parts = [
+        (i.name, i.part) for infos in listed["intermediates"].values() for i in infos
+    ]
+    assert sorted(parts) == [
+        ("h", "cotangent"),
+        ("h", "value"),
+        ("out", "cotangent"),
+        ("out", "value"),
+    ]
+    assert "cotangent" in str(listed)
+
+
+def test_a_name_with_no_cotangent_is_an_error():
+    with pytest.raises(ValueError, match="'h'"):
+        fx.handle(loss, fx.Tag(of="cotangent", names="h"))(X)
+
+
+#
+# Unhandled and handled programs: what they cost
+#
+
+
+def test_unhandled_gradient_is_the_untagged_one():
+    tagged = jax.grad(loss)
+    untagged = jax.grad(lambda x: loss(x, tag=False))
+    assert optimized_hlo(tagged, X) == optimized_hlo(untagged, X)
+    mem = [jax.jit(g).lower(X).compile().memory_analysis() for g in (tagged, untagged)]
+    if mem[0] is not None:
+        assert mem[0].temp_size_in_bytes == mem[1].temp_size_in_bytes
+
+
+def _memory(fn, *args):
+    return jax.jit(fn).lower(*args).compile().memory_analysis()
+
+
+def test_handled_values_keep_no_more_for_the_backward_pass():
+    # Tag() of values under grad: the derivative sites are dropped, and with
+    # them the values the backward pass would have kept for them. In a scan
+    # the loops keep what the hand-written gradient keeps (XLA may order the
+    # loop's state differently).
+    def by_hand(x):
+        (value, hs), g = jax.value_and_grad(
+            lambda x: _stack(x, tag=False), has_aux=True
+        )(x)
+        return g, hs
+
+    handled = fx.handle(jax.grad(loss), fx.Tag(names="h"))
+    got = lambda x: (lambda r: (r[0], r[1]["intermediates"]["h"][0]))(handled(x))  # noqa: E731
+    assert_trees_close(got(X), by_hand(X))
+    a, b = _memory(got, X), _memory(by_hand, X)
+    if a is not None:
+        assert a.temp_size_in_bytes == b.temp_size_in_bytes
+
+
+LAYERS = [np.full((8, 8), 0.1 * (i + 1) / 12, f32) for i in range(12)]
+
+
+def _mlp(x, deltas=None, tag=True):
+    hs = []
+    for i, w in enumerate(LAYERS):
+        x = jnp.tanh(x @ w)
+        if tag:
+            x = fx.tag(x, f"l{i}")
+        if deltas is not None:
+            x = x + deltas[i]
+        hs.append(x)
+    return jnp.sum(x**2), hs
+
+
+def _layers(found, part):
+    return [found[part][f"l{i}"][0] for i in range(len(LAYERS))]
+
+
+def test_programs_of_an_mlp_are_the_hand_written_ones():
+    x, v = np.ones(8, f32), np.linspace(-1, 1, 8).astype(f32)
+    loss = lambda x: _mlp(x)[0]  # noqa: E731
+    plain = lambda x, d=None: _mlp(x, d, tag=False)  # noqa: E731
+
+    def cotangents(x):
+        g, found = fx.handle(jax.grad(loss), fx.Tag(of="cotangent"))(x)
+        return g, _layers(found, "intermediates:cotangent")
+
+    def zeros_by_hand(x):
+        zs = [jnp.zeros(8)] * len(LAYERS)
+        return jax.grad(lambda x, zs: plain(x, zs)[0], (0, 1))(x, zs)
+
+    def tangents(x):
+        (_, t), found = fx.handle(
+            lambda x: jax.jvp(loss, (x,), (v,)), fx.Tag(of="tangent")
+        )(x)
+        return t, _layers(found, "intermediates:tangent")
+
+    def jvp_by_hand(x):
+        return jax.jvp(plain, (x,), (v,))[1]
+
+    def values(x):
+        g, found = fx.handle(jax.grad(loss), fx.Tag())(x)
+        return g, _layers(found, "intermediates")
+
+    def values_by_hand(x):
+        (_, hs), g = jax.value_and_grad(plain, has_aux=True)(x)
+        return g, hs
+
+    for handled, by_hand in [
+        (cotangents, zeros_by_hand),
+        (tangents, jvp_by_hand),
+        (values, values_by_hand),
+    ]:
+        assert_trees_close(handled(x), by_hand(x), rtol=1e-5, atol=1e-6)
+        assert optimized_hlo(handled, x) == optimized_hlo(by_hand, x)
