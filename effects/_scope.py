@@ -19,7 +19,7 @@ from ._site import Site, describe, shape_dtype, strong
 # (handler index, site name); with a third element, the part ("tangent",
 # "cotangent") at whose site a handler of the value is differentiated: its
 # per-execution inputs and call numbers there are counted apart.
-Key = tuple
+Key = tuple[Any, ...]
 
 _STRICT_TWICE = (
     "{where} was executed more than once, but {mode} collects a single value. "
