@@ -485,9 +485,9 @@ def _report(scope: Scope, handlers) -> Found:
         if mode is not None and key is not None:
             found.setdefault(key, Found())
     for key, site in scope.sites.items():  # in order of first execution
-        if len(key) > 2:  # (a handler of the value, differentiated)
+        i, name, *within = key
+        if within:  # (a handler of the value, differentiated)
             continue
-        i, name = key[0], key[1]
         mode = modes[i]
         if mode is None:
             continue
