@@ -29,6 +29,10 @@ _NOT_HANDLER = (
     "fx.Substitute(...) or fx.Intervene(...)."
 )
 _UNKNOWN_NAME = "{handler}: no {kind} named {name!r}{where}. Known names: {known}."
+_NO_DERIVATIVE = (
+    " A {part} site exists where a `jax.{transform}` inside the handled function "
+    "differentiates the tag: handle `jax.{transform}(f)`, not `f`."
+)
 _CONSUMED_BEFORE = (
     "{handler}: the {kind} {name!r} (collection {collection!r}) is consumed by "
     "{before}, which comes before it in the same `fx.handle`: handlers act in "
@@ -362,17 +366,23 @@ def _unknown_name(h, name: str, probes, consumer) -> str:
             for p in probes
             if consumer(p) is None
             and p.kind == kind
+            and p.part == h.of
             and (collection is None or p.collection == collection)
         }
     )
     where = f" in collection {collection!r}" if isinstance(collection, str) else ""
-    return _UNKNOWN_NAME.format(
+    what = _kind(kind) if h.of == "value" else f"{h.of} of a {_kind(kind)}"
+    message = _UNKNOWN_NAME.format(
         handler=type(h).__name__,
-        kind=_kind(kind),
+        kind=what,
         name=name,
         where=where,
         known=", ".join(map(repr, known)) or "none",
     )
+    if h.of != "value":
+        transform = "grad" if h.of == "cotangent" else "jvp"
+        message += _NO_DERIVATIVE.format(part=h.of, transform=transform)
+    return message
 
 
 def _check_reporters(sites, handlers) -> None:

@@ -854,7 +854,9 @@ class Substitute(Handler):
     reports, so values collected from one run can be substituted into another.
     The new value is passed on as the same tag, so a [`Tag`][effects.Tag]
     further out collects what was substituted. No gradient flows through a
-    substituted value to what computed the original.
+    substituted value to what computed the original, whether `jax.grad` is
+    outside [`handle`][effects.handle] or inside it (there the tangent and
+    cotangent of the old value are zero too).
 
     **Arguments:**
 
@@ -950,6 +952,12 @@ class Intervene(Handler):
     `lambda v, at: jnp.where(at[1] == k, clean[k], v)`, with `k` a Python
     int or a traced one (`jax.vmap` over `k` patches every layer in one
     program).
+
+    Differentiated where it acts: under a `jax.jvp` or `jax.grad` inside
+    [`handle`][effects.handle], `fn`'s JVP acts on the tag's tangent and its
+    VJP on the cotangent, so `handle(jax.grad(f), Intervene(fns)) ==
+    jax.grad(handle(f, Intervene(fns)))`. (`at` is refused in such a backward
+    pass, whose executions run last first.)
 
     **Arguments:**
 
