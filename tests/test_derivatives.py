@@ -424,3 +424,37 @@ def test_programs_of_an_mlp_are_the_hand_written_ones():
     ]:
         assert_trees_close(handled(x), by_hand(x), rtol=1e-5, atol=1e-6)
         assert optimized_hlo(handled, x) == optimized_hlo(by_hand, x)
+
+
+def test_cotangents_in_a_shard_map_per_shard():
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from helpers import devices
+
+    mesh = Mesh(np.array(devices(2)), ("i",))
+
+    def f(x, d=None):
+        def body(x):
+            return jnp.sin(x) * 2 if d is not None else fx.tag(jnp.sin(x) * 2, "h")
+
+        out = jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"))(x)
+        return jnp.sum((out if d is None else out + d) ** 2)
+
+    x = np.linspace(-1, 1, 4).astype(f32)
+    _, found = fx.handle(jax.grad(f), fx.Tag(of="cotangent"))(x)
+    # one entry per shard, as for values
+    want = jax.grad(f, 1)(x, np.zeros(4, f32)).reshape(2, 2)
+    assert_trees_close(found, {"intermediates:cotangent": {"h": (want,)}})
+    cube = fx.Intervene({"h": lambda v: v**3})
+    got = fx.handle(jax.grad(f), cube)(x)[0]
+    assert_trees_close(got, jax.grad(lambda x: fx.handle(f, cube)(x)[0])(x))
+
+
+def test_statistics_of_the_cotangents():
+    _, found = fx.handle(jax.grad(loss), fx.Stats(of="cotangent"))(X)
+    (gh,) = _cotangents()[1]["intermediates:cotangent"]["h"]
+    (stats,) = found["intermediates:cotangent"]["h"]
+    # per scan iteration, as for values
+    assert_trees_close(stats["mean"], gh.mean(-1))
+    assert_trees_close(stats["max"], gh.max(-1))
