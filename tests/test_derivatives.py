@@ -427,10 +427,9 @@ def test_programs_of_an_mlp_are_the_hand_written_ones():
 
 
 def test_cotangents_in_a_shard_map_per_shard():
+    from helpers import devices
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
-
-    from helpers import devices
 
     mesh = Mesh(np.array(devices(2)), ("i",))
 
