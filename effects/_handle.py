@@ -31,7 +31,9 @@ _NOT_HANDLER = (
 _UNKNOWN_NAME = "{handler}: no {kind} named {name!r}{where}. Known names: {known}."
 _NO_DERIVATIVE = (
     " A {part} site exists where a `jax.{transform}` inside the handled function "
-    "differentiates the tag: handle `jax.{transform}(f)`, not `f`."
+    "differentiates the tag: handle `jax.{transform}(f)`, not `f`. A tag inside a "
+    "`custom_jvp`/`custom_vjp` function has none (its rule gives the derivative): "
+    "move the tag out of it."
 )
 _CONSUMED_BEFORE = (
     "{handler}: the {kind} {name!r} (collection {collection!r}) is consumed by "
