@@ -15,7 +15,10 @@ line, and the traceback points into the page.
 A `text` block right after a run block (blank lines between) is the output the
 page says it prints, and must be what it prints (see `_same_output`), unless it
 carries the class `.no-check` (timings, which depend on the machine). Each page
-starts from NumPy's default print options."""
+starts from NumPy's default print options. A block with the class
+`.leak-false-report` runs with tracer-leak checking off: a tag in a `lax.scan`
+under a `jax.grad` meets JAX's false report (see `jax_leak_check_false_report`
+in conftest.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 import pytest
+from helpers import no_leak_checks
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +89,8 @@ def code_blocks(path: Path) -> list[Block]:
             else:
                 code = "\n".join(body) + "\n"
                 blocks.append(Block(start, code, _unmet(info), path))
+            if ".leak-false-report" in info:
+                blocks[-1] = blocks[-1]._replace(leak_false_report=True)
             after_code = True
             continue
         language = re.split(r"[\s{]", info, maxsplit=1)[0]
@@ -103,6 +109,7 @@ class Block(NamedTuple):
     source: Path  # the page, or the file a snippet include names
     output: str | None = None  # the text block shown after it, if any
     output_line: int = 0
+    leak_false_report: bool = False  # run with tracer-leak checking off
 
 
 def _normalised(text: str) -> list[str]:
@@ -175,7 +182,16 @@ def test_page(page: Path):
             compiled = compile("\n" * (line - 1) + code, str(source), "exec")
             printed = io.StringIO()
             try:
-                with contextlib.redirect_stdout(printed), np.printoptions(**options):
+                leaks = (
+                    no_leak_checks()
+                    if block.leak_false_report
+                    else contextlib.nullcontext()
+                )
+                with (
+                    contextlib.redirect_stdout(printed),
+                    np.printoptions(**options),
+                    leaks,
+                ):
                     exec(compiled, module.__dict__)
                     options = np.get_printoptions()  # a page's own, for its blocks
             except Exception as e:
@@ -203,6 +219,8 @@ def test_blocks_are_found():
     assert code_blocks(ROOT / "README.md")
     assert _runs("python") and _runs('python title="x"')
     assert not _runs("python {.no-test}") and not _runs("bash")
+    page = ROOT / "docs/guides/derivatives.md"
+    assert any(b.leak_false_report for b in code_blocks(page))
     assert _unmet('python {requires="pytest>=1"}') == ""
     assert "installed" in _unmet('python {requires="pytest<1"}')
     # A snippet include runs the section it names, from the named file.
