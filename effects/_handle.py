@@ -535,9 +535,13 @@ def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:
 
     in_avals = [*map(aval, h_leaves), *(v.aval for v in traced.jaxpr.invars)]
     jaxpr, consts = _jaxpr.trace(rewritten, in_avals)
-    # What a dropped derivative site needed goes too (a value a forward loop
-    # kept for the backward pass): the program of the hand-written function.
-    closed = _compat.ClosedJaxpr(_compat.dce(jaxpr), ())
+    if not handling.value:
+        # What a dropped derivative site needed goes too (a value a forward loop
+        # kept for the backward pass): the program of the hand-written function.
+        # (Under an enclosing `handle`, whose handlers may see a name no value
+        # here needs, that handle's rewrite does it.)
+        jaxpr = _compat.dce(jaxpr)
+    closed = _compat.ClosedJaxpr(jaxpr, ())
     return _Program(closed, consts, traced, info["tree"], name)
 
 
