@@ -30,6 +30,7 @@ SCRIPTS = [
     "bench_handlers.py",
     "bench_first_result.py",
     "bench_gpt.py",
+    "bench_derivatives.py",
 ]
 
 TITLE = (

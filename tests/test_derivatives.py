@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_trees_close, optimized_hlo
+from helpers import assert_trees_close, no_leak_checks, optimized_hlo
 from jax import lax
 
 import effects as fx
@@ -461,3 +462,193 @@ def test_statistics_of_the_cotangents():
     # per scan iteration, as for values
     assert_trees_close(stats["mean"], gh.mean(-1))
     assert_trees_close(stats["max"], gh.max(-1))
+
+
+#
+# Real models: every layer's gradient in one backward pass
+#
+
+
+class _Block(eqx.Module):
+    attn: eqx.nn.MultiheadAttention
+    mlp: eqx.nn.MLP
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.attn = eqx.nn.MultiheadAttention(2, 8, key=k1)
+        self.mlp = eqx.nn.MLP(8, 8, 16, 1, activation=jnp.tanh, key=k2)
+
+    def __call__(self, x, delta=None):
+        x = x + self.attn(x, x, x)
+        m = jax.vmap(self.mlp)(x)
+        # `delta`: the hand-written reference's zero at the MLP's output
+        return x + (m if delta is None else m + delta)
+
+
+class _Transformer(eqx.Module):
+    blocks: list
+
+    def __init__(self, key):
+        self.blocks = [_Block(k) for k in jax.random.split(key, 2)]
+
+    def __call__(self, x, delta=None):
+        for i, block in enumerate(self.blocks):
+            x = block(x, delta if i == 1 else None)
+        return x
+
+
+def _sum_squares(model, x, delta=None):
+    return jnp.sum(jnp.tanh(model(x, delta)) ** 2)
+
+
+def test_every_layer_of_an_equinox_transformer():
+    plain = _Transformer(jax.random.key(0))
+    model = fx.tag_modules(plain)
+    x = jax.random.normal(jax.random.key(1), (5, 8))
+    loss = lambda x: _sum_squares(model, x)  # noqa: E731
+    gx, found = jax.jit(fx.handle(jax.grad(loss), fx.Tag(of="cotangent")))(x)
+    cotangents = found["intermediates:cotangent"]
+    # every submodule call: blocks, attentions, their projections, MLPs, linears
+    assert {"blocks.0", "blocks.1.attn", "blocks.1.mlp"} <= set(cotangents)
+    assert_trees_close(gx, jax.grad(lambda x: _sum_squares(plain, x))(x))
+    _, grads = fx.intermediate_grads(loss, kind="tag")(x)
+    assert_trees_close(cotangents, grads, rtol=1e-5, atol=1e-6)
+    # the second block's MLP (vmapped over tokens), by a zero added by hand
+    want = jax.grad(lambda d: _sum_squares(plain, x, d))(jnp.zeros((5, 8)))
+    assert_trees_close(cotangents["blocks.1.mlp"], (want,), rtol=1e-5, atol=1e-6)
+    # and the gradient with respect to the parameters, with eqx.filter_grad
+    by_filter, _ = fx.handle(
+        eqx.filter_grad(lambda m: _sum_squares(m, x)), fx.Tag(of="cotangent")
+    )(model)
+    want = eqx.filter_grad(lambda m: _sum_squares(m, x))(plain)
+    # (the tagged copy's modules are subclasses: compare the arrays alone)
+    assert_trees_close(jax.tree.leaves(by_filter), jax.tree.leaves(want))
+
+
+def test_every_layer_of_a_flax_nnx_model():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(3)])
+            self.norm = nnx.LayerNorm(4, rngs=rngs)
+
+        def __call__(self, x, delta=None):
+            for i, layer in enumerate(self.layers):
+                x = jnp.tanh(layer(x))
+                if i == 0:
+                    x = self.norm(x)
+                    x = x if delta is None else x + delta
+            return x
+
+    plain = Net(nnx.Rngs(0))
+    graphdef, state = nnx.split(fx.tag_modules(plain))
+    x = jax.random.normal(jax.random.key(1), (2, 4))
+
+    def loss(state, x):
+        return jnp.sum(nnx.merge(graphdef, state)(x) ** 2)
+
+    g, found = jax.jit(fx.handle(jax.grad(loss), fx.Tag(of="cotangent")))(state, x)
+    cotangents = found["intermediates:cotangent"]
+    assert list(cotangents) == ["layers.0", "norm", "layers.1", "layers.2"]
+    plain_def, plain_state = nnx.split(plain)
+    want = jax.grad(lambda s: jnp.sum(nnx.merge(plain_def, s)(x) ** 2))(plain_state)
+    assert_trees_close(nnx.to_pure_dict(g), nnx.to_pure_dict(want))
+    _, grads = fx.intermediate_grads(loss, kind="tag")(state, x)
+    assert_trees_close(cotangents, grads, rtol=1e-5, atol=1e-6)
+    # the norm's output, by a zero added by hand
+    by_hand = jax.grad(lambda d: jnp.sum(plain(x, d) ** 2))(jnp.zeros((2, 4)))
+    assert_trees_close(cotangents["norm"], (by_hand,), rtol=1e-5, atol=1e-6)
+
+
+def test_an_optax_step_with_a_patched_layer():
+    optax = pytest.importorskip("optax")
+    params = list(jax.random.normal(jax.random.key(0), (4, 8, 8)) / np.sqrt(8))
+    x = np.linspace(-1, 1, 8).astype(f32)
+    patch = fx.Intervene({"l1": lambda v: 0.5 * v + jnp.sin(v)})
+
+    def loss(params, x):
+        for i, w in enumerate(params):
+            x = fx.tag(jnp.tanh(x @ w), f"l{i}")
+        return jnp.sum(x**2)
+
+    def patched_by_hand(params, x):
+        for i, w in enumerate(params):
+            x = jnp.tanh(x @ w)
+            x = 0.5 * x + jnp.sin(x) if i == 1 else x
+        return jnp.sum(x**2)
+
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))
+
+    @jax.jit
+    def step(params, state):
+        (value, grads), _ = fx.handle(jax.value_and_grad(loss), patch)(params, x)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    def step_outside(params, state):
+        grads = jax.grad(lambda p: fx.handle(loss, patch)(p, x)[0])(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = opt.init(params)
+    got, _, value = step(params, state)
+    assert_trees_close(value, patched_by_hand(params, x))
+    assert_trees_close(got, step_outside(params, state)[0], rtol=1e-6, atol=1e-7)
+    grads = jax.grad(patched_by_hand)(params, x)
+    want = optax.apply_updates(params, opt.update(grads, state, params)[0])
+    assert_trees_close(got, want, rtol=1e-6, atol=1e-7)
+    # (and the patch matters: the unpatched step differs)
+    grads = jax.grad(loss)(params, x)
+    unpatched = optax.apply_updates(params, opt.update(grads, state, params)[0])
+    assert not np.allclose(got[1] - params[1], unpatched[1] - params[1])
+
+
+def _solve(diffrax, tag, solver, window=(-1.0, 2.0)):
+    """The loss of a diffrax solve (default adjoint: RecursiveCheckpointAdjoint)
+    whose vector field is tagged; without tags, `d` is added to the vector
+    field's value at the times in `window`, the reference: the gradient with
+    respect to `d` is the sum of the cotangents of those executions."""
+
+    def field(t, y, args):
+        a, d = args
+        v = -jnp.tanh(y) * a
+        v = fx.tag(v, "dy") if tag else v
+        return v + d * ((t > window[0]) & (t < window[1]))
+
+    def loss(a, y0, d=np.zeros(3, f32)):
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(field), solver(), 0.0, 1.0, 0.1, y0, args=(a, d)
+        )
+        return jnp.sum(sol.ys**2)
+
+    return loss
+
+
+def test_cotangents_inside_a_diffrax_solve():
+    # The solve's loop is a custom_vjp whose backward rule recomputes the
+    # forward steps (checkpointed) and runs their VJPs in a loop: the
+    # cotangent sites are those of the backward rule's VJPs.
+    diffrax = pytest.importorskip("diffrax")
+    # JAX's tracer-leak checker fails on a diffrax gradient without effects
+    # (jax 0.10.2, diffrax 0.7.2: `jax.grad` of the untagged solve raises an
+    # IndexError from the checker's own `_why_alive`)
+    with no_leak_checks():
+        _check_diffrax_cotangents(diffrax)
+
+
+def _check_diffrax_cotangents(diffrax):
+    a, y0 = f32(1.3), np.array([0.5, -1.0, 2.0], f32)
+    zero = np.zeros(3, f32)
+    loss = _solve(diffrax, True, diffrax.Tsit5)
+    got = fx.handle(jax.grad(loss), fx.Tag(of="cotangent", mode="sum"))(a, y0)
+    by_hand = jax.grad(_solve(diffrax, False, diffrax.Tsit5), (0, 2))(a, y0, zero)
+    want = (by_hand[0], {"intermediates:cotangent": {"dy": by_hand[1]}})
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+    # "last" is the cotangent of the first execution (the backward pass runs
+    # in reverse): with Euler, the one at t = 0
+    loss = _solve(diffrax, True, diffrax.Euler)
+    _, found = fx.handle(jax.grad(loss), fx.Tag(of="cotangent", mode="last"))(a, y0)
+    first = _solve(diffrax, False, diffrax.Euler, window=(-1.0, 0.05))
+    want = jax.grad(first, 2)(a, y0, zero)
+    assert_trees_close(found, {"intermediates:cotangent": {"dy": want}})
