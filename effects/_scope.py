@@ -405,7 +405,8 @@ def act(
         extra = len(scope.acc_batch[key]) - len(sizes)
     axes = tuple(f"effects_example_{i}" for i in range(len(sizes)))
     call = scope.calls.get(key, 0)
-    scope.calls[key] = call + 1
+    if not (scope.replaying and site.part == "value"):  # (a recomputation: no call)
+        scope.calls[key] = call + 1
     same: list[bool] = []
 
     def at():
