@@ -2138,6 +2138,10 @@ def _value_changer(infos, data, f, x):
     return fx.Perturb(deltas), {"shifts": deltas}
 
 
+def _has(node, kind) -> bool:
+    return isinstance(node, kind) or any(_has(c, kind) for c in _children(node))
+
+
 @FUZZ
 @given(programs(holding="tag"), st.data())
 def test_value_handlers_commute_with_grad_and_jvp(program, data):
@@ -2183,8 +2187,7 @@ def test_value_handlers_commute_with_grad_and_jvp(program, data):
         # JAX's refusal to take the jvp of a custom_vjp function, raised while
         # tracing `jvp of f` (where the handler may have made its tangent zero).
         assert "custom_vjp" in str(inside_error), inside_error
-        with pytest.raises(TypeError, match="custom_vjp"):
-            jax.jit(lambda x: jax.jvp(f, (x,), (t,)))(x)
+        assert _has(program.body, CustomVjp)
         if outside_error is not None:
             assert "custom_vjp" in str(outside_error), outside_error
         return
@@ -2227,9 +2230,10 @@ def test_cotangents_and_tangents_of_tags_equal_the_reference(program):
     )
     got, error = _outcome(jax.jit(tangents), x)
     if error is not None:  # JAX's: no jvp of a custom_vjp function
+        # (not always raised by `jax.jit` of it: on jax 0.12 it drops a dead
+        # custom_vjp call, which a tag there keeps under `handle`)
         assert "custom_vjp" in str(error), error
-        with pytest.raises(TypeError, match="custom_vjp"):
-            jax.jit(lambda x: jax.jvp(f, (x,), (t,)))(x)
+        assert _has(program.body, CustomVjp)
         return
     ((_, t_out), found) = got
     want_out, want = reference_tangents(program, expected, names, t)
