@@ -115,7 +115,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import devices, leak_checks, no_leak_checks, plain
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
@@ -708,8 +708,10 @@ class Ambiguous(Exception):
 class _Reference:
     """Runs a program with Python loops. In NumPy mode (float64) it records every
     site execution as `(name, entry, index path, value)` and every branch taken;
-    in `jax.numpy` mode it takes the recorded branches and adds `deltas[name]
-    [entry][index path]` at each site of a name in `deltas`. In NumPy mode,
+    in `jax.numpy` mode it takes the recorded branches, adds `deltas[name]
+    [entry][index path]` at each site of a name in `deltas`, and records the
+    values (as jax arrays, to differentiate: see `reference_tangents`). In NumPy
+    mode,
     `subs[name][entry][index path]` replaces the value at each site of a name in
     `subs` (the value recorded is the new one), and `shifts[name][entry][index
     path]` is added. In both, `fns[name]` first transforms the value at each
@@ -750,8 +752,10 @@ class _Reference:
                 if node.name in self.shifts:
                     v = v + self.shifts[node.name][entry][idx]
                 self.log.append((node.name, entry, idx, np.array(v)))
-            elif node.name in self.deltas:
+                return v
+            if node.name in self.deltas:
                 v = v + self.deltas[node.name][entry][idx]
+            self.log.append((node.name, entry, idx, v))
             return v
         if isinstance(node, Fork):
             a = self.run(node.left, v, i, offsets, idx, path)
@@ -931,6 +935,35 @@ def reference_perturbation_grads(program: Program, expected: Expected, names):
         n: tuple(jnp.transpose(g, infos[n].layout()) for g in grads[n]) for n in names
     }
     return value, grads
+
+
+def reference_tangents(program: Program, expected: Expected, names, tangent):
+    """`(output tangent, tangents)`: the `jax.jvp` at `program.x()` along
+    `tangent` of the program's output and of the values at the sites of `names`
+    (in the append layout `Tag()` reports, zeros where a branch did not run),
+    by the reference in `jax.numpy` (the branches `expected` took)."""
+    infos = expected.infos
+
+    def values(x):
+        ref = _Reference({}, expected.decisions)
+        out = ref.run(program.body, x, None, {}, (), ())
+        entries = {
+            n: [jnp.zeros(infos[n].nested_shape(), x.dtype)] * infos[n].count
+            for n in names
+        }
+        for n, entry, idx, value in ref.log:
+            if n in entries:
+                entries[n][entry] = entries[n][entry].at[idx].set(value)
+        layout = {
+            n: tuple(jnp.transpose(e, infos[n].layout()) for e in es)
+            for n, es in entries.items()
+        }
+        return out, layout
+
+    _, tangents = jax.jit(lambda x, t: jax.jvp(values, (x,), (t,)))(
+        program.x(), tangent
+    )
+    return tangents
 
 
 #
@@ -2021,6 +2054,191 @@ def test_two_handlers_equal_nested_handles(program, data):
     if merged_error is None:
         (out, inner), outer = nested
         assert_identical(merged, (out, merge_found(inner, outer)), f"{a!r}, {b!r}")
+
+
+#
+# Derivative sites: handling commutes with jax.grad and jax.jvp
+#
+
+
+def _bend(v):
+    """A smooth nonlinear function of a tagged value (NumPy's or jax.numpy's)."""
+    xp = jnp if isinstance(v, jax.Array) else np
+    return v + 0.5 * xp.sin(v)
+
+
+class Bend(fx.Handler):
+    """A handler written outside the package that changes values nonlinearly:
+    `_bend` of the tags `names` of its collection. It reports nothing."""
+
+    names: tuple = dataclasses.field(metadata={"static": True})
+    collection: str = dataclasses.field(
+        default="intermediates", metadata={"static": True}
+    )
+
+    def matches(self, site):
+        return (
+            site.kind == "tag"
+            and site.collection == self.collection
+            and site.name in self.names
+        )
+
+    def apply(self, site, value, ctx):
+        return jax.tree.map(_bend, value)
+
+
+def _value_changer(infos, data, f, x):
+    """A handler changing the values at some sites (drawn with `data`), and the
+    arguments of `substituted_reference` saying what it does. Not at tags under
+    a custom derivative, which `handle(f, H)` refuses and where
+    `handle(jax.grad(f), H)` finds no derivative site (JAX runs the rule), nor at
+    checkpoint_names (JAX's primitive, with no derivative sites): neither law
+    holds there."""
+    tags = {c: names_where(infos, collection=c, custom=False) for c in TAGGED}
+    perturbed = names_where(infos, collection="perturbations")
+    options = ["intervene", "substitute", "per_call", "perturb_tag", "bend"]
+    options += ["perturb"] if perturbed else []
+    if not names_where(infos, collection="intermediates", custom=True):
+        options.append("clip")  # (it matches every tag of the collection)
+    kind = data.draw(st.sampled_from(options))
+
+    def pick(names):
+        return [n for n in names if data.draw(st.booleans())] or names[:1]
+
+    # (intermediates are never in a while loop: per_call and Perturb apply)
+    if kind in ("per_call", "perturb_tag", "perturb", "clip"):
+        collection = "intermediates"
+    else:
+        collection = data.draw(st.sampled_from([c for c in TAGGED if tags[c]]))
+    names = pick(tags[collection])
+    if kind == "intervene":
+        fns = dict.fromkeys(names, _bend)
+        return fx.Intervene(fns, collection=collection), {"fns": fns}
+    if kind == "bend":
+        fns = dict.fromkeys(names, _bend)
+        return Bend(tuple(names), collection), {"fns": fns}
+    if kind == "clip":
+        return Clip(), {"fns": dict.fromkeys(tags[collection], _clip)}
+    if kind == "substitute":  # one example's value, at every execution
+        values = {}
+        for k, n in enumerate(names):
+            shape = infos[n].shape
+            value = 0.5 - 0.25 * np.cos(np.arange(int(np.prod(shape))) + k)
+            values[n] = value.reshape(shape).astype(np.float32)
+        fns = {n: (lambda v, c=c: c.astype(np.float64)) for n, c in values.items()}
+        return fx.Substitute(values, collection=collection), {"fns": fns}
+    if kind == "per_call":  # what Tag() found: the same values, no gradient
+        _, found = fx.handle(f, fx.Tag(names=names))(x)
+        values = jax.tree.map(np.asarray, found["intermediates"])
+        return fx.Substitute(values, per_call=True), {"subs": values}
+    if kind == "perturb_tag":
+        deltas = shift_offsets(infos, names)
+        return fx.Perturb(deltas, kind="tag"), {"shifts": deltas}
+    deltas = shift_offsets(infos, pick(perturbed))
+    return fx.Perturb(deltas), {"shifts": deltas}
+
+
+def _has(node, kind) -> bool:
+    return isinstance(node, kind) or any(_has(c, kind) for c in _children(node))
+
+
+@FUZZ
+@given(programs(holding="tag"), st.data())
+def test_value_handlers_commute_with_grad_and_jvp(program, data):
+    """`handle(jax.grad(f), H) == jax.grad(handle(f, H))` and `handle(jvp of f,
+    H) == jax.jvp(handle(f, H))` for a handler that changes values (`Intervene`
+    with a nonlinear function, `Substitute`, with `per_call=True` too,
+    `Perturb(deltas)` at perturb sites and at tags, and the user handlers `Bend`
+    and `Clip`): it is differentiated where it acts. Its output is the
+    reference's with the values changed."""
+    infos = analyse(program)
+    f, x = program.function(), program.x()
+    handler, changes = _value_changer(infos, data, f, x)
+    try:
+        expected = substituted_reference(program, changes.pop("subs", {}), **changes)
+    except Ambiguous:  # a predicate the new values put on its boundary
+        assume(False)
+    handled = fx.handle(f, handler)
+    out, _ = jax.jit(handled)(x)
+    assert_close(out, expected.out, what=f"output, {handler!r}")
+
+    loss = scalar_loss(f, program.shape)
+    handled_loss = scalar_loss(lambda x: handled(x)[0], program.shape)
+    want = jax.jit(jax.grad(handled_loss))(x)
+    got, error = _outcome(jax.jit(fx.handle(jax.grad(loss), handler)), x)
+    if error is None:
+        assert_close(got[0], want, rtol=1e-5, what=f"handle(grad(f)), {handler!r}")
+    else:
+        # A handler taking one input per execution cannot tell the executions
+        # the backward pass recomputes in a `jax.checkpoint` region: refused.
+        event("refused: per-execution input in a recomputed checkpoint region")
+        assert isinstance(error, ValueError), error
+        assert "recomputes" in str(error), error
+        assert isinstance(handler, (fx.Perturb, fx.Substitute)), error
+
+    # (a jax array: JAX fails on a NumPy tangent reaching a shard_map in a jit)
+    t = jnp.asarray(program.x(7))
+    jvp_inside = fx.handle(lambda x: jax.jvp(f, (x,), (t,)), handler)
+    inside, inside_error = _outcome(jax.jit(jvp_inside), x)
+    outside, outside_error = _outcome(
+        jax.jit(lambda x: jax.jvp(lambda x: handled(x)[0], (x,), (t,))), x
+    )
+    if inside_error is not None:
+        # JAX's refusal to take the jvp of a custom_vjp function, raised while
+        # tracing `jvp of f` (where the handler may have made its tangent zero).
+        assert "custom_vjp" in str(inside_error), inside_error
+        assert _has(program.body, CustomVjp)
+        if outside_error is not None:
+            assert "custom_vjp" in str(outside_error), outside_error
+        return
+    assert outside_error is None, outside_error
+    assert_close(inside[0], outside, rtol=1e-5, what=f"handle(jvp(f)), {handler!r}")
+
+
+@FUZZ
+@given(programs(holding="tag"))
+def test_cotangents_and_tangents_of_tags_equal_the_reference(program):
+    """`Tag(of="cotangent")` under `handle(jax.grad(f))`: the gradients with
+    respect to the tagged values, as the explicit-delta reference and
+    `fx.intermediate_grads(kind="tag")` have them; `Tag(of="tangent")` under
+    `handle(jvp of f)`: the jvp of the tagged values, by the reference. Not the
+    tags under a custom derivative, where JAX runs the rule (no derivative
+    site)."""
+    expected = reference(program)
+    infos = expected.infos
+    names = names_where(infos, collection="intermediates", custom=False)
+    f, x = program.function(), program.x()
+    loss = scalar_loss(f, program.shape)
+    cotangents = fx.handle(jax.grad(loss), fx.Tag(of="cotangent", names=names))
+    grad, found = jax.jit(cotangents)(x)
+    assert_as_plain(grad, jax.jit(jax.grad(loss))(x), "gradient")
+    _, want = reference_perturbation_grads(program, expected, names)
+    assert_close(found, {"intermediates:cotangent": want}, what="cotangents")
+    if not names_where(infos, collection="intermediates", custom=True):
+        _, grads = jax.jit(fx.intermediate_grads(loss, kind="tag"))(x)
+        assert_close(
+            found["intermediates:cotangent"],
+            grads,
+            rtol=1e-5,
+            what="intermediate_grads",
+        )
+
+    # (a jax array: JAX fails on a NumPy tangent reaching a shard_map in a jit)
+    t = jnp.asarray(program.x(7))
+    tangents = fx.handle(
+        lambda x: jax.jvp(f, (x,), (t,)), fx.Tag(of="tangent", names=names)
+    )
+    got, error = _outcome(jax.jit(tangents), x)
+    if error is not None:  # JAX's: no jvp of a custom_vjp function
+        # (not always raised by `jax.jit` of it: on jax 0.12 it drops a dead
+        # custom_vjp call, which a tag there keeps under `handle`)
+        assert "custom_vjp" in str(error), error
+        assert _has(program.body, CustomVjp)
+        return
+    ((_, t_out), found) = got
+    want_out, want = reference_tangents(program, expected, names, t)
+    assert_close(t_out, want_out, what="output tangent")
+    assert_close(found, {"intermediates:tangent": want}, what="tangents")
 
 
 def test_the_generator_covers_every_construct():
