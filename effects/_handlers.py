@@ -956,8 +956,8 @@ class Intervene(Handler):
     Differentiated where it acts: under a `jax.jvp` or `jax.grad` inside
     [`handle`][effects.handle], `fn`'s JVP acts on the tag's tangent and its
     VJP on the cotangent, so `handle(jax.grad(f), Intervene(fns)) ==
-    jax.grad(handle(f, Intervene(fns)))`. (`at` is refused in such a backward
-    pass, whose executions run last first.)
+    jax.grad(handle(f, Intervene(fns)))`; `at` there is the value's
+    execution's, though a backward pass runs them last first.
 
     **Arguments:**
 
@@ -981,7 +981,7 @@ class Intervene(Handler):
       function returning another structure, shape or dtype; a tag inside a
       `custom_jvp` or `custom_vjp` function; a function reading `at` in a
       `jax.checkpoint` region the backward pass of a `jax.grad` inside
-      `handle` recomputes.
+      `handle` recomputes for a value it does not differentiate.
 
     **Example:**
 

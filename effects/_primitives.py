@@ -3,6 +3,7 @@ under every JAX transformation, and that cost nothing once lowered."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import jax
@@ -122,12 +123,17 @@ mlir.register_lowering(
 
 
 def _site_jvp(primals, tangents, **params):
-    outs = site_p.bind(*primals, **params)
     if not handling.value or all(type(t) is ad.Zero for t in tangents):
-        return outs, tangents
+        return site_p.bind(*primals, **params), tangents
     tangents = [ad.instantiate_zeros(t) for t in tangents]
     if part_of(params) == "value":
+        # The value's site and its derivatives' share a `pair` number: a
+        # handler of the value reading `at` at the cotangent, in a backward
+        # pass that runs the executions last first, gets the value's call.
+        params = dict(params, pair=next(_pairs))
+        outs = site_p.bind(*primals, **params)
         return outs, site_p.bind(*primals, *tangents, **dict(params, part="tangent"))
+    outs = site_p.bind(*primals, **params)
     # The derivative of a derivative site, linear in the derivative: handlers
     # that change values are refused there (`higher`), others pass it on.
     n = len(primals) // 2
@@ -136,6 +142,7 @@ def _site_jvp(primals, tangents, **params):
 
 
 ad.primitive_jvps[site_p] = _site_jvp
+_pairs = itertools.count()
 
 
 def _site_transpose(cts, *args, **params):

@@ -53,10 +53,11 @@ _AT_IN_REPLAY = (
     "(`jax.grad(fx.handle(f, ...))`)."
 )
 _AT_BACKWARD = (
-    "{where}: a handler reads `at` in the backward pass of a `jax.grad` inside "
-    "`fx.handle`, which runs the executions last first; their call numbers are "
-    "not known there. Handle the function before differentiating it "
-    "(`jax.grad(fx.handle(f, ...))`)."
+    "{where}: a handler of the cotangent reads `at` in the backward pass of a "
+    "`jax.grad` inside `fx.handle`, which runs the executions last first: their "
+    "call numbers are not known there (a handler of the value reading `at` gets "
+    "its value's). Read `at` from a handler of the value, or handle the "
+    "function before differentiating it (`jax.grad(fx.handle(f, ...))`)."
 )
 _INPUT_IN_REPLAY = (
     "{owner} takes one entry per execution, but {where} is in a `jax.checkpoint` "
@@ -114,6 +115,7 @@ class Scope:
         custom: str | None = None,
         shards: tuple = (),
         plans: dict | None = None,
+        pairs: dict | None = None,
         calls: dict | None = None,
         index: tuple = (),
     ):
@@ -145,6 +147,9 @@ class Scope:
         # The plans of the regions met in one rewrite, shared by all its scopes
         # (see `_rules.discover`).
         self.plans: dict = {} if plans is None else plans
+        # Per (handler index, `Site.pair`): the call number of the value's
+        # execution that a derivative site belongs to, shared like `plans`.
+        self.pairs: dict = {} if pairs is None else pairs
         # Per key, its executions so far in program order (the index of the
         # next one's entry in the layout `Tag()` reports); while discovering,
         # those in this region alone.
@@ -153,7 +158,7 @@ class Scope:
         # scalars; while discovering, stand-ins), and whether a handler read them
         # (`Context.at`): a loop threads its index only then.
         self.index = index
-        self.wants_index = False
+        self._wants_index = [False]  # (shared with `replay`'s view)
 
     def inner(self, **fields) -> Scope:
         """A fresh scope for a region inside this one: the same handlers, custom
@@ -162,10 +167,19 @@ class Scope:
             custom=self.custom,
             shards=self.shards,
             plans=self.plans,
+            pairs=self.pairs,
             index=self.index,
             replaying=self.replaying,
         )
         return Scope(self.handlers, **(same | fields))
+
+    @property
+    def wants_index(self) -> bool:
+        return self._wants_index[0]
+
+    @wants_index.setter
+    def wants_index(self, value: bool) -> None:
+        self._wants_index[0] = value
 
     def replay(self) -> Scope:
         """This scope, for a region that recomputes executions of values
@@ -387,6 +401,7 @@ def act(
     handler, mode = handlers[index], handlers.modes[index]
     key: Key = (index, site.name) if within is None else (index, site.name, within)
     quiet = within is not None or (scope.replaying and site.part == "value")
+    backward = "cotangent" in (site.part, within)
     if quiet:
         mode = None
     scope.sites.setdefault(key, site)
@@ -405,17 +420,23 @@ def act(
         extra = len(scope.acc_batch[key]) - len(sizes)
     axes = tuple(f"effects_example_{i}" for i in range(len(sizes)))
     call = scope.calls.get(key, 0)
-    if not (scope.replaying and site.part == "value"):  # (a recomputation: no call)
+    replay = scope.replaying and site.part == "value" and within is None
+    if not replay:  # (a recomputation has no call number of its own)
         scope.calls[key] = call + 1
+        if within is None and site.pair is not None:
+            scope.pairs[index, site.pair] = call
     same: list[bool] = []
 
     def at():
-        if scope.replaying:
+        number = call
+        if replay or within is not None:  # the call of the value's execution
+            number = scope.pairs.get((index, site.pair), None if backward else call)
+        if replay and number is None:
             raise ValueError(_AT_IN_REPLAY.format(where=site.where()))
-        if "cotangent" in (site.part, within):
+        if number is None or (backward and within is None):
             raise ValueError(_AT_BACKWARD.format(where=site.where()))
         scope.wants_index = True
-        return (jnp.int32(call), *scope.index)
+        return (jnp.int32(number), *scope.index)
 
     def one(value, entry, acc, primal):
         # Returns the leaves `apply` changed, what it appended, and the

@@ -88,6 +88,9 @@ class Site:
     # outermost first: its manual mesh axes and its number of shards.
     shards: tuple[tuple[tuple[str, ...], int], ...] = ()
     part: str = "value"  # "value", "tangent" or "cotangent"
+    # The number a value's site shares with its tangent's and cotangent's
+    # (`_primitives._site_jvp`); None for a value nothing differentiates.
+    pair: int | None = None
 
     @classmethod
     def from_eqn(cls, params, avals, shards=()) -> Site:
@@ -97,7 +100,9 @@ class Site:
         part = params.get("part", "value")
         if part != "value":
             avals = avals[len(avals) // 2 :]
-        return cls(name, collection, kind, treedef, batch, tuple(avals), shards, part)
+        pair = params.get("pair")
+        avals = tuple(avals)
+        return cls(name, collection, kind, treedef, batch, avals, shards, part, pair)
 
     @classmethod
     def probe(cls, kind: str, collection: str, name: str, part="value") -> Site:

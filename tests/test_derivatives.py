@@ -211,9 +211,8 @@ def _handlers(name):
     return h if isinstance(h, tuple) else (h,)
 
 
-@pytest.mark.parametrize("name", [n for n in HANDLERS if n != "intervene_at"])
+@pytest.mark.parametrize("name", list(HANDLERS))
 def test_handle_commutes_with_grad(name):
-    # (`at` in the backward pass is refused: see the test below)
     hs = _handlers(name)
     got, _ = fx.handle(jax.value_and_grad(loss), *hs)(X)
     want = jax.value_and_grad(lambda x: fx.handle(loss, *hs)(x)[0])(X)
@@ -311,10 +310,37 @@ def test_a_gradient_clip_at_one_layer():
     assert not np.allclose(want, jax.grad(loss)(X))
 
 
-def test_at_in_the_backward_pass_is_refused():
-    h = fx.Intervene({"h": lambda v, at: v * at[1]})
-    with pytest.raises(ValueError, match="backward pass of a `jax.grad`"):
-        fx.handle(jax.grad(loss), h)(X)
+def _twice(x):
+    h = fx.tag(jnp.sin(x), "h")
+    return jnp.sum(fx.tag(h * h, "h") ** 2)
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_at_in_the_backward_pass_is_the_values(checkpoint):
+    # A handler of the value reading `at` at a cotangent site (the backward
+    # pass runs the executions last first; a checkpointed scan's backward pass
+    # also recomputes them) gets the call and iterations of the value's
+    # execution: the gradient of the handled function.
+    scale = fx.Intervene({"h": lambda v, at: v * (at[0] + 2.0)})
+    got = fx.handle(jax.grad(_twice), scale)(X)[0]
+    assert_trees_close(got, jax.grad(lambda x: fx.handle(_twice, scale)(x)[0])(X))
+    one = fx.Intervene({"h": lambda v, at: jnp.where(at[1] == 2, v**3, v)})
+    f = lambda x: loss(x, checkpoint=checkpoint)  # noqa: E731
+    got, _ = fx.handle(jax.value_and_grad(f), one)(X)
+    want = jax.value_and_grad(lambda x: fx.handle(f, one)(x)[0])(X)
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(want[1], jax.grad(f)(X))
+
+
+def test_at_read_by_a_handler_of_the_cotangent_is_refused():
+    class Numbered(fx.Handler):
+        of = "cotangent"
+
+        def apply(self, site, value, ctx):
+            return value * ctx.at[0]
+
+    with pytest.raises(ValueError, match="handler of the cotangent reads `at`"):
+        fx.handle(jax.grad(_twice), Numbered())(X)
 
 
 def test_sites_lists_the_parts():
