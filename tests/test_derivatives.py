@@ -678,3 +678,45 @@ def _check_diffrax_cotangents(diffrax):
     first = _solve(diffrax, False, diffrax.Euler, window=(-1.0, 0.05))
     want = jax.grad(first, 2)(a, y0, zero)
     assert_trees_close(found, {"intermediates:cotangent": {"dy": want}})
+
+
+def _custom_vjp_model():
+    @jax.custom_vjp
+    def g(x):
+        return fx.tag(jnp.sin(x), "inner") * 2
+
+    g.defvjp(lambda x: (g(x), jnp.cos(x)), lambda c, ct: (2 * c * ct,))
+
+    @jax.custom_jvp
+    def k(x):
+        return fx.tag(jnp.tanh(x), "inner2")
+
+    k.defjvp(lambda p, t: (k(p[0]), (1 - jnp.tanh(p[0]) ** 2) * t[0]))
+
+    def f(x, d=None):
+        h = fx.tag(k(g(x)), "h")
+        return jnp.sum((h if d is None else h + d) ** 2)
+
+    return f
+
+
+def test_custom_derivatives():
+    # A tag inside a custom_jvp/custom_vjp function: changing it is refused in
+    # either order (the custom rule gives the derivative); its cotangent is not
+    # a site (named, an error says why); tags outside are differentiated.
+    f = _custom_vjp_model()
+    for name in ("inner", "inner2"):
+        h = fx.Intervene({name: lambda v: v**3})
+        with pytest.raises(ValueError, match="custom derivative"):
+            fx.handle(jax.grad(f), h)(X)
+        with pytest.raises(ValueError, match="custom derivative"):
+            jax.grad(lambda x: fx.handle(f, h)(x)[0])(X)
+        with pytest.raises(ValueError, match="custom_jvp`/`custom_vjp"):
+            fx.handle(jax.grad(f), fx.Tag(of="cotangent", names=name))(X)
+    g, found = fx.handle(jax.grad(f), fx.Tag(of="cotangent"))(X)
+    assert_trees_close(g, jax.grad(f)(X))
+    want = jax.grad(f, 1)(X, np.zeros(3, f32))
+    assert_trees_close(found, {"intermediates:cotangent": {"h": (want,)}})
+    cube = fx.Intervene({"h": lambda v: v**3})
+    got = fx.handle(jax.grad(f), cube)(X)[0]
+    assert_trees_close(got, jax.grad(lambda x: fx.handle(f, cube)(x)[0])(X))
