@@ -41,7 +41,12 @@ def jax_leak_check_false_report():
             return lax.scan(body, 0.0, x)[0]
         jax.grad(f)(jnp.ones((2, 2)))  # Exception: Leaked trace JaxprTrace
 
-    `tests/test_rewrite.py::test_jax_leak_checker_false_report` checks that JAX
-    still does this, so the marks can go when it no longer does."""
+    The same for an effect that depends on a tangent (a cotangent site; with
+    JAX alone, a `jax.debug.print` in a custom_jvp rule) in a `shard_map` under
+    `jax.grad` (jax 0.10.2, 0.12).
+
+    `tests/test_rewrite.py::test_jax_leak_checker_false_report` and
+    `..._in_a_differentiated_shard_map` check that JAX still does this, so the
+    marks can go when it no longer does."""
     with no_leak_checks():
         yield
