@@ -2168,6 +2168,22 @@ def test_value_handlers_commute_with_grad_and_jvp(program, data):
     got, error = _outcome(jax.jit(fx.handle(jax.grad(loss), handler)), x)
     if error is None:
         assert_close(got[0], want, rtol=1e-5, what=f"handle(grad(f)), {handler!r}")
+    elif "named" in str(error):
+        # JAX's: under `jax.grad`, the forward part of a `shard_map` whose
+        # output is discarded, in a scan, loses its effects (the site's value
+        # with them; a `jax.debug.print` there too, with JAX alone, jax 0.10.2
+        # and 0.12): the name is then missing from the differentiated program.
+        listed = fx.sites(jax.grad(loss))(x)
+        present = {
+            name
+            for names in listed.values()
+            for name, infos_ in names.items()
+            if any(i.part == "value" for i in infos_)
+        }
+        assert set(handler.required_names()) - present, error
+        assert _has(program.body, ShardMap) and _has(program.body, Scan), error
+        event("JAX drops a discarded shard_map's effects in a scan under grad")
+        return
     else:
         # A handler taking one input per execution cannot tell the executions
         # the backward pass recomputes in a `jax.checkpoint` region: refused.
