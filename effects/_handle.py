@@ -529,13 +529,14 @@ def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:
         handlers = _combine(config.static, config.treedef, flat[: len(h_leaves)])
         scope = _scope(handlers)
         outs = run(traced.jaxpr, (), flat[len(h_leaves) :], scope)
+        info["dropped"] = scope.pairs.get("dropped", False)
         found = _report(scope, handlers)
         leaves, info["tree"] = jax.tree.flatten(found)
         return [*outs, *leaves]
 
     in_avals = [*map(aval, h_leaves), *(v.aval for v in traced.jaxpr.invars)]
     jaxpr, consts = _jaxpr.trace(rewritten, in_avals)
-    if not handling.value:
+    if info["dropped"] and not handling.value:
         # What a dropped derivative site needed goes too (a value a forward loop
         # kept for the backward pass): the program of the hand-written function.
         # (Under an enclosing `handle`, whose handlers may see a name no value
