@@ -3,6 +3,7 @@
 from importlib import metadata as _metadata
 
 from ._debug import BadSite as BadSite
+from ._debug import Statistics as Statistics
 from ._debug import Stats as Stats
 from ._debug import Summary as Summary
 from ._debug import find_nonfinite as find_nonfinite

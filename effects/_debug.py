@@ -29,6 +29,72 @@ from ._sites import sites
 STAT_KEYS = ("mean", "std", "min", "max", "mean_abs", "nan_count", "inf_count")
 
 
+class Statistics(Mapping[str, Any]):
+    """The statistics [`fx.Stats`][effects.Stats] keeps of one leaf of a
+    tagged value: a read-only dict from `mean`, `std`, `min`, `max`,
+    `mean_abs`, `nan_count` and `inf_count` to arrays (a pytree, so it goes
+    through `jit` and `vmap`), which also knows the leaf it describes.
+
+    **Attributes:**
+
+    - `shape`, `dtype`: the leaf's, for one example.
+    - `stacked`: how many trailing axes of each statistic are those of the
+      `shard_map`s and `lax.scan`s around the tag (see
+      [`Context.stacking`][effects.Context]). The axes before them are batch
+      axes, one statistic per example of each `jax.vmap`, inside the handled
+      function or outside it: [`fx.summary`][effects.summary] combines the
+      examples.
+
+    **Example:**
+
+    ```python
+    f = jax.vmap(lambda x: fx.tag(2 * x, "h"))
+    _, found = fx.handle(f, fx.Stats())(jnp.arange(6.0).reshape(3, 2))
+    (entry,) = found["intermediates"]["h"]
+    print(entry.shape, entry.dtype, entry.stacked, entry["mean"])
+    ```
+
+    ```text
+    (2,) float32 0 [1. 5. 9.]
+    ```
+    """
+
+    __slots__ = ("_stats", "shape", "dtype", "stacked")
+
+    def __init__(self, stats: Mapping[str, Any], shape, dtype, stacked: int = 0):
+        self._stats = {k: stats[k] for k in STAT_KEYS}
+        self.shape, self.dtype, self.stacked = tuple(shape), str(dtype), int(stacked)
+
+    def __getitem__(self, key: str):
+        return self._stats[key]
+
+    def __iter__(self):
+        return iter(self._stats)
+
+    def __len__(self) -> int:
+        return len(self._stats)
+
+    def __repr__(self) -> str:
+        about = f"shape={self.shape}, dtype={self.dtype}, stacked={self.stacked}"
+        return f"Statistics({self._stats!r}, {about})"
+
+    def _flatten(self):
+        keys = tuple((jax.tree_util.DictKey(k), v) for k, v in self._stats.items())
+        return keys, (self.shape, self.dtype, self.stacked)
+
+    @classmethod
+    def _unflatten(cls, about, stats):
+        return cls(dict(zip(STAT_KEYS, stats)), *about)
+
+
+jax.tree_util.register_pytree_with_keys(
+    Statistics,
+    Statistics._flatten,
+    Statistics._unflatten,
+    lambda s: (tuple(s._stats.values()), (s.shape, s.dtype, s.stacked)),
+)
+
+
 def _leaf_stats(x, xp=jnp) -> dict[str, Any]:
     """Statistics of `x`, one example's value: moments and extremes over the
     finite values, counts of the rest. With `xp=np`, in NumPy and float64."""
@@ -52,6 +118,36 @@ def _leaf_stats(x, xp=jnp) -> dict[str, Any]:
         "mean_abs": some(xp.sum(xp.abs(x), where=finite) / n),
         "nan_count": xp.sum(xp.isnan(x), dtype=np.int32),
         "inf_count": xp.sum(xp.isinf(x), dtype=np.int32),
+    }
+
+
+def _over_examples(stats: Mapping[str, np.ndarray], size: int, axes: int):
+    """`stats` of equal-sized parts (`size` elements each) combined over their
+    first `axes` axes: exactly the statistics of the whole, in float64."""
+    s = {k: np.asarray(v, np.float64) for k, v in stats.items()}
+    over = tuple(range(axes))
+    n = size - s["nan_count"] - s["inf_count"]  # finite values of each part
+    total = n.sum(over)
+    some = total > 0
+    w = np.where(some, n / np.where(some, total, 1), 0)  # (NaN moments weigh 0)
+
+    def weighted(v):
+        return np.where(some, np.sum(np.where(n > 0, v, 0) * w, over), np.nan)
+
+    mean = weighted(s["mean"])
+    square = weighted(s["std"] ** 2 + s["mean"] ** 2)
+
+    def extreme(v, fill, reduce):  # over the parts with a finite value
+        return np.where(some, reduce(np.where(n > 0, v, fill), over), np.nan)
+
+    return {
+        "mean": mean,
+        "std": np.sqrt(np.maximum(square - mean**2, 0)),
+        "min": extreme(s["min"], np.inf, np.min),
+        "max": extreme(s["max"], -np.inf, np.max),
+        "mean_abs": weighted(s["mean_abs"]),
+        "nan_count": s["nan_count"].sum(over).astype(np.int64),
+        "inf_count": s["inf_count"].sum(over).astype(np.int64),
     }
 
 
@@ -85,8 +181,9 @@ class Stats(Tag):
     **Returns:**
 
     As a handler: in `found[collection]`, a dict from name to a tuple with one
-    entry per execution, each entry the value's pytree with a dict of
-    statistics in place of each leaf.
+    entry per execution, each entry the value's pytree with an
+    [`fx.Statistics`][effects.Statistics] (a read-only dict of the statistics,
+    which knows the leaf's shape and dtype) in place of each leaf.
 
     **Raises:**
 
@@ -126,7 +223,11 @@ class Stats(Tag):
         object.__setattr__(self, "per_example", bool(per_example))
 
     def apply(self, site, value, ctx):
-        ctx.emit(jax.tree.map(_leaf_stats, value))
+        def leaf(x):
+            shape, dtype = jnp.shape(x), jnp.result_type(x)
+            return Statistics(_leaf_stats(x), shape, dtype, ctx.stacking)
+
+        ctx.emit(jax.tree.map(leaf, value))
         return value
 
 
@@ -147,14 +248,18 @@ class Summary:
 
     **Attributes:**
 
-    - `rows`: the table's rows, a list of dicts with the keys of `columns`:
-      `name`, `call` (the execution's index among the name's), `index` (the
-      index along stacked scan or vmap axes of a `Stats` entry, else None),
-      `shape` and `dtype` (for `Tag` values, else None), the statistics `mean`,
-      `std`, `min`, `max`, `mean_abs`, `nan_count`, `inf_count`, and `finite`
-      (a bool).
+    - `rows`: the table's rows, a list of dicts: `name`, `call` (the
+      execution's index among the name's), `index` (the index along the
+      stacked axes of a `Stats` entry: its scans, and its vmaps when shown per
+      example; else None), `shape` and `dtype` (a `Tag` value's whole; a
+      `Stats` leaf's for one example), `examples` (for a `Stats` entry under
+      vmaps inside the handled function: how many examples the row's
+      statistics are over, 1 when shown per example; else None), the
+      statistics `mean`, `std`, `min`, `max`, `mean_abs`, `nan_count`,
+      `inf_count`, and `finite` (a bool).
     - `nonfinite`: the rows whose values hold a NaN or an Inf.
-    - `columns`: the column names, in order.
+    - `columns`: the columns shown, in order: the keys of a row, without
+      `examples` where no row has one.
 
     **Example:**
 
@@ -165,10 +270,14 @@ class Summary:
     ```
     """
 
-    columns = ("name", "call", "index", "shape", "dtype", *STAT_KEYS, "finite")
-
     def __init__(self, rows: list[dict[str, Any]]):
         self.rows = rows
+        examples = any(r["examples"] is not None for r in rows)
+        self.columns = (
+            *("name", "call", "index", "shape", "dtype"),
+            *(("examples",) if examples else ()),
+            *(*STAT_KEYS, "finite"),
+        )
 
     @property
     def nonfinite(self) -> list[dict[str, Any]]:
@@ -214,21 +323,31 @@ def _cell(v) -> str:
     return str(v)
 
 
-def summary(found: Mapping[str, Mapping[str, Any]]) -> Summary:
+def summary(
+    found: Mapping[str, Mapping[str, Any]], *, per_example: bool = False
+) -> Summary:
     """Renders what [`fx.Tag`][effects.Tag] or [`fx.Stats`][effects.Stats]
     found as a table: shapes, statistics and finiteness at a glance.
 
     One row per execution of each name (and, for `Stats` entries stacked along
-    a scan or a vmap, one per index along those axes; for a pytree value, one
-    per leaf), in program order: the name (with the collection and the leaf's
-    path where there are several), the execution's index, its shape and dtype
-    (`Tag` values), the statistics, and whether it is finite. Statistics of
-    `Tag` values are computed here, in NumPy, over the whole value.
+    a scan, one per iteration; for a pytree value, one per leaf), in program
+    order: the name (with the collection and the leaf's path where there are
+    several), the execution's index, its shape and dtype, the statistics, and
+    whether it is finite. Statistics of `Tag` values are computed here, in
+    NumPy, over the whole value, batch axes included.
+
+    `Stats` keeps statistics per example of each `jax.vmap` inside the
+    handled function; the table combines them over the batch (exactly: the
+    statistics of the whole batch's values) and says over how many examples
+    in its `examples` column, or, with `per_example=True`, shows one row per
+    example, its position in `index` (batch axes first, then scans).
 
     **Arguments:**
 
     - `found`: the `found` dict [`handle`][effects.handle] returned with
       `Tag` (any mode) or `Stats`.
+    - `per_example`: one row per example of a `Stats` entry under vmaps
+      (True), or one over all of them (False, the default).
 
     **Returns:**
 
@@ -260,22 +379,26 @@ def summary(found: Mapping[str, Mapping[str, Any]]) -> Summary:
             if not isinstance(entries, tuple):  # one entry (a "strict" Tag)
                 entries = (entries,)
             for call, entry in enumerate(entries):
-                rows.extend(_rows(label, call, entry))
+                rows.extend(_rows(label, call, entry, per_example))
     return Summary(rows)
 
 
 def _is_stats(x) -> bool:
-    return isinstance(x, dict) and set(x) == set(STAT_KEYS)
+    return isinstance(x, Statistics) or (
+        isinstance(x, dict) and set(x) == set(STAT_KEYS)
+    )
 
 
-def _rows(label: str, call: int, entry) -> list[dict[str, Any]]:
+def _rows(label: str, call: int, entry, per_example: bool) -> list[dict[str, Any]]:
     """One row per leaf of `entry`, and per index along the stacked axes of a
-    `Stats` leaf; a `Tag` leaf's statistics computed here, over all of it."""
+    `Stats` leaf (those of its vmaps aggregated unless `per_example`); a `Tag`
+    leaf's statistics computed here, over all of it."""
     leaves = jax.tree_util.tree_flatten_with_path(entry, is_leaf=_is_stats)[0]
     rows = []
     for path, leaf in leaves:
         name = label + (jax.tree_util.keystr(path) if len(leaves) > 1 else "")
         base: dict[str, Any] = dict(name=name, call=call, shape=None, dtype=None)
+        base["examples"] = None
         if not _is_stats(leaf):
             x = np.asarray(leaf)
             leaf, base["shape"], base["dtype"] = (
@@ -284,6 +407,14 @@ def _rows(label: str, call: int, entry) -> list[dict[str, Any]]:
                 str(x.dtype),
             )
         stats = {k: np.asarray(v) for k, v in leaf.items()}
+        if isinstance(leaf, Statistics):
+            base["shape"], base["dtype"] = leaf.shape, leaf.dtype
+            batch = stats["mean"].shape[: stats["mean"].ndim - leaf.stacked]
+            if batch and not per_example:
+                stats = _over_examples(stats, math.prod(leaf.shape), len(batch))
+            base["examples"] = 1 if per_example else math.prod(batch)
+            if not batch:
+                base["examples"] = None
         for index in np.ndindex(stats["mean"].shape):
             row = {k: v[index].item() for k, v in stats.items()}
             finite = row["nan_count"] == row["inf_count"] == 0

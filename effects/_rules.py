@@ -134,7 +134,7 @@ _BRANCHES_DIFFER = (
 
 
 def discover(
-    jaxpr, consts, in_avals, scope: Scope, shards=(), loop: bool = False
+    jaxpr, consts, in_avals, scope: Scope, shards=(), loop: str | None = None
 ) -> Plan:
     """Traces `jaxpr` once, abstractly, to learn what the handlers emit in it
     (`shards`: the shard_map the region is the body of, see `Site.shards`;
@@ -169,6 +169,7 @@ def discover(
             },
             acc_batch=scope.acc_batch,
             shards=scope.shards + shards,
+            scans=scope.scans + (loop == "lax.scan"),
             index=scope.index + ((jnp.int32(0),) if loop else ()),
         )
         outs = run(jaxpr, consts, args, sub)
@@ -264,7 +265,7 @@ class Region:
 
     @classmethod
     def of(cls, scope, jaxpr, consts, in_avals, boundary=WHOLE, loop=None) -> Region:
-        plan = discover(jaxpr, consts, in_avals, scope, loop=loop is not None)
+        plan = discover(jaxpr, consts, in_avals, scope, loop=loop)
         if loop is not None:
             plan.forbid(loop, scope)
         return cls(scope, plan, boundary, loop=loop)
@@ -291,6 +292,7 @@ class Region:
                 acc_batch=plan.acc_batch,
                 inputs={k: [next(given) for _ in v] for k, v in plan.inputs.items()},
                 shards=scope.shards + ((b.marker,) if b.stack == "shard" else ()),
+                scans=scope.scans + (b.stack == "scan"),
                 calls=self.calls,
                 index=scope.index + (() if at is None else (flat[at],)),
             )

@@ -118,6 +118,7 @@ class Scope:
         pairs: dict | None = None,
         calls: dict | None = None,
         index: tuple = (),
+        scans: int = 0,
     ):
         if not isinstance(handlers, Handlers):
             handlers = Handlers(handlers)
@@ -128,6 +129,8 @@ class Scope:
         # The shard_maps of the handled function this region is in (see
         # `Site.shards`).
         self.shards = shards
+        # How many `lax.scan`s around this region stack what it appends.
+        self.scans = scans
         self.discovering = discovering
         # The backward pass's recomputation of a `jax.checkpoint` region (see
         # `replay`): per-execution inputs are refused here.
@@ -166,6 +169,7 @@ class Scope:
         same: dict[str, Any] = dict(
             custom=self.custom,
             shards=self.shards,
+            scans=self.scans,
             plans=self.plans,
             pairs=self.pairs,
             index=self.index,
@@ -457,7 +461,9 @@ def act(
             return state[0]
 
         primal = NO_INPUT if primal is None else primal
-        ctx = Context(site, emit, entry if has_input else NO_INPUT, axes, at, primal)
+        stacking = scope.scans + len(site.shards)
+        entry = entry if has_input else NO_INPUT
+        ctx = Context(site, emit, entry, axes, at, primal, stacking)
         new = type(handler).apply(handler, site, value, ctx)
         if new is value:  # kept whole, as a handler that only looks keeps it
             same[:] = [True] * len(leaves)

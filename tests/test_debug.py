@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_trees_close
+from helpers import assert_trees_close, devices
 
 import effects as fx
 
@@ -111,7 +111,19 @@ def test_stats_over_the_whole_batch():
     # summary: one row per execution (and scan iteration), not per example
     assert len(fx.summary(found).rows) == 5 + 3
     per_example = fx.handle(g, fx.Stats())(xs)[1]
-    assert len(fx.summary(per_example).rows) == 6 * (4 + 3) + 1
+    assert len(fx.summary(per_example, per_example=True).rows) == 6 * (4 + 3) + 1
+    # ... unless asked: by default the table combines the examples, exactly
+    whole, combined = fx.summary(found), fx.summary(per_example)
+    assert [r["examples"] for r in combined.rows] == [None] + [6] * 7
+    assert [r["examples"] for r in whole.rows] == [None] * 8
+    for a, b in zip(whole.rows, combined.rows):
+        assert (a["name"], a["index"], a["finite"]) == (
+            b["name"],
+            b["index"],
+            b["finite"],
+        )
+        for k in STATS:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
     # under jit, and a vmap outside handle is invisible to it (per example)
     assert_trees_close(
         jax.jit(fx.handle(g, fx.Stats(per_example=False)))(xs), (out, found)
@@ -122,6 +134,105 @@ def test_stats_over_the_whole_batch():
             {k: v[b] for k, v in outside["intermediates"]["h"][0].items()},
             values["h"][0][b],
         )
+
+
+def test_summary_combines_the_examples_of_stats_exactly():
+    # Per example under two vmaps and a scan, with NaNs and Infs in some
+    # examples only, and an example with no finite value at all: the combined
+    # rows are NumPy's statistics of the batch's values (what Tag collects).
+    def one(v):
+        fx.tag(jnp.where(v > 2.5, jnp.nan, v), "some_nan")
+        fx.tag(jnp.where(v[0] < 0, jnp.inf, v), "all_or_none")
+        return f(v)
+
+    g = jax.vmap(jax.vmap(one))  # x: (2, 3, 6)
+
+    xs = jnp.stack([jnp.stack([X, -X, 2 * X]), jnp.stack([X + 1, X * X, -2 * X])])
+    _, stats = fx.handle(g, fx.Stats())(xs)
+    _, values = jax.jit(fx.handle(g, fx.Tag()))(xs)
+    table = fx.summary(stats)
+    assert table.columns[5] == "examples"
+    rows = {(r["name"], r["index"]): r for r in table.rows}
+    assert len(rows) == len(table.rows) == 6 + 3
+    for name, (value,) in values["intermediates"].items():
+        value = np.asarray(value)
+        for i in range(3) if name == "c" else [None]:
+            row = rows[name, None if i is None else (i,)]
+            whole = value if i is None else value[:, :, i]  # a scan's iteration
+            assert row["examples"] == 6
+            assert row["shape"] == whole.shape[2:] and row["dtype"] == "float32"
+            for k, want in numpy_stats(whole).items():
+                np.testing.assert_allclose(row[k], want, rtol=1e-5, atol=1e-6)
+    # A vmap outside handle batches the same way: its examples combine too.
+    outside = jax.vmap(fx.handle(jax.vmap(one), fx.Stats()))(xs)[1]
+    again = fx.summary(outside).rows
+    assert [r["examples"] for r in again] == [r["examples"] for r in table.rows]
+    for a, b in zip(again, table.rows):
+        for k in STATS:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    # Shown per example: the same statistics as Stats computed, per index.
+    each = fx.summary(stats, per_example=True).rows
+    h = [r for r in each if r["name"] == "h"]
+    assert [r["index"] for r in h] == [(b, t) for b in range(2) for t in range(3)]
+    for r in h:
+        assert r["examples"] == 1 and r["shape"] == (6,)
+        assert_stats(r, values["intermediates"]["h"][0][r["index"]])
+
+
+def test_summary_of_stats_in_shard_maps_and_scans():
+    # Per shard and per iteration (the stacked axes, kept as rows), combined
+    # over the examples of the vmap inside: against NumPy on Tag's values.
+    mesh = jax.sharding.Mesh(np.array(devices(2)), ("s",))
+    spec = jax.sharding.PartitionSpec("s")
+
+    def g(x):  # (4, 2, 3)
+        def body(c, _):
+            return fx.tag(jnp.sin(c) + c, "c"), None
+
+        def shard(v):  # (2, 2, 3): one shard, two examples
+            return jax.vmap(lambda u: jax.lax.scan(body, u, None, length=3)[0])(v)
+
+        return jax.shard_map(shard, mesh=mesh, in_specs=spec, out_specs=spec)(x)
+
+    xs = jnp.arange(24.0).reshape(4, 2, 3) / 7 - 1
+    _, stats = fx.handle(g, fx.Stats())(xs)
+    _, values = fx.handle(g, fx.Tag())(xs)
+    ((entry,),) = stats["intermediates"].values()
+    assert entry.stacked == 2 and entry["mean"].shape == (2, 2, 3)
+    # Tag's layout: (examples, shards, iterations, 2, 3)
+    value = np.asarray(values["intermediates"]["c"][0])
+    rows = fx.summary(stats).rows
+    assert [r["index"] for r in rows] == [(s, i) for s in range(2) for i in range(3)]
+    for r in rows:
+        assert r["examples"] == 2 and r["shape"] == (2, 3)
+        want = numpy_stats(value[:, r["index"][0], r["index"][1]])
+        for k in STATS:
+            np.testing.assert_allclose(r[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_stats_entries_know_their_leaf_and_are_pytrees():
+    def g(x):
+        fx.tag({"a": x.astype(jnp.bfloat16), "b": jnp.arange(3)}, "t")
+        return x
+
+    run = fx.handle(jax.vmap(g), fx.Stats())
+    _, found = jax.jit(run)(jnp.ones((4, 2)))
+    (entry,) = found["intermediates"]["t"]
+    a, b = entry["a"], entry["b"]
+    assert (a.shape, a.dtype, a.stacked) == ((2,), "bfloat16", 0)
+    assert (b.shape, b.dtype, b.stacked) == ((3,), "int32", 0)
+    assert dict(a).keys() == set(STATS) and a["mean"].shape == (4,)
+    # A pytree: through jit, vmap outside handle, and tree functions.
+    assert_trees_close(found, run(jnp.ones((4, 2)))[1])
+    leaves, tree = jax.tree.flatten(a)
+    assert len(leaves) == len(STATS)
+    back = jax.tree.unflatten(tree, [2 * v for v in leaves])
+    assert (back.shape, back.stacked) == ((2,), 0)
+    np.testing.assert_array_equal(back["nan_count"], 2 * a["nan_count"])
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(a)]
+    assert paths == [f"['{k}']" for k in STATS]
+    # A summary of Tag values has no `examples` column.
+    assert "examples" not in fx.summary(fx.handle(g, fx.Tag())(jnp.ones(2))[1]).columns
 
 
 def test_a_user_handler_over_the_whole_batch():
