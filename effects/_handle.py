@@ -21,7 +21,7 @@ from ._primitives import batched_sites, handling, probing
 from ._rewrite import per_state, run
 from ._scope import Scope, Unbatched
 from ._site import CHECKPOINT_NAME, Site, aval
-from ._sites import sites_in
+from ._sites import sites_in, walk
 
 _NOT_CALLABLE = "handle: the first argument must be a callable, got {fn!r}."
 _NOT_HANDLER = (
@@ -34,6 +34,20 @@ _NO_DERIVATIVE = (
     "differentiates the tag: handle `jax.{transform}(f)`, not `f`. A tag inside a "
     "`custom_jvp`/`custom_vjp` function has none (its rule gives the derivative): "
     "move the tag out of it."
+)
+_NOT_DIFFERENTIATED = (
+    "{handler}(of={part!r}) matches the {kind} {names}, but the handled "
+    "function differentiates none of them: a {part} exists where a "
+    "`jax.{transform}` inside the handled function differentiates the tag. "
+    "Handle `jax.{transform}(f)`, not `f` (`jax.{transform}(fx.handle(f, ...))` "
+    "differentiates outside the handler, which then sees values only)."
+)
+_IN_CUSTOM_RULE = (
+    "{handler}(of={part!r}) matches the {kind} {names}, which {sit} inside a "
+    "`custom_jvp`/`custom_vjp` function whose rule gives the derivative "
+    "without differentiating the tag: {it} no {part}. Move the tag out of "
+    "the function, or leave {them} out of `names` (a list of the others, or a "
+    "predicate)."
 )
 _CONSUMED_BEFORE = (
     "{handler}: the {kind} {name!r} (collection {collection!r}) is consumed by "
@@ -353,6 +367,51 @@ def _check_names(sites, handlers) -> None:
                 )
 
 
+def _check_derivatives(traced: _Traced, handlers) -> None:
+    """A handler of tangents or cotangents that matches tags none of which the
+    function differentiates, or tags inside a custom_jvp/custom_vjp function
+    that have no derivative, says so rather than find nothing. (A tag whose
+    value does not depend on what is differentiated has none either: it is
+    left out, as JAX leaves out its zero derivative.)"""
+    for h in handlers:
+        part = h.of
+        if part == "value":
+            continue
+        values = sorted(
+            k
+            for k in traced.sites
+            if k[3] == "value" and h.matches(Site.probe(*k[:3], part))
+        )
+        if not values:
+            continue
+        have = {k[:3] for k in traced.sites if k[3] == part}
+        missing = [k for k in values if k[:3] not in have]
+        if len(missing) == len(values):
+            message, names = _NOT_DIFFERENTIATED, missing
+        else:
+            custom = {
+                s.key[:3]
+                for s in walk(traced.jaxpr).sites
+                if any(r.name in ("custom_jvp_call", "custom_vjp_call") for r in s.path)
+            }
+            names = [k for k in missing if k[:3] in custom]
+            if not names:
+                continue
+            message = _IN_CUSTOM_RULE
+        raise ValueError(
+            message.format(
+                handler=type(h).__name__,
+                part=part,
+                kind=_kind(names[0][0]) + ("s" if len(names) > 1 else ""),
+                names=", ".join(repr(k[2]) for k in names),
+                transform="grad" if part == "cotangent" else "jvp",
+                it="it has" if len(names) == 1 else "they have",
+                sit="sits" if len(names) == 1 else "sit",
+                them="it" if len(names) == 1 else "them",
+            )
+        )
+
+
 def _kind(kind: str) -> str:
     return "tag" if kind == "tag" else "perturb site"
 
@@ -529,7 +588,7 @@ def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:
         handlers = _combine(config.static, config.treedef, flat[: len(h_leaves)])
         scope = _scope(handlers)
         outs = run(traced.jaxpr, (), flat[len(h_leaves) :], scope)
-        info["dropped"] = scope.pairs.get("dropped", False)
+        info["dropped"] = scope.rewrite.dropped
         found = _report(scope, handlers)
         leaves, info["tree"] = jax.tree.flatten(found)
         return [*outs, *leaves]
@@ -619,6 +678,7 @@ def _program(
     while True:
         traced = _traced(cache, fn, static, treedef, dynamic, sig, batched)
         _check_names(traced.sites, handlers)
+        _check_derivatives(traced, handlers)
         _check_reporters(traced.sites, handlers)
         every_branch = _every_branch(traced, handlers, fn, static, treedef, dynamic)
         _check_branches(every_branch, handlers)

@@ -316,7 +316,7 @@ def _derivative(site: Site, params, avals, invals, scope: Scope, effect):
     # backward pass kept for it.
     outer = not consumed and (bool(handling.value) if effect is None else effect)
     if not (outer or consumed):
-        scope.pairs["dropped"] = True  # (see `_handle._rewrite`: dead code goes)
+        scope.rewrite.dropped = True
     again = dict(params, value_consumed=True) if not sees_value else params
 
     def rebind(p, d):

@@ -155,7 +155,7 @@ def discover(
         scope.shards,
         tuple((k, *types_key(t), scope.acc_batch[k]) for k, t in entering.items()),
     )
-    hit = scope.plans.get(key)
+    hit = scope.rewrite.plans.get(key)
     if hit is not None and hit[0] is jaxpr:
         return hit[1]
     plans = []
@@ -192,7 +192,8 @@ def discover(
         return outs
 
     _jaxpr.trace(fn, in_avals)
-    scope.plans[key] = (jaxpr, plans[0])  # (the jaxpr kept: its id stays its own)
+    # (the jaxpr kept: its id stays its own)
+    scope.rewrite.plans[key] = (jaxpr, plans[0])
     return plans[0]
 
 

@@ -5,6 +5,7 @@ and the per-execution input values they consume."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from typing import Any
 
@@ -102,6 +103,20 @@ class Handlers(tuple):
         return self
 
 
+@dataclasses.dataclass
+class Rewrite:
+    """What every scope of one rewrite shares."""
+
+    # The plans of the regions met (see `_rules.discover`).
+    plans: dict = dataclasses.field(default_factory=dict)
+    # Per (handler index, `Site.pair`): the call number of the value's
+    # execution that a derivative site belongs to.
+    pairs: dict = dataclasses.field(default_factory=dict)
+    # Whether a derivative site was dropped (no handler, no `handle` around):
+    # then what the program kept for it is dead code (`_handle._rewrite`).
+    dropped: bool = False
+
+
 class Scope:
     def __init__(
         self,
@@ -114,8 +129,7 @@ class Scope:
         replaying: bool = False,
         custom: str | None = None,
         shards: tuple = (),
-        plans: dict | None = None,
-        pairs: dict | None = None,
+        rewrite: Rewrite | None = None,
         calls: dict | None = None,
         index: tuple = (),
         scans: int = 0,
@@ -147,12 +161,7 @@ class Scope:
         self.acc_batch: dict[Key, Axes] = dict(acc_batch or {})
         self.input_avals: dict[Key, list[tuple[Any, Axes]]] = {}
         self.sites: dict[Key, Site] = {}
-        # The plans of the regions met in one rewrite, shared by all its scopes
-        # (see `_rules.discover`).
-        self.plans: dict = {} if plans is None else plans
-        # Per (handler index, `Site.pair`): the call number of the value's
-        # execution that a derivative site belongs to, shared like `plans`.
-        self.pairs: dict = {} if pairs is None else pairs
+        self.rewrite = Rewrite() if rewrite is None else rewrite
         # Per key, its executions so far in program order (the index of the
         # next one's entry in the layout `Tag()` reports); while discovering,
         # those in this region alone.
@@ -165,13 +174,12 @@ class Scope:
 
     def inner(self, **fields) -> Scope:
         """A fresh scope for a region inside this one: the same handlers, custom
-        rule, shard_maps and plans, unless `fields` say otherwise."""
+        rule, shard_maps and rewrite, unless `fields` say otherwise."""
         same: dict[str, Any] = dict(
             custom=self.custom,
             shards=self.shards,
             scans=self.scans,
-            plans=self.plans,
-            pairs=self.pairs,
+            rewrite=self.rewrite,
             index=self.index,
             replaying=self.replaying,
         )
@@ -428,13 +436,14 @@ def act(
     if not replay:  # (a recomputation has no call number of its own)
         scope.calls[key] = call + 1
         if within is None and site.pair is not None:
-            scope.pairs[index, site.pair] = call
+            scope.rewrite.pairs[index, site.pair] = call
     same: list[bool] = []
 
     def at():
         number = call
         if replay or within is not None:  # the call of the value's execution
-            number = scope.pairs.get((index, site.pair), None if backward else call)
+            pairs = scope.rewrite.pairs
+            number = pairs.get((index, site.pair), None if backward else call)
         if replay and number is None:
             raise ValueError(_AT_IN_REPLAY.format(where=site.where()))
         if number is None or (backward and within is None):

@@ -700,6 +700,25 @@ def _custom_vjp_model():
     return f
 
 
+def test_derivatives_of_an_undifferentiated_function_are_an_error():
+    # No jax.grad inside handle (or one outside it): no derivative site at all,
+    # which a handler of derivatives says rather than find nothing. A tag whose
+    # value nothing differentiates (the input, a stop_gradient) is left out,
+    # as JAX leaves out its zero derivative, while others are differentiated.
+    def f(x, d=0.0):
+        fx.tag(jax.lax.stop_gradient(x), "still")
+        return jnp.sum(fx.tag(jnp.sin(x), "h") + d)
+
+    for of in ("cotangent", "tangent"):
+        with pytest.raises(ValueError, match="differentiates none of them"):
+            fx.handle(f, fx.Tag(of=of))(X)
+    with pytest.raises(ValueError, match="Handle `jax.grad"):
+        jax.grad(lambda x: fx.handle(f, fx.Tag(of="cotangent"))(x)[0])(X)
+    _, found = fx.handle(jax.grad(f), fx.Tag(of="cotangent"))(X)
+    want = jax.grad(f, 1)(X, np.zeros(3, f32))
+    assert_trees_close(found, {"intermediates:cotangent": {"h": (want,)}})
+
+
 def test_custom_derivatives():
     # A tag inside a custom_jvp/custom_vjp function: changing it is refused in
     # either order (the custom rule gives the derivative); its cotangent is not
@@ -713,7 +732,11 @@ def test_custom_derivatives():
             jax.grad(lambda x: fx.handle(f, h)(x)[0])(X)
         with pytest.raises(ValueError, match="custom_jvp`/`custom_vjp"):
             fx.handle(jax.grad(f), fx.Tag(of="cotangent", names=name))(X)
-    g, found = fx.handle(jax.grad(f), fx.Tag(of="cotangent"))(X)
+    # Matched by a glob, they are an error too, not left out unsaid.
+    with pytest.raises(ValueError, match="'inner', 'inner2', which sit inside"):
+        fx.handle(jax.grad(f), fx.Tag(of="cotangent"))(X)
+    outside = fx.Tag(of="cotangent", names=lambda n: not n.startswith("inner"))
+    g, found = fx.handle(jax.grad(f), outside)(X)
     assert_trees_close(g, jax.grad(f)(X))
     want = jax.grad(f, 1)(X, np.zeros(3, f32))
     assert_trees_close(found, {"intermediates:cotangent": {"h": (want,)}})
