@@ -140,8 +140,8 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python="3.11", tags=CI)
 def docs(session: nox.Session) -> None:
-    """Build the docs strictly and run every code block in them."""
-    session.install("-e", ".[docs,test]")
+    """Build the docs strictly, run every code block in them and every notebook."""
+    session.install("-e", ".[docs,test,notebooks]")
     site = f"{session.create_tmp()}/site"
     # NO_MKDOCS_2_WARNING: mkdocs-material's banner about a future mkdocs 2.
     session.run(
@@ -152,7 +152,8 @@ def docs(session: nox.Session) -> None:
         site,
         env={"NO_MKDOCS_2_WARNING": "1"},
     )
-    session.run("pytest", "-n", "auto", "tests/test_docs.py", *session.posargs)
+    tests = ["tests/test_docs.py", "tests/test_notebooks.py"]
+    session.run("pytest", "-n", "auto", *tests, *session.posargs)
 
 
 @nox.session(python="3.11", tags=CI)

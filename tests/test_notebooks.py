@@ -1,0 +1,75 @@
+"""The notebooks in docs/notebooks repeat pages of the docs, with their outputs;
+docs/notebooks/build.py makes them from the pages. Each notebook must hold the
+cells its page makes now, all run (the check needs only the standard library,
+so it runs in every session), and must run without an error on a fresh kernel
+of this environment's Python (with the `notebooks` extra: the nox `docs`
+session). After editing one of the pages, run `python docs/notebooks/build.py`."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_spec = importlib.util.spec_from_file_location(
+    "notebooks_build", ROOT / "docs/notebooks/build.py"
+)
+build = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(build)
+
+NAMES = sorted(build.SOURCES)
+
+
+def _path(name: str):
+    return build.HERE / f"{name}.ipynb"
+
+
+def test_every_notebook_has_a_page():
+    assert {p.stem for p in build.HERE.glob("*.ipynb")} == set(build.SOURCES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_is_made_from_its_page(name):
+    nb = json.loads(_path(name).read_text(encoding="utf-8"))
+    cells = [
+        {"cell_type": c["cell_type"], "source": "".join(c["source"])}
+        for c in nb["cells"]
+    ]
+    rerun = f"run `python docs/notebooks/build.py {name}`"
+    assert cells == build.cells(name), (
+        f"docs/notebooks/{name}.ipynb is not what {build.SOURCES[name]} makes: " + rerun
+    )
+    # Run in order, top to bottom, so the outputs are those of the cells.
+    counts = [c["execution_count"] for c in nb["cells"] if c["cell_type"] == "code"]
+    assert counts == list(range(1, len(counts) + 1)), f"not run in order: {rerun}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_runs(name):
+    reason = "the notebooks run with the `notebooks` extra: pip install -e .[notebooks]"
+    pytest.importorskip("nbclient", reason=reason)
+    pytest.importorskip("ipykernel", reason=reason)
+    import nbformat
+
+    import effects
+
+    nb = nbformat.read(_path(name), as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    # The kernel must be this environment's Python, running this `effects`: a
+    # `python3` kernel spec of another environment would take precedence.
+    check = f"""\
+import sys
+
+import effects
+
+assert sys.prefix == {sys.prefix!r}, f"the kernel runs {{sys.executable}}"
+assert effects.__file__ == {effects.__file__!r}, effects.__file__"""
+    nb.cells.insert(0, nbformat.v4.new_code_cell(check, id="kernel-check"))
+    build.execute(nb)  # raises CellExecutionError, with the cell and traceback
