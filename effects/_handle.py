@@ -213,9 +213,11 @@ def _cache_for(fn) -> _Cache | None:
     else:
         return None
     try:
-        cache = table.get(key)
+        # (`hash` first: an empty table's `get` would not hash `key`)
+        hash(key)
     except TypeError:  # unhashable after all (a field holding a list)
         return None
+    cache = table.get(key)
     if cache is None:
         cache = _Cache()
         table.put(key, cache)

@@ -760,6 +760,25 @@ def test_methods_of_objects_hashed_by_identity_see_their_changes():
     assert_trees_close(jax.jit(fx.handle(model.apply, fx.Tag()))(X)[0], 5.0 * X)
 
 
+def test_methods_of_objects_whose_hash_fails_are_not_cached():
+    # A frozen dataclass (as a Flax linen module) holding a list defines a
+    # hash that fails: its method is handled with no cache, from the first
+    # call on (a fresh per-method table once failed to hash it only on `put`).
+    @dataclasses.dataclass(frozen=True)
+    class Listed:
+        scales: list
+
+        def apply(self, x):
+            return fx.tag(self.scales[0] * x, "h")
+
+    fx._handle._per_method.items.clear()
+    with pytest.raises(TypeError):
+        hash(Listed([2.0]))
+    for scale in (2.0, 3.0):
+        got = fx.handle(Listed([scale]).apply, fx.Tag())(X)
+        assert_trees_close(got, (scale * X, {"intermediates": {"h": (scale * X,)}}))
+
+
 def test_inline_jit_of_handle_traces_once():
     f, calls = _counted()
     xs = [X + i for i in range(5)]
