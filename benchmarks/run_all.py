@@ -2,8 +2,13 @@
 to one Markdown file headed by a description of the machine.
 
 Run with `python benchmarks/run_all.py [--output FILE] [--docs FILE] [--quick]`,
-or through `nox -s bench`, which writes `benchmarks/results.md` and puts the same
-tables into `docs/performance.md` (between its `results` markers).
+or through `nox -s bench`, which writes `benchmarks/results.md` and fills
+`docs/performance.md` from it: the "What it costs you" table between its
+`summary` markers (figures taken from the groups' tables), the tables between
+its `results` markers, and the machine and the method between its `method`
+markers. `--from-results` runs nothing and rebuilds the page from the results
+file as it is (a group measured on its own, appended to it with its script's
+`--append`, shows there as it was measured).
 """
 
 import argparse
@@ -36,7 +41,45 @@ SCRIPTS = [
 TITLE = (
     "# Benchmark results\n\nWritten by `nox -s bench` (`benchmarks/run_all.py`).\n\n"
 )
-MARKERS = re.compile(r"(<!-- results -->).*?(<!-- /results -->)", re.S)
+
+# The "What it costs you" table: per row, per column (run time, first call,
+# memory), the group and the start of the row's label in that group's tables
+# whose ratio is the figure. Every reference returns what the handled program
+# returns, written by hand (or is the untagged program, for tags unhandled).
+SUMMARY = [
+    (
+        "no handler (tags unhandled)",
+        [
+            ("1", "run time, 200-layer MLP"),
+            ("11", "first result, tags unhandled"),
+            ("11", "memory, tags unhandled"),
+        ],
+    ),
+    (
+        "`fx.Tag()`",
+        [
+            ("2", "run time, 200 layers"),
+            ("11", "first result, `Tag()`"),
+            ("11", "memory, `Tag()`"),
+        ],
+    ),
+    (
+        "`fx.Stats()`",
+        [
+            ("12", "`Stats()`, steady"),
+            ("12", "`Stats()`, first call"),
+            ("11", "memory, `Stats()`"),
+        ],
+    ),
+    (
+        "a handler matching nothing",
+        [
+            ("11", "run time, a handler matching nothing"),
+            ("11", "first result, a handler matching nothing"),
+            ("11", "memory, a handler matching nothing"),
+        ],
+    ),
+]
 
 HOW_TO_READ = """\
 Each row measures A and B side by side in one process: A and B alternate
@@ -103,6 +146,36 @@ def machine() -> str:
     )
 
 
+def sections(results: str) -> dict[str, str]:
+    """The results' sections by group number ("1", "12", ...)."""
+    parts = re.split(r"^### (?=\d+\.)", results, flags=re.M)
+    return {part.split(".", 1)[0]: part for part in parts[1:]}
+
+
+def figure(results: dict[str, str], group: str, label: str) -> str:
+    """The ratio of the first row of `group` whose label starts with `label`."""
+    for line in results.get(group, "").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) >= 4 and cells[0].startswith(label):
+            ratio = cells[3]
+            return f"{float(ratio):.2f}" if re.fullmatch(r"[\d.]+", ratio) else ratio
+    return "not measured"
+
+
+def summary(results: str) -> str:
+    """The "What it costs you" table, from the groups' tables."""
+    found = sections(results)
+    lines = [
+        "| | run time | first call (trace+compile) | memory | from groups |",
+        "|---|---|---|---|---|",
+    ]
+    for what, cells in SUMMARY:
+        figures = [figure(found, group, label) for group, label in cells]
+        groups = ", ".join(dict.fromkeys(group for group, _ in cells))
+        lines.append(f"| {what} | " + " | ".join(figures) + f" | {groups} |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -112,26 +185,44 @@ def main():
         "--docs", help="a Markdown page whose `results` section gets the tables too"
     )
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument(
+        "--from-results",
+        action="store_true",
+        help="run nothing: rebuild the `--docs` page from the results file",
+    )
     args = parser.parse_args()
 
     output = pathlib.Path(args.output)
-    output.write_text(f"{TITLE}{machine()}\n\n{HOW_TO_READ}\n", encoding="utf-8")
-    for script in SCRIPTS:
-        command = [sys.executable, str(HERE / script), "--append", str(output)]
-        subprocess.run(command + ["--quick"] * args.quick, check=True)
+    if not args.from_results:
+        text = f"{TITLE}{machine()}\n\n{HOW_TO_READ}\n"
+        output.write_text(text, encoding="utf-8")
+        for script in SCRIPTS:
+            command = [sys.executable, str(HERE / script), "--append", str(output)]
+            subprocess.run(command + ["--quick"] * args.quick, check=True)
     if args.docs:
         update_docs(pathlib.Path(args.docs), output.read_text(encoding="utf-8"))
 
 
 def update_docs(page: pathlib.Path, results: str) -> None:
-    """Replaces what lies between the page's `results` markers with `results`
-    (without its title)."""
+    """Fills the page's `summary`, `method` and `results` markers from the
+    results file: the cost table, the machine and how to read the tables,
+    and the tables themselves."""
     body = results.removeprefix(TITLE).strip()
+    method, _, tables = body.partition("\n### ")
+    parts = {
+        "summary": summary(results),
+        "method": method.strip(),
+        "results": "### " + tables.strip(),
+    }
     text = page.read_text(encoding="utf-8")
-    new, count = MARKERS.subn(lambda m: f"{m[1]}\n{body}\n{m[2]}", text)
-    if count != 1:
-        raise SystemExit(f"{page}: expected one pair of results markers, found {count}")
-    page.write_text(new, encoding="utf-8")
+    for name, part in parts.items():
+        markers = re.compile(rf"(<!-- {name} -->).*?(<!-- /{name} -->)", re.S)
+        text, count = markers.subn(lambda m, part=part: f"{m[1]}\n{part}\n{m[2]}", text)
+        if count != 1:
+            raise SystemExit(
+                f"{page}: expected one pair of {name} markers, found {count}"
+            )
+    page.write_text(text, encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -324,18 +324,47 @@ else:
     root = Path(__file__).resolve().parent.parent
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else root / "docs/assets/patching.png"
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True, layout="constrained")
+
+    def label(value):
+        text = f"{value:.2f}"
+        return "0.00" if float(text) == 0 else text  # never "-0.00"
+
+    def ink(rgba):
+        """White on dark cells, black on light ones (relative luminance)."""
+        r, g, b = (
+            c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+            for c in rgba[:3]
+        )
+        return "white" if 0.2126 * r + 0.7152 * g + 0.0722 * b < 0.18 else "black"
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True, layout="constrained")
     for ax, grid, title in zip(
         axes,
         (exact, attribution),
         ("activation patching (exact)", "attribution patching (first order)"),
     ):
-        image = ax.imshow(np.asarray(grid), cmap="RdBu", vmin=-1, vmax=1)
-        for (row, col), value in np.ndenumerate(np.asarray(grid)):
-            ax.text(col, row, f"{value:.2f}", ha="center", va="center", fontsize=8)
-        ax.set(title=title, xlabel="position", xticks=range(LENGTH))
+        values = np.asarray(grid)
+        image = ax.imshow(values, cmap="RdBu", vmin=-1, vmax=1)
+        for (row, col), value in np.ndenumerate(values):
+            colour = ink(image.cmap(image.norm(value)))
+            ax.text(
+                col,
+                row,
+                label(value),
+                ha="center",
+                va="center",
+                fontsize=10,
+                color=colour,
+            )
+        ax.set_title(title, fontsize=12)
+        ax.set_xlabel("position patched", fontsize=11)
+        ax.set_xticks(range(LENGTH))
         ax.set_yticks(range(len(RESIDUALS)), RESIDUALS)
-    fig.colorbar(image, ax=axes, label="restored fraction")
-    fig.savefig(out, dpi=120)
+        ax.tick_params(labelsize=10)
+    axes[0].set_ylabel("residual stream", fontsize=11)
+    bar = fig.colorbar(image, ax=axes, shrink=0.9)
+    bar.set_label("restored fraction", fontsize=11)
+    bar.ax.tick_params(labelsize=9)
+    fig.savefig(out, dpi=150)
     print(f"figure: {out}")
 print(f"all checks passed in {time.perf_counter() - start:.1f} s")
