@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 # `eager_cached`, the one internal entry point: `find_nonfinite` caches its
 # compiled check as `handle` caches its jitted calls, on the function itself (an
@@ -260,6 +261,10 @@ class Summary:
     - `nonfinite`: the rows whose values hold a NaN or an Inf.
     - `columns`: the columns shown, in order: the keys of a row, without
       `examples` where no row has one.
+    - `note`: under `jax.distributed` with several processes, which process
+      computed the table (`"process 0 of 2; statistics over the global
+      values"`), its first line when printed; else `""`. Every process
+      computes the same table.
 
     **Example:**
 
@@ -278,6 +283,11 @@ class Summary:
             *(("examples",) if examples else ()),
             *(*STAT_KEYS, "finite"),
         )
+        # Under `jax.distributed` every process computes the same table (of
+        # the global values): say which one printed it.
+        n, i = jax.process_count(), jax.process_index()
+        self.note = f"process {i} of {n}; statistics over the global values"
+        self.note = self.note if n > 1 else ""
 
     @property
     def nonfinite(self) -> list[dict[str, Any]]:
@@ -288,7 +298,8 @@ class Summary:
         return [[_cell(r[c]) for c in self.columns] for r in self.rows]
 
     def __str__(self) -> str:
-        return text_table([list(self.columns), *self._cells()])
+        table = text_table([list(self.columns), *self._cells()])
+        return f"{self.note}\n{table}" if self.note else table
 
     def __repr__(self) -> str:
         return str(self)
@@ -300,7 +311,8 @@ class Summary:
             style = "" if row["finite"] else ' style="background:#fdd"'
             tds = "".join(f"<td>{html.escape(c)}</td>" for c in cells)
             body.append(f"<tr{style}>{tds}</tr>")
-        return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+        note = f"<caption>{html.escape(self.note)}</caption>" if self.note else ""
+        return f"<table>{note}<tr>{head}</tr>{''.join(body)}</table>"
 
 
 def text_table(rows) -> str:
@@ -397,29 +409,58 @@ def _rows(label: str, call: int, entry, per_example: bool) -> list[dict[str, Any
     rows = []
     for path, leaf in leaves:
         name = label + (jax.tree_util.keystr(path) if len(leaves) > 1 else "")
-        base: dict[str, Any] = dict(name=name, call=call, shape=None, dtype=None)
-        base["examples"] = None
-        if not _is_stats(leaf):
-            x = np.asarray(leaf)
-            leaf, base["shape"], base["dtype"] = (
-                _leaf_stats(x, np),
-                x.shape,
-                str(x.dtype),
-            )
-        stats = {k: np.asarray(v) for k, v in leaf.items()}
+        base: dict[str, Any] = dict(name=name, call=call, examples=None)
+        stats, base["shape"], base["dtype"] = _host_stats(leaf)
         if isinstance(leaf, Statistics):
             base["shape"], base["dtype"] = leaf.shape, leaf.dtype
             batch = stats["mean"].shape[: stats["mean"].ndim - leaf.stacked]
             if batch and not per_example:
                 stats = _over_examples(stats, math.prod(leaf.shape), len(batch))
-            base["examples"] = 1 if per_example else math.prod(batch)
-            if not batch:
-                base["examples"] = None
+            if batch:
+                base["examples"] = 1 if per_example else math.prod(batch)
         for index in np.ndindex(stats["mean"].shape):
             row = {k: v[index].item() for k, v in stats.items()}
             finite = row["nan_count"] == row["inf_count"] == 0
             rows.append({**base, "index": index or None, **row, "finite": finite})
     return rows
+
+
+def _host_stats(leaf) -> tuple[dict[str, np.ndarray], Any, str | None]:
+    """A leaf of what `Tag` or `Stats` found as (its statistics in NumPy, shape,
+    dtype), shape and dtype a `Tag` value's (None for a `Stats` leaf).
+
+    Under `jax.distributed`, a `Tag` value that spans processes has its
+    statistics computed on its devices, in float32 as `Stats` computes them:
+    the results are replicated scalars, the same on every process, and no host
+    holds the whole value. A `Stats` entry sharded along a batch or shard axis
+    is small: it is gathered. Every process must call this alike, as it runs
+    programs over the devices of all."""
+    if _is_stats(leaf):
+        return {k: _numpy(v) for k, v in leaf.items()}, None, None
+    if _spans_processes(leaf):
+        stats = {k: np.asarray(v) for k, v in _device_stats(leaf).items()}
+        return stats, leaf.shape, str(leaf.dtype)
+    x = np.asarray(leaf)
+    return _leaf_stats(x, np), x.shape, str(x.dtype)
+
+
+def _spans_processes(x) -> bool:
+    """Whether `x` is a `jax.Array` that no one process holds whole (under
+    `jax.distributed`): `np.asarray` cannot fetch it there."""
+    return isinstance(x, jax.Array) and not (
+        x.is_fully_addressable or x.is_fully_replicated
+    )
+
+
+def _numpy(x) -> np.ndarray:
+    """`x` in NumPy, gathered from every process where it spans processes (then
+    every process must call this alike)."""
+    if _spans_processes(x):
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+_device_stats = jax.jit(_leaf_stats)
 
 
 #
@@ -662,7 +703,7 @@ def find_nonfinite(
     # does not: its first bad execution is the one the counter saw.
     cotangent = bool(n)
     if not cotangent:
-        first = np.asarray(found[collection][name][1])
+        first = _numpy(found[collection][name][1])
         n = [first[first >= 0].min()]
     infos = listed[collection][name]
     bad = _bad_site(infos, collection, name, int(n[0]), cotangent)

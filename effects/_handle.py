@@ -382,7 +382,7 @@ def _check_derivatives(traced: _Traced, handlers) -> None:
         values = sorted(
             k
             for k in traced.sites
-            if k[3] == "value" and h.matches(Site.probe(*k[:3], part))
+            if k[3] == "value" and h.matches(Site.probe(k[0], k[1], k[2], part))
         )
         if not values:
             continue
