@@ -739,6 +739,9 @@ def test_find_nonfinite_compiles_once_per_signature():
     grad_bad = jnp.array([1.0, 3.0])  # sqrt(log(1)) = 0: an infinite derivative
     for backward in (False, True):
         fx.find_nonfinite(f, ok, backward=backward)
+        # (and once on a NaN: reading checkify's error runs an eager `<` of
+        # JAX's own, traced once per process)
+        fx.find_nonfinite(f, log_bad, backward=backward)
         n = len(calls)
         with CountCompiles() as counter:
             got = [
@@ -804,6 +807,9 @@ def test_find_nonfinite_backward_of_an_equinox_model_argument_compiles_once():
     models = [model(0), model(1), model(2, nan=True)]
     for backward in (False, True):
         fx.find_nonfinite(loss, models[0], xs[0], backward=backward)
+        # (and once on a NaN: reading checkify's error runs an eager `<` of
+        # JAX's own, traced once per process)
+        fx.find_nonfinite(loss, models[2], xs[1], backward=backward)
         with CountCompiles() as counter:
             got = [
                 fx.find_nonfinite(loss, m, x, backward=backward)

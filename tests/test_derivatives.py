@@ -528,27 +528,30 @@ def _sum_squares(model, x, delta=None):
 
 
 def test_every_layer_of_an_equinox_transformer():
-    plain = _Transformer(jax.random.key(0))
-    model = fx.tag_modules(plain)
-    x = jax.random.normal(jax.random.key(1), (5, 8))
-    loss = lambda x: _sum_squares(model, x)  # noqa: E731
-    gx, found = jax.jit(fx.handle(jax.grad(loss), fx.Tag(of="cotangent")))(x)
-    cotangents = found["intermediates:cotangent"]
-    # every submodule call: blocks, attentions, their projections, MLPs, linears
-    assert {"blocks.0", "blocks.1.attn", "blocks.1.mlp"} <= set(cotangents)
-    assert_trees_close(gx, jax.grad(lambda x: _sum_squares(plain, x))(x))
-    _, grads = fx.intermediate_grads(loss, kind="tag")(x)
-    assert_trees_close(cotangents, grads, rtol=1e-5, atol=1e-6)
-    # the second block's MLP (vmapped over tokens), by a zero added by hand
-    want = jax.grad(lambda d: _sum_squares(plain, x, d))(jnp.zeros((5, 8)))
-    assert_trees_close(cotangents["blocks.1.mlp"], (want,), rtol=1e-5, atol=1e-6)
-    # and the gradient with respect to the parameters, with eqx.filter_grad
-    by_filter, _ = fx.handle(
-        eqx.filter_grad(lambda m: _sum_squares(m, x)), fx.Tag(of="cotangent")
-    )(model)
-    want = eqx.filter_grad(lambda m: _sum_squares(m, x))(plain)
-    # (the tagged copy's modules are subclasses: compare the arrays alone)
-    assert_trees_close(jax.tree.leaves(by_filter), jax.tree.leaves(want))
+    # Full float32 matmuls: a GPU's default (TF32) rounds the two programs
+    # compared below differently, beyond the tolerance.
+    with jax.default_matmul_precision("highest"):
+        plain = _Transformer(jax.random.key(0))
+        model = fx.tag_modules(plain)
+        x = jax.random.normal(jax.random.key(1), (5, 8))
+        loss = lambda x: _sum_squares(model, x)  # noqa: E731
+        gx, found = jax.jit(fx.handle(jax.grad(loss), fx.Tag(of="cotangent")))(x)
+        cotangents = found["intermediates:cotangent"]
+        # every submodule call: blocks, attentions, their projections, MLPs, linears
+        assert {"blocks.0", "blocks.1.attn", "blocks.1.mlp"} <= set(cotangents)
+        assert_trees_close(gx, jax.grad(lambda x: _sum_squares(plain, x))(x))
+        _, grads = fx.intermediate_grads(loss, kind="tag")(x)
+        assert_trees_close(cotangents, grads, rtol=1e-5, atol=1e-6)
+        # the second block's MLP (vmapped over tokens), by a zero added by hand
+        want = jax.grad(lambda d: _sum_squares(plain, x, d))(jnp.zeros((5, 8)))
+        assert_trees_close(cotangents["blocks.1.mlp"], (want,), rtol=1e-5, atol=1e-6)
+        # and the gradient with respect to the parameters, with eqx.filter_grad
+        by_filter, _ = fx.handle(
+            eqx.filter_grad(lambda m: _sum_squares(m, x)), fx.Tag(of="cotangent")
+        )(model)
+        want = eqx.filter_grad(lambda m: _sum_squares(m, x))(plain)
+        # (the tagged copy's modules are subclasses: compare the arrays alone)
+        assert_trees_close(jax.tree.leaves(by_filter), jax.tree.leaves(want))
 
 
 def test_every_layer_of_a_flax_nnx_model():
