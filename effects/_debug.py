@@ -203,8 +203,16 @@ class Stats(Tag):
         return fx.tag(2 * h, "y")
 
     _, found = fx.handle(f, fx.Stats())(jnp.array([1.0, -1.0]))
-    print(found["intermediates"]["h"][0]["nan_count"])  # 1
-    print(fx.summary(found))  # one row for h, one for y: both NaN, "NO" finite
+    print(found["intermediates"]["h"][0]["nan_count"])
+    print(fx.summary(found))
+    ```
+
+    ```text
+    1
+    name  call  index  shape  dtype  mean  std  min  max  mean_abs  nan_count ...
+    ----  ----  -----  -----  -----  ----  ---  ---  ---  --------  --------- ...
+    h     0                          0     0    0    0    0         1         ...
+    y     0                          0     0    0    0    0         1         ...
     ```
     """
 
@@ -271,7 +279,11 @@ class Summary:
     ```python
     _, found = fx.handle(lambda x: fx.tag(jnp.log(x), "h"), fx.Tag())(-1.0)
     table = fx.summary(found)
-    print(table.nonfinite[0]["name"], table.nonfinite[0]["nan_count"])  # h 1
+    print(table.nonfinite[0]["name"], table.nonfinite[0]["nan_count"])
+    ```
+
+    ```text
+    h 1
     ```
     """
 
@@ -379,8 +391,13 @@ def summary(
 
     _, found = fx.handle(f, fx.Tag())(jnp.array([1.0, -1.0]))
     print(fx.summary(found))
-    # name  call  index  shape  dtype    mean  std  min  max  mean_abs  nan_count ...
-    # h     0            2      float32  0     0    0    0    0         1         ...
+    ```
+
+    ```text
+    name  call  index  shape  dtype    mean  std  min  max  mean_abs  nan_count ...
+    ----  ----  -----  -----  -------  ----  ---  ---  ---  --------  --------- ...
+    h     0            2      float32  0     0    0    0    0         1         ...
+    y     0            2      float32  0     0    0    0    0         1         ...
     ```
     """
     many = len(found) > 1
@@ -496,7 +513,11 @@ class BadSite:
 
     ```python
     bad = fx.find_nonfinite(lambda x: fx.tag(jnp.log(x), "h"), -1.0)
-    print(bad.name, bad.call, bad.iteration)  # h 0 None
+    print(bad.name, bad.call, bad.iteration)
+    ```
+
+    ```text
+    h 0 None
     ```
     """
 
@@ -673,17 +694,30 @@ def find_nonfinite(
         return jnp.sum(y)
 
     print(fx.find_nonfinite(f, jnp.array([1.0, -1.0])))
-    # The tag 'h' (collection 'intermediates') is the first value with a NaN or
-    # an Inf, at its call 0.
+    ```
 
+    ```text
+    The tag 'h' (collection 'intermediates') is the first value with a NaN or
+    an Inf, at its call 0.
+    ```
+
+    With `backward=True`, the site nearest the output whose cotangent goes
+    bad (`sqrt`'s derivative at 0 is not finite); with a non-finite value
+    already, that value's site, as the forward pass is the cause:
+
+    ```python
     def g(x):
         h = fx.tag(x * 0, "h")
         return jnp.sum(fx.tag(jnp.sqrt(h), "s"))
 
-    print(fx.find_nonfinite(g, jnp.ones(2), backward=True).name)  # h
-    # With a NaN value already, its site: the forward pass is the cause.
+    print(fx.find_nonfinite(g, jnp.ones(2), backward=True).name)
     bad = fx.find_nonfinite(f, jnp.array([1.0, -1.0]), backward=True)
-    print(bad.name, bad.backward)  # h False
+    print(bad.name, bad.backward)
+    ```
+
+    ```text
+    h
+    h False
     ```
     """
     # The sites and the compiled check, cached per function, argument signature

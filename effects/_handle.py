@@ -515,7 +515,11 @@ class Found(dict):
         return fx.tag(z * 2, "alpha")
 
     _, found = jax.jit(fx.handle(f, fx.Tag()))(1.0)
-    print(list(found["intermediates"]))  # ['zeta', 'alpha']
+    print(list(found["intermediates"]))
+    ```
+
+    ```text
+    ['zeta', 'alpha']
     ```
     """
 
@@ -1046,11 +1050,25 @@ def handle(fn: Callable[_P, _R], *handlers: Handler) -> Callable[_P, tuple[_R, F
         return 2 * h
 
     out, found = fx.handle(f, fx.Tag())(1.0)
-    print(out)    # 1.6829419
-    print(found)  # {'intermediates': {'h': (Array(0.84147096, dtype=float32),)}}
+    print(out)
+    print(found)
+    ```
 
+    ```text
+    1.6829419
+    {'intermediates': {'h': (Array(0.84147096, dtype=float32),)}}
+    ```
+
+    Handlers act in order, the first closest to the sites: here `Tag`
+    collects what `Substitute` put in place of `h`.
+
+    ```python
     out, found = fx.handle(f, fx.Substitute({"h": jnp.float32(0.5)}), fx.Tag())(1.0)
-    print(out, found["intermediates"]["h"])  # 1.0 (Array(0.5, dtype=float32),)
+    print(out, found["intermediates"]["h"])
+    ```
+
+    ```text
+    1.0 (Array(0.5, dtype=float32),)
     ```
     """
     if not callable(fn):
@@ -1124,7 +1142,11 @@ def intermediate_grads(
         return (2 * h) ** 2
 
     value, grads = fx.intermediate_grads(loss, kind="tag")(1.0)
-    print(grads)  # {'h': (Array(6.7317677, dtype=float32),)}
+    print(grads)  # d(loss)/dh = 8 h = 8 sin(1)
+    ```
+
+    ```text
+    {'h': (Array(6.7317677, dtype=float32),)}
     ```
     """
 

@@ -136,7 +136,11 @@ class Reduce:
 
     running_max = fx.Reduce(jnp.maximum, lambda z: jnp.full_like(z, -jnp.inf))
     _, found = fx.handle(f, fx.Tag(mode=running_max))(1.0)
-    print(found)  # {'intermediates': {'h': Array(0.84147096, dtype=float32)}}
+    print(found)  # max(sin(1), cos(sin(1)))
+    ```
+
+    ```text
+    {'intermediates': {'h': Array(0.84147096, dtype=float32)}}
     ```
     """
 
@@ -208,7 +212,11 @@ class Append:
             return value
 
     _, found = fx.handle(lambda x: fx.tag(-x, "h"), Magnitudes())(2.0)
-    print(found)  # {'intermediates': {'h': (Array(2., dtype=float32),)}}
+    print(found)
+    ```
+
+    ```text
+    {'intermediates': {'h': (Array(2., dtype=float32),)}}
     ```
     """
 
@@ -407,7 +415,11 @@ class Handler:
             return jax.tree.map(lambda x: x * self.factor, value)
 
     out, _ = fx.handle(lambda x: 1 + fx.tag(x, "h"), Scale(10.0))(2.0)
-    print(out)  # 21.0
+    print(out)
+    ```
+
+    ```text
+    21.0
     ```
     """
 
@@ -479,14 +491,20 @@ class Context:
 
     ```python
     class Count(fx.Handler):
+        # Counts the executions of each name. A "sum" adds up values shaped
+        # and typed like the site's, from zeros.
         mode = "sum"
 
         def apply(self, site, value, ctx):
-            ctx.emit(jnp.int32(1))
+            ctx.emit(jnp.ones_like(value))
             return value
 
     _, found = fx.handle(lambda x: fx.tag(fx.tag(x, "h") + 1, "h"), Count())(0.0)
-    print(found)  # {'intermediates': {'h': Array(2, dtype=int32)}}
+    print(found)
+    ```
+
+    ```text
+    {'intermediates': {'h': Array(2., dtype=float32)}}
     ```
     """
 
@@ -687,10 +705,14 @@ class Tag(Handler):
 
     _, found = fx.handle(f, fx.Tag())(1.0)
     print(found)
-    # {'intermediates': {'h': (Array([2., 4., 8.], dtype=float32),),
-    #                    'out': (Array(9., dtype=float32),)}}
     _, found = fx.handle(f, fx.Tag(names="h", mode="sum"))(1.0)
-    print(found)  # {'intermediates': {'h': Array(14., dtype=float32)}}
+    print(found)
+    ```
+
+    ```text
+    {'intermediates': {'h': (Array([2., 4., 8.], dtype=float32),),
+                       'out': (Array(9., dtype=float32),)}}
+    {'intermediates': {'h': Array(14., dtype=float32)}}
     ```
     """
 
@@ -790,9 +812,15 @@ class Perturb(Handler):
         return (2 * h) ** 2
 
     _, found = fx.handle(loss, fx.Perturb())(1.0)
-    zeros = found["perturbations"]  # {'h': (Array(0., dtype=float32),)}
+    zeros = found["perturbations"]
     grads = jax.grad(lambda d: fx.handle(loss, fx.Perturb(d))(1.0)[0])(zeros)
-    print(grads)  # {'h': (Array(6.7317677, dtype=float32),)}
+    print(zeros)
+    print(grads)  # d(loss)/dh = 8 h = 8 sin(1)
+    ```
+
+    ```text
+    {'h': (Array(0., dtype=float32),)}
+    {'h': (Array(6.7317677, dtype=float32),)}
     ```
     """
 
@@ -899,7 +927,11 @@ class Substitute(Handler):
         return 2 * h
 
     out, _ = fx.handle(f, fx.Substitute({"h": jnp.zeros(3)}))(jnp.ones(3))
-    print(out)  # [0. 0. 0.]
+    print(out)
+    ```
+
+    ```text
+    [0. 0. 0.]
     ```
     """
 
@@ -1001,9 +1033,18 @@ class Intervene(Handler):
         return h.at[0].set(0.0)
 
     out, _ = fx.handle(f, fx.Intervene({"h": ablate}))(jnp.ones(3))
-    print(out)  # [0.        1.6829419 1.6829419]
+    print(out)
+    ```
 
-    def layers(x):  # three layers, as a scan
+    ```text
+    [0.        1.6829419 1.6829419]
+    ```
+
+    One layer of three, written as a scan, zeroed by its iteration: layer 2
+    then adds 1 to the zero.
+
+    ```python
+    def layers(x):
         step = lambda h, _: (fx.tag(h + 1.0, "layer"), None)
         return jax.lax.scan(step, x, None, length=3)[0]
 
@@ -1011,7 +1052,11 @@ class Intervene(Handler):
         return jnp.where(at[1] == 1, 0.0, h)
 
     out, _ = fx.handle(layers, fx.Intervene({"layer": zero_layer_1}))(0.0)
-    print(out)  # 1.0 (layer 1 zeroed, layer 2 adds 1)
+    print(out)
+    ```
+
+    ```text
+    1.0
     ```
     """
 

@@ -108,7 +108,10 @@ def tag_modules(
     tagged = fx.tag_modules(model, filter=eqx.nn.Linear)
     out, found = fx.handle(tagged, fx.Tag())(jnp.ones(2))
     print(jax.tree.map(jnp.shape, found))
-    # {'intermediates': {'layers.0': ((8,),), 'layers.1': ((8,),), 'layers.2': ((2,),)}}
+    ```
+
+    ```text
+    {'intermediates': {'layers.0': ((8,),), 'layers.1': ((8,),), 'layers.2': ((2,),)}}
     ```
     """
     select = _selector(filter)

@@ -377,7 +377,11 @@ def tag(value, name: str, *, collection: str = "intermediates"):
         return 2 * h
 
     out, found = fx.handle(f, fx.Tag())(1.0)
-    print(found)  # {'intermediates': {'h': (Array(0.84147096, dtype=float32),)}}
+    print(found)
+    ```
+
+    ```text
+    {'intermediates': {'h': (Array(0.84147096, dtype=float32),)}}
     ```
     """
     return _bind_site("tag", value, name, collection, "tag")
@@ -427,7 +431,11 @@ def perturb(value, name: str, *, collection: str = "perturbations"):
         return (2 * h) ** 2
 
     value, grads = fx.intermediate_grads(loss)(1.0)
-    print(grads)  # {'h': (Array(6.7317677, dtype=float32),)}: d(loss)/dh = 8 h
+    print(grads)  # d(loss)/dh = 8 h = 8 sin(1)
+    ```
+
+    ```text
+    {'h': (Array(6.7317677, dtype=float32),)}
     ```
     """
     return _bind_site("perturb", value, name, collection, "perturb")

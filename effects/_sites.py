@@ -181,8 +181,13 @@ class SiteInfo:
         return jax.lax.scan(lambda c, _: (fx.tag(c * 2, "h"), None), x, None, 3)[0]
 
     (info,) = fx.sites(f)(jnp.ones(2))["intermediates"]["h"]
-    print(info.where)  # scan(length=3)
-    print(info.value)  # ShapeDtypeStruct(shape=(2,), dtype=float32)
+    print(info.where)
+    print(info.value)
+    ```
+
+    ```text
+    scan(length=3)
+    ShapeDtypeStruct(shape=(2,), dtype=float32)
     ```
     """
 
@@ -216,10 +221,13 @@ class Sites(dict):
         return fx.perturb(h, "p")
 
     print(fx.sites(f)(jnp.ones(3)))
-    # collection     name  kind     value       where
-    # -------------  ----  -------  ----------  -----
-    # intermediates  h     tag      float32[3]
-    # perturbations  p     perturb  float32[3]
+    ```
+
+    ```text
+    collection     name  kind     value       where
+    -------------  ----  -------  ----------  -----
+    intermediates  h     tag      float32[3]
+    perturbations  p     perturb  float32[3]
     ```
     """
 
@@ -282,11 +290,14 @@ def sites(fn: Callable) -> Callable[..., Sites]:
 
     model = eqx.nn.MLP(2, 2, width_size=8, depth=2, key=jax.random.key(0))
     print(fx.sites(fx.tag_modules(model))(jax.ShapeDtypeStruct((2,), jnp.float32)))
-    # collection     name      kind  value       where
-    # -------------  --------  ----  ----------  -----
-    # intermediates  layers.0  tag   float32[8]
-    # intermediates  layers.1  tag   float32[8]
-    # intermediates  layers.2  tag   float32[2]
+    ```
+
+    ```text
+    collection     name      kind  value       where
+    -------------  --------  ----  ----------  -----
+    intermediates  layers.0  tag   float32[8]
+    intermediates  layers.1  tag   float32[8]
+    intermediates  layers.2  tag   float32[2]
     ```
     """
 

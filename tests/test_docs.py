@@ -18,10 +18,18 @@ carries the class `.no-check` (timings, which depend on the machine). Each page
 starts from NumPy's default print options. A block with the class
 `.leak-false-report` runs with tracer-leak checking off: a tag in a `lax.scan`
 under a `jax.grad` meets JAX's false report (see `jax_leak_check_false_report`
-in conftest.py)."""
+in conftest.py).
+
+The docstrings of the public API (every public name of `effects`, and the
+public methods, properties and attributes of its classes) are checked the same
+way, whatever heading their examples have: each docstring's blocks in order, in
+a namespace of its own that holds `jax`, `jnp` and `fx` (the imports
+docs/api/index.md says every example assumes), a failing one reported with the
+object's name and its line in the module."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib.metadata
 import io
@@ -36,6 +44,8 @@ import numpy as np
 import pytest
 from helpers import no_leak_checks
 from packaging.requirements import Requirement
+
+import effects
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,10 +62,16 @@ _SNIPPET = re.compile(r'^--8<-- "(?P<path>[^":]+)(?::(?P<section>[\w-]+))?"$')
 
 
 def code_blocks(path: Path) -> list[Block]:
-    """The runnable blocks of a Markdown page, with the output shown after each.
-    Fences may be indented (inside admonitions, tabs, lists)."""
+    """The runnable blocks of a Markdown page, with the output shown after each."""
+    return parse_blocks(path.read_text(encoding="utf-8"), path)
+
+
+def parse_blocks(text: str, source: Path, first_line: int = 1) -> list[Block]:
+    """The runnable blocks of Markdown `text`, found at line `first_line` of
+    `source` (a page, or a docstring in a module), with the output shown after
+    each. Fences may be indented (inside admonitions, tabs, lists, docstrings)."""
     blocks: list[Block] = []
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = text.splitlines()
     i, after_code = 0, False
     while i < len(lines):
         m = _FENCE.match(lines[i])
@@ -66,7 +82,7 @@ def code_blocks(path: Path) -> list[Block]:
             continue
         indent, fence, info = m["indent"], m["fence"], m["info"].strip()
         body, i = [], i + 1
-        start = i + 1  # 1-based line of the first code line
+        start = first_line + i  # line in `source` of the first code line
         while i < len(lines):
             close = _FENCE.match(lines[i])
             if (
@@ -83,12 +99,12 @@ def code_blocks(path: Path) -> list[Block]:
         if _runs(info):
             snippet = _SNIPPET.match("\n".join(body).strip())
             if snippet:
-                source = ROOT / snippet["path"]
-                start, code = _section(source, snippet["section"])
-                blocks.append(Block(start, code, _unmet(info), source))
+                included = ROOT / snippet["path"]
+                start, code = _section(included, snippet["section"])
+                blocks.append(Block(start, code, _unmet(info), included))
             else:
                 code = "\n".join(body) + "\n"
-                blocks.append(Block(start, code, _unmet(info), path))
+                blocks.append(Block(start, code, _unmet(info), source))
             if ".leak-false-report" in info:
                 blocks[-1] = blocks[-1]._replace(leak_false_report=True)
             after_code = True
@@ -119,15 +135,23 @@ def _normalised(text: str) -> list[str]:
 
 def _same_output(shown: str, printed: str) -> bool:
     """Whether `printed` is what `shown` shows: line by line, trailing spaces
-    aside, where a shown line `...` stands for any number of printed lines; or
-    word for word, for text wrapped at another width (a message that names a
-    file wraps according to the file's path)."""
-    pattern = "\n".join(
-        ".*?" if line == "..." else re.escape(line) for line in _normalised(shown)
-    )
+    aside, where a shown line `...` stands for any number of printed lines and
+    a shown line ending in ` ...` for a printed line that starts with the rest
+    (a table too wide for the page); or word for word, for text wrapped at
+    another width (a message that names a file wraps according to the file's
+    path)."""
+    pattern = "\n".join(_line_pattern(line) for line in _normalised(shown))
     if re.fullmatch(pattern, "\n".join(_normalised(printed)), re.S) is not None:
         return True
     return shown.split() == printed.split()
+
+
+def _line_pattern(shown: str) -> str:
+    if shown == "...":
+        return ".*?"
+    if shown.endswith(" ..."):
+        return re.escape(shown.removesuffix("...").rstrip()) + "(?: [^\n]*)?"
+    return re.escape(shown)
 
 
 def _section(path: Path, name: str | None) -> tuple[int, str]:
@@ -162,23 +186,27 @@ def _id(path: Path) -> str:
     return path.relative_to(ROOT).as_posix()
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if code_blocks(p)], ids=_id)
-def test_page(page: Path):
-    # A real module, so that classes defined on the page (dataclasses, Flax and
-    # Equinox modules) can find the module they were defined in.
+def run_blocks(blocks: list[Block], page: Path, what: str, preload: dict) -> None:
+    """Runs `blocks` in order in one namespace, fresh but for `preload`, and
+    fails if one raises or prints other than the output shown after it. `page`
+    is the file the blocks are in (a page, or the module of a docstring), and
+    `what` names them in messages ("the code block", "the example of ...")."""
+    # A real module, so that classes defined in the blocks (dataclasses, Flax
+    # and Equinox modules) can find the module they were defined in.
     name = "docs_" + re.sub(r"\W", "_", _id(page).removesuffix(".md"))
     module = types.ModuleType(name)
+    module.__dict__.update(preload)
     sys.modules[name] = module
     unmet, mismatched = [], []
     options = np.get_printoptions()  # NumPy's defaults: a page starts from them
     try:
-        for block in code_blocks(page):
+        for block in blocks:
             line, code, requirement, source = block[:4]
             if requirement:
-                unmet.append(f"{_id(page)}:{line} needs {requirement}")
+                unmet.append(f"{_id(source)}:{line} needs {requirement}")
                 continue
-            # Padding puts the code on its own lines of the page, so tracebacks
-            # show the page's source.
+            # Padding puts the code on its own lines of the file, so tracebacks
+            # show the file's source.
             compiled = compile("\n" * (line - 1) + code, str(source), "exec")
             printed = io.StringIO()
             try:
@@ -195,22 +223,163 @@ def test_page(page: Path):
                     exec(compiled, module.__dict__)
                     options = np.get_printoptions()  # a page's own, for its blocks
             except Exception as e:
-                e.add_note(f"in the code block at {_id(page)}:{line}")
+                e.add_note(f"in {what} at {_id(source)}:{line}")
                 raise
             # Messages name the page where a reader's would name their file.
             text = printed.getvalue().replace(f"{source.parent}/", "")
             shown = block.output if COMPARES_OUTPUT else None
             if shown is not None and not _same_output(shown, text):
                 mismatched.append(
-                    f"{_id(page)}:{block.output_line}: the block at line {line} "
-                    f"printed\n{text}\nbut the page shows\n"
-                    f"{block.output}\n"
+                    f"{_id(page)}:{block.output_line}: {what} at line {line} "
+                    f"printed\n{text}\nbut shows\n{block.output}\n"
                 )
     finally:
         del sys.modules[name]
     assert not mismatched, "\n".join(mismatched)
     if unmet:  # every other block ran and passed
         pytest.skip("blocks not run: " + "; ".join(unmet))
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if code_blocks(p)], ids=_id)
+def test_page(page: Path):
+    run_blocks(code_blocks(page), page, "the code block", {})
+
+
+#
+# Docstrings
+#
+
+PACKAGE = ROOT / "effects"
+
+# What every example in a docstring may use without importing it, as
+# docs/api/index.md says.
+DOCSTRING_NAMES = {"jax": jax, "jnp": jax.numpy, "fx": effects}
+
+
+class Docstring(NamedTuple):
+    qualname: str  # "effects.Tag", "effects.Context.emit"
+    source: Path  # the module it is written in
+    line: int  # of `source`, where the docstring opens
+    text: str
+
+
+def public_docstrings() -> list[Docstring]:
+    """The docstrings of everything public in `effects`, read from the source as
+    mkdocstrings reads them: each name `effects/__init__.py` imports without an
+    underscore (functions, classes, and type aliases followed by a string), and
+    for a class, its public methods, properties and attributes with one."""
+    docstrings = []
+    for name, module in _public_names().items():
+        node, docstring = _definition(module, name)
+        qualname = f"effects.{name}"
+        if docstring is not None:
+            docstrings.append(Docstring(qualname, module, *docstring))
+        if isinstance(node, ast.ClassDef):
+            for member, _, member_docstring in _members(node.body):
+                public = not member.startswith("_") or member == "__init__"
+                if public and member_docstring is not None:
+                    docstrings.append(
+                        Docstring(f"{qualname}.{member}", module, *member_docstring)
+                    )
+    return docstrings
+
+
+def _public_names() -> dict[str, Path]:
+    """The public names of `effects`, each with the module it is imported from."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text(encoding="utf-8"))
+    return {
+        alias.asname or alias.name: PACKAGE / f"{node.module}.py"
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
+        for alias in node.names
+        if not (alias.asname or alias.name).startswith("_")
+    }
+
+
+def _definition(module: Path, name: str) -> tuple[ast.stmt, tuple[int, str] | None]:
+    """The statement defining `name` at the top level of `module` (following
+    imports from other modules of the package), and its docstring."""
+    tree = ast.parse(module.read_text(encoding="utf-8"))
+    for member, node, docstring in _members(tree.body):
+        if member == name:
+            return node, docstring
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            if any((a.asname or a.name) == name for a in node.names):
+                return _definition(PACKAGE / f"{node.module}.py", name)
+    raise LookupError(f"effects.{name} is not defined in {_id(module)}")
+
+
+def _members(body: list[ast.stmt]):
+    """(name, statement, docstring) for each function, class and assignment in
+    `body`, the docstring as (line it opens on, text) or None. An assignment's
+    docstring is the string right after it, as mkdocstrings reads it."""
+    for i, node in enumerate(body):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.name, node, _string(node.body[0])
+            continue
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+        elif isinstance(node, ast.AnnAssign):
+            target = node.target
+        else:
+            continue
+        if isinstance(target, ast.Name):
+            following = body[i + 1 : i + 2]
+            yield target.id, node, _string(following[0]) if following else None
+
+
+def _string(node: ast.stmt) -> tuple[int, str] | None:
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+        if isinstance(node.value.value, str):
+            return node.lineno, node.value.value
+    return None
+
+
+DOCSTRINGS = public_docstrings()
+
+
+def _docstring_blocks(docstring: Docstring) -> list[Block]:
+    return parse_blocks(docstring.text, docstring.source, docstring.line)
+
+
+@pytest.mark.parametrize(
+    "docstring",
+    [d for d in DOCSTRINGS if _docstring_blocks(d)],
+    ids=lambda d: d.qualname,
+)
+def test_docstring(docstring: Docstring):
+    # Each docstring on its own: a reader runs one example, not the module's.
+    what = f"the example of {docstring.qualname}"
+    run_blocks(_docstring_blocks(docstring), docstring.source, what, DOCSTRING_NAMES)
+
+
+def test_docstrings_are_found():
+    # Every public name of the package is found in the source, with the
+    # docstrings of aliases and members, so no example goes unrun.
+    public = {
+        name
+        for name, value in vars(effects).items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+    }
+    assert set(_public_names()) == public
+    found = {d.qualname for d in DOCSTRINGS}
+    assert {f"effects.{name}" for name in public} <= found
+    members = {"effects.Names", "effects.Context.emit", "effects.Summary.nonfinite"}
+    assert members <= found
+    # Every Python block in the package's source is in one of them, under
+    # whatever heading: an example no public docstring holds would go unrun.
+    collected = sum(len(_docstring_blocks(d)) for d in DOCSTRINGS)
+    fences = sum(
+        len(re.findall(r"^[ \t]*```python", path.read_text(encoding="utf-8"), re.M))
+        for path in PACKAGE.glob("*.py")
+    )
+    assert collected == fences
+    # Lines are the module's: the first code line of `tag`'s example.
+    (tag,) = [d for d in DOCSTRINGS if d.qualname == "effects.tag"]
+    block = _docstring_blocks(tag)[0]
+    lines = tag.source.read_text(encoding="utf-8").splitlines()
+    assert lines[block.line - 1].strip() == block.code.splitlines()[0].strip()
 
 
 def test_blocks_are_found():
@@ -235,3 +404,6 @@ def test_blocks_are_found():
     assert _same_output("one two\nthree", "one\ntwo three")
     assert not _same_output("a\n...\nd", "a\nb\n")
     assert not _same_output("[0. 1.]", "[0. 2.]")
+    assert _same_output("a  b ...\nc ...", "a  b  c\nc")
+    assert not _same_output("a  b ...", "a  c  b")
+    assert not _same_output("a ...", "a\nb")
