@@ -17,7 +17,6 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
 # `eager_cached`, the one internal entry point: `find_nonfinite` caches its
 # compiled check as `handle` caches its jitted calls, on the function itself (an
@@ -473,6 +472,10 @@ def _numpy(x) -> np.ndarray:
     """`x` in NumPy, gathered from every process where it spans processes (then
     every process must call this alike)."""
     if _spans_processes(x):
+        # (imported here: importing it registers primitives of JAX's own, which
+        # importing effects must not do)
+        from jax.experimental import multihost_utils
+
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
 
