@@ -38,12 +38,12 @@ class Statistics(Mapping[str, Any]):
     **Attributes:**
 
     - `shape`, `dtype`: the leaf's, for one example.
-    - `stacked`: how many trailing axes of each statistic are those of the
-      `shard_map`s and `lax.scan`s around the tag (see
-      [`Context.stacking`][effects.Context]). The axes before them are batch
-      axes, one statistic per example of each `jax.vmap`, inside the handled
-      function or outside it: [`fx.summary`][effects.summary] combines the
-      examples.
+    - `stacked`: what the trailing axes of each statistic are, after its
+      batch axes (one statistic per example of each `jax.vmap`, inside the
+      handled function or outside it): `"shard"` per `shard_map` around the
+      tag (one per shard), then `"scan"` per `lax.scan` (one per iteration),
+      as [`Context.stacking`][effects.Context] says.
+      [`fx.summary`][effects.summary] combines the examples and the shards.
 
     **Example:**
 
@@ -55,15 +55,15 @@ class Statistics(Mapping[str, Any]):
     ```
 
     ```text
-    (2,) float32 0 [1. 5. 9.]
+    (2,) float32 () [1. 5. 9.]
     ```
     """
 
     __slots__ = ("_stats", "shape", "dtype", "stacked")
 
-    def __init__(self, stats: Mapping[str, Any], shape, dtype, stacked: int = 0):
+    def __init__(self, stats: Mapping[str, Any], shape, dtype, stacked=()):
         self._stats = {k: stats[k] for k in STAT_KEYS}
-        self.shape, self.dtype, self.stacked = tuple(shape), str(dtype), int(stacked)
+        self.shape, self.dtype, self.stacked = tuple(shape), str(dtype), tuple(stacked)
 
     def __getitem__(self, key: str):
         return self._stats[key]
@@ -258,11 +258,12 @@ class Summary:
 
     - `rows`: the table's rows, a list of dicts: `name`, `call` (the
       execution's index among the name's), `index` (the index along the
-      stacked axes of a `Stats` entry: its scans, and its vmaps when shown per
-      example; else None), `shape` and `dtype` (a `Tag` value's whole; a
-      `Stats` leaf's for one example), `examples` (for a `Stats` entry under
-      vmaps inside the handled function: how many examples the row's
-      statistics are over, 1 when shown per example; else None), the
+      stacked axes of a `Stats` entry: its scans, and its vmaps and
+      shard_maps when shown per example; else None), `shape` and `dtype` (a
+      `Tag` value's whole; a `Stats` leaf's for one example), `examples` (for
+      a `Stats` entry under vmaps or shard_maps: how many examples, each
+      shard counting as one, the row's statistics are over, 1 when shown per
+      example; else None), the
       statistics `mean`, `std`, `min`, `max`, `mean_abs`, `nan_count`,
       `inf_count`, and `finite` (a bool).
     - `nonfinite`: the rows whose values hold a NaN or an Inf.
@@ -359,18 +360,20 @@ def summary(
     whether it is finite. Statistics of `Tag` values are computed here, in
     NumPy, over the whole value, batch axes included.
 
-    `Stats` keeps statistics per example of each `jax.vmap` inside the
-    handled function; the table combines them over the batch (exactly: the
-    statistics of the whole batch's values) and says over how many examples
-    in its `examples` column, or, with `per_example=True`, shows one row per
-    example, its position in `index` (batch axes first, then scans).
+    `Stats` keeps statistics per example of each `jax.vmap` (and per shard
+    of each `shard_map`); the table combines them over the batch and the
+    shards (exactly: the statistics of the whole value, as for `Tag`) and says
+    over how many examples in its `examples` column, or, with
+    `per_example=True`, shows one row per example and shard, its position in
+    `index` (batch axes first, then shards, then scans).
 
     **Arguments:**
 
     - `found`: the `found` dict [`handle`][effects.handle] returned with
       `Tag` (any mode) or `Stats`.
-    - `per_example`: one row per example of a `Stats` entry under vmaps
-      (True), or one over all of them (False, the default).
+    - `per_example`: one row per example (and shard) of a `Stats` entry
+      under vmaps (and shard_maps) (True), or one over all of them (False,
+      the default).
 
     **Returns:**
 
@@ -429,7 +432,9 @@ def _rows(label: str, call: int, entry, per_example: bool) -> list[dict[str, Any
         stats, base["shape"], base["dtype"] = _host_stats(leaf)
         if isinstance(leaf, Statistics):
             base["shape"], base["dtype"] = leaf.shape, leaf.dtype
-            batch = stats["mean"].shape[: stats["mean"].ndim - leaf.stacked]
+            # (the batch axes, then the shards': the statistics of parts)
+            scans = leaf.stacked.count("scan")
+            batch = stats["mean"].shape[: stats["mean"].ndim - scans]
             if batch and not per_example:
                 stats = _over_examples(stats, math.prod(leaf.shape), len(batch))
             if batch:
@@ -679,11 +684,12 @@ def find_nonfinite(
     **Returns:**
 
     A [`BadSite`][effects.BadSite] naming the tag and the execution, or None
-    when every checked value (and cotangent) is finite (or `fn` has no tag).
+    when every checked value (and cotangent) is finite.
 
     **Raises:**
 
-    - `ValueError`: with `backward=True`, `fn` does not return a scalar array,
+    - `ValueError`: `fn` has no tag (only tagged values are checked); with
+      `backward=True`, `fn` does not return a scalar array,
       or a name is tagged both inside and outside a function with a custom
       derivative. From [`handle`][effects.handle], which places the checks: a
       tag inside a `custom_linear_solve`.
@@ -728,8 +734,6 @@ def find_nonfinite(
     make = functools.partial(_nonfinite_check, backward)
     what = ("find_nonfinite", backward)
     (listed, keys, check), dynamic = eager_cached(what, fn, args, kwargs, make)
-    if check is None:
-        return None
     err, found = check(dynamic)
     message = err.get()
     if message is None or _CODE not in message:
@@ -747,13 +751,20 @@ def find_nonfinite(
     return dataclasses.replace(bad, backward_search=backward)
 
 
+_NO_TAG = (
+    "find_nonfinite: the function has no tag, and only tagged values are "
+    "checked (not the value it returns). Tag the values to check "
+    '(`fx.tag(h, "h")`), or pass a model through `fx.tag_modules(model)` to '
+    "check every layer."
+)
+
+
 def _nonfinite_check(backward: bool, call, dynamic):
     """`(listed, keys, check)` for `find_nonfinite`: the sites of
     `call(dynamic)`, the checked `(collection, name)`s (a message's code is an
     index into them), and `check(dynamic) -> (checkify error, found)`, jitted,
     `found` the counters' (each name's first non-finite execution), with
-    `backward` the backward pass's checks after the forward pass's; `check` is
-    None when there is nothing to check."""
+    `backward` the backward pass's checks after the forward pass's."""
     # Imported here: on jax 0.7-0.9 importing it registers checkify's rules in
     # JAX's tables, which `import effects` alone must not do.
     from jax.experimental import checkify
@@ -761,7 +772,7 @@ def _nonfinite_check(backward: bool, call, dynamic):
     listed = sites(call)(dynamic)
     keys = tuple((c, n) for c, names in listed.items() for n in names)
     if not keys:
-        return listed, keys, None
+        raise ValueError(_NO_TAG)
     # Backward, not a tag inside a function with a custom derivative: it has no
     # cotangent of its own (the custom rule differentiates the function whole).
     custom = tuple(

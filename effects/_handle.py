@@ -16,7 +16,7 @@ import equinox as eqx
 import jax
 
 from . import _branches, _compat, _jaxpr, _nnx
-from ._handlers import Handler, Perturb, found_key, mode_of
+from ._handlers import Handler, Names, Perturb, found_key, mode_of
 from ._primitives import batched_sites, handling, probing
 from ._rewrite import per_state, run
 from ._scope import Scope, Unbatched
@@ -1094,7 +1094,11 @@ _NO_SITES = {
 
 
 def intermediate_grads(
-    fn: Callable[_P, Any], *, collection: str | None = None, kind: str = "perturb"
+    fn: Callable[_P, Any],
+    *,
+    collection: str | None = None,
+    kind: str = "perturb",
+    names: Names = None,
 ) -> Callable[_P, tuple[Any, dict[str, Any]]]:
     """Returns a function computing `fn` and its gradients with respect to
     its sites: those of [`fx.perturb`][effects.perturb], or with `kind="tag"`
@@ -1117,19 +1121,22 @@ def intermediate_grads(
       (`"intermediates"` with `kind="tag"`).
     - `kind`: `"perturb"`, or `"tag"` for the gradients with respect to tagged
       values.
+    - `names`: which sites' gradients, see [`Names`][effects.Names]; by
+      default every one in the collection.
 
     **Returns:**
 
     `g(*args, **kwargs) -> (fn(*args, **kwargs), grads)`, with `grads` a dict
     from site name to a tuple with one gradient per execution (stacked over
-    scan iterations), the layout `Perturb()` reports; `{}` when `fn` has no
-    such site. Flax NNX modules among the arguments have their state updated,
-    as [`handle`][effects.handle] does.
+    scan iterations), the layout `Perturb()` reports. Flax NNX modules among
+    the arguments have their state updated, as [`handle`][effects.handle]
+    does.
 
     **Raises:**
 
     - `ValueError`: `kind` is neither `"perturb"` nor `"tag"`; `fn` has no
-      site of that kind in the collection; or what
+      site of that kind in the collection (that `names` matches); a name in
+      `names` without glob characters that no site has; or what
       [`handle`][effects.handle] raises for `Perturb` (a site inside a
       `lax.while_loop` or inside a `custom_jvp`/`custom_vjp` function).
     - `TypeError`: `fn` does not return a scalar (raised by `jax.grad`).
@@ -1150,6 +1157,8 @@ def intermediate_grads(
     ```
     """
 
+    probe = Perturb(collection=collection, kind=kind, names=names)
+
     def g(*args, **kwargs):
         # Flax NNX objects among the arguments: their state goes in and the
         # state they end with comes out of the gradient as auxiliary output.
@@ -1162,12 +1171,11 @@ def intermediate_grads(
         top, nnx = _compat.is_top_level(), nnx_call is not None
 
         def make(call, _):
-            grads = functools.partial(_grads, call, collection, kind, nnx)
+            grads = functools.partial(_grads, call, probe, nnx)
             return Jitted(grads) if top else grads
 
-        grads, dynamic = eager_cached(
-            ("intermediate_grads", collection, kind), pure, args, kwargs, make
-        )
+        what = ("intermediate_grads", probe.collection, kind, probe.names)
+        grads, dynamic = eager_cached(what, pure, args, kwargs, make)
         out = grads(dynamic)
         if nnx_call is None:
             return out
@@ -1179,19 +1187,19 @@ def intermediate_grads(
     return g
 
 
-def _grads(call, collection, kind, nnx: bool, dynamic):
-    """`intermediate_grads` of `call(dynamic)`: with `nnx`, `call` returns
-    `(value, state)`, and so does this, as `((value, state), grads)`."""
-    probe = Perturb(collection=collection, kind=kind)
+def _grads(call, probe: Perturb, nnx: bool, dynamic):
+    """`intermediate_grads` of `call(dynamic)`, at the sites `probe` (a
+    `Perturb()`) matches: with `nnx`, `call` returns `(value, state)`, and so
+    does this, as `((value, state), grads)`."""
     _, shapes = jax.eval_shape(handle(call, probe), dynamic)
     if not shapes[probe.collection]:
-        raise ValueError(_NO_SITES[kind].format(collection=probe.collection))
+        raise ValueError(_NO_SITES[probe.kind].format(collection=probe.collection))
     zeros = jax.tree.map(
         lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes[probe.collection]
     )
 
     def loss(deltas):
-        perturb = Perturb(deltas, collection=collection, kind=kind)
+        perturb = Perturb(deltas, collection=probe.collection, kind=probe.kind)
         out, _ = handle(call, perturb)(dynamic)
         return out  # with NNX objects: (value, their state)
 

@@ -482,10 +482,11 @@ class Context:
     **Attributes:**
 
     - `site`: the [`Site`][effects.Site].
-    - `stacking`: how many axes a value `emit` appends gains on its way to
+    - `stacking`: the axes a value `emit` appends gains on its way to
       `found`, after the batch axes (one per example of each `jax.vmap`
-      around the site): one per `shard_map` around the site, then one per
-      `lax.scan` (or `fori_loop`), outermost first. A static int.
+      around the site), as a static tuple: `"shard"` per `shard_map` around
+      the site, then `"scan"` per `lax.scan` (or `fori_loop`), outermost
+      first.
 
     **Example:**
 
@@ -511,7 +512,7 @@ class Context:
     __slots__ = ("site", "_emit", "_input", "_axes", "_at", "_primal", "stacking")
 
     def __init__(
-        self, site: Site, emit, entry, axes: tuple[str, ...], at, primal, stacking=0
+        self, site: Site, emit, entry, axes: tuple[str, ...], at, primal, stacking=()
     ):
         self.site = site
         self._emit, self._input, self._axes, self._at = emit, entry, axes, at

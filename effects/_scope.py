@@ -470,7 +470,7 @@ def act(
             return state[0]
 
         primal = NO_INPUT if primal is None else primal
-        stacking = scope.scans + len(site.shards)
+        stacking = ("shard",) * len(site.shards) + ("scan",) * scope.scans
         entry = entry if has_input else NO_INPUT
         ctx = Context(site, emit, entry, axes, at, primal, stacking)
         new = type(handler).apply(handler, site, value, ctx)

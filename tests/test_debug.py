@@ -180,8 +180,9 @@ def test_summary_combines_the_examples_of_stats_exactly():
 
 
 def test_summary_of_stats_in_shard_maps_and_scans():
-    # Per shard and per iteration (the stacked axes, kept as rows), combined
-    # over the examples of the vmap inside: against NumPy on Tag's values.
+    # Per example, per shard and per iteration: the table combines the
+    # examples and the shards (the whole value, as for Tag), keeping a row per
+    # iteration; against NumPy on Tag's values.
     mesh = jax.sharding.Mesh(np.array(devices(2)), ("s",))
     spec = jax.sharding.PartitionSpec("s")
 
@@ -198,16 +199,21 @@ def test_summary_of_stats_in_shard_maps_and_scans():
     _, stats = fx.handle(g, fx.Stats())(xs)
     _, values = fx.handle(g, fx.Tag())(xs)
     ((entry,),) = stats["intermediates"].values()
-    assert entry.stacked == 2 and entry["mean"].shape == (2, 2, 3)
+    assert entry.stacked == ("shard", "scan") and entry["mean"].shape == (2, 2, 3)
     # Tag's layout: (examples, shards, iterations, 2, 3)
     value = np.asarray(values["intermediates"]["c"][0])
     rows = fx.summary(stats).rows
-    assert [r["index"] for r in rows] == [(s, i) for s in range(2) for i in range(3)]
+    assert [r["index"] for r in rows] == [(i,) for i in range(3)]
     for r in rows:
-        assert r["examples"] == 2 and r["shape"] == (2, 3)
-        want = numpy_stats(value[:, r["index"][0], r["index"][1]])
+        assert r["examples"] == 4 and r["shape"] == (2, 3)
+        want = numpy_stats(value[:, :, r["index"][0]])
         for k in STATS:
             np.testing.assert_allclose(r[k], want[k], rtol=1e-5, atol=1e-6)
+    each = fx.summary(stats, per_example=True).rows
+    assert [r["index"] for r in each] == list(np.ndindex(2, 2, 3))
+    for r in each:
+        assert r["examples"] == 1
+        assert_stats(r, value[r["index"]])
 
 
 def test_stats_entries_know_their_leaf_and_are_pytrees():
@@ -219,15 +225,15 @@ def test_stats_entries_know_their_leaf_and_are_pytrees():
     _, found = jax.jit(run)(jnp.ones((4, 2)))
     (entry,) = found["intermediates"]["t"]
     a, b = entry["a"], entry["b"]
-    assert (a.shape, a.dtype, a.stacked) == ((2,), "bfloat16", 0)
-    assert (b.shape, b.dtype, b.stacked) == ((3,), "int32", 0)
+    assert (a.shape, a.dtype, a.stacked) == ((2,), "bfloat16", ())
+    assert (b.shape, b.dtype, b.stacked) == ((3,), "int32", ())
     assert dict(a).keys() == set(STATS) and a["mean"].shape == (4,)
     # A pytree: through jit, vmap outside handle, and tree functions.
     assert_trees_close(found, run(jnp.ones((4, 2)))[1])
     leaves, tree = jax.tree.flatten(a)
     assert len(leaves) == len(STATS)
     back = jax.tree.unflatten(tree, [2 * v for v in leaves])
-    assert (back.shape, back.stacked) == ((2,), 0)
+    assert (back.shape, back.stacked) == ((2,), ())
     np.testing.assert_array_equal(back["nan_count"], 2 * a["nan_count"])
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(a)]
     assert paths == [f"['{k}']" for k in STATS]
@@ -497,7 +503,9 @@ def test_find_nonfinite_nested_scans_and_other_collections():
     got = fx.find_nonfinite(g, jnp.float32(0.45))
     assert got == fx.BadSite("v", "logs", 0, (1, 2))
     assert fx.find_nonfinite(g, jnp.float32(5.0)) is None
-    assert fx.find_nonfinite(lambda x: x, jnp.float32(jnp.nan)) is None  # no tags
+    # No tag: nothing to check, which is said rather than found finite.
+    with pytest.raises(ValueError, match="has no tag, and only tagged values"):
+        fx.find_nonfinite(lambda x: x, jnp.float32(jnp.nan))
 
 
 def backward_program(x, r):

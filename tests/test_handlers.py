@@ -494,6 +494,12 @@ def test_intermediate_grads_and_perturb_at_tags():
     assert_trees_close(loss_value, evaluate(ploss_ref, X, ZH, ZC))
     gh, gc = evaluate(jax.grad(ploss_ref, argnums=(1, 2)), X, ZH, ZC)
     assert_trees_close(grads, {"h": (gh,), "c": (gc,)}, rtol=1e-4, atol=1e-5)
+    # One name (or a glob, a predicate): that gradient alone, the same.
+    for names in ("c", ["c"], "[c]", lambda n: n == "c"):
+        got = evaluate(fx.intermediate_grads(loss, kind="tag", names=names), X)
+        assert_trees_close(got[1], {"c": (gc,)}, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="no tag named 'hh'.*'c', 'h'"):
+        fx.intermediate_grads(loss, kind="tag", names="hh")(X)
     # The handler itself: zeros reported for tags, deltas added at them.
     _, found = fx.handle(model, fx.Perturb(kind="tag"))(X)
     assert_trees_close(found, {"intermediates": {"h": (ZH,), "c": (ZC,)}})
