@@ -155,24 +155,24 @@ def main():
     v = jax.random.normal(jax.random.key(2), (32, 128))
     params = mlp_params(LAYERS)
 
-    # Reverse
-    handled, by_hand = make_handled_grad(), make_hand_written_grad()
-    check(jax.jit(handled)(params, x), jax.jit(by_hand)(params, x), "cotangents")
-    rows = [
-        identical_row(
-            "reverse: optimized HLO",
-            optimized_hlo(handled, params, x),
-            optimized_hlo(by_hand, params, x),
+    def same_program(name, handled, by_hand, number):
+        """The rows saying that `handled` is `by_hand`'s program: the same
+        values, optimized HLO and run time."""
+        check(jax.jit(handled)(params, x), jax.jit(by_hand)(params, x), name)
+        hlo = optimized_hlo(handled, params, x), optimized_hlo(by_hand, params, x)
+        pair = compare(
+            blocking(jax.jit(handled), params, x),
+            blocking(jax.jit(by_hand), params, x),
+            repeats=4 * repeats,
+            number=number,
+            warmup=3,
         )
-    ]
-    pair = compare(
-        blocking(jax.jit(handled), params, x),
-        blocking(jax.jit(by_hand), params, x),
-        repeats=4 * repeats,
-        number=3,
-        warmup=3,
-    )
-    rows.append(ratio_row("reverse: run time", pair, 1.02))
+        return [
+            identical_row(f"{name}: optimized HLO", *hlo),
+            ratio_row(f"{name}: run time", pair, 1.02),
+        ]
+
+    rows = same_program("reverse", make_handled_grad(), make_hand_written_grad(), 3)
 
     def trace_lower(make_fn):
         return lambda: lambda: jax.jit(make_fn()).lower(params, x)
@@ -194,24 +194,9 @@ def main():
         )
     )
 
-    # Forward
-    handled, by_hand = make_handled_tangents(v), make_hand_written_tangents(v)
-    check(jax.jit(handled)(params, x), jax.jit(by_hand)(params, x), "tangents")
-    rows.append(
-        identical_row(
-            "forward: optimized HLO",
-            optimized_hlo(handled, params, x),
-            optimized_hlo(by_hand, params, x),
-        )
+    rows += same_program(
+        "forward", make_handled_tangents(v), make_hand_written_tangents(v), 5
     )
-    pair = compare(
-        blocking(jax.jit(handled), params, x),
-        blocking(jax.jit(by_hand), params, x),
-        repeats=4 * repeats,
-        number=5,
-        warmup=3,
-    )
-    rows.append(ratio_row("forward: run time", pair, 1.02))
 
     # Unhandled
     tagged, untagged = jax.grad(make_loss()), jax.grad(make_loss(tag=False))
