@@ -34,6 +34,7 @@ import contextlib
 import importlib.metadata
 import io
 import re
+import runpy
 import sys
 import types
 from pathlib import Path
@@ -407,3 +408,16 @@ def test_blocks_are_found():
     assert _same_output("a  b ...\nc ...", "a  b  c\nc")
     assert not _same_output("a  b ...", "a  c  b")
     assert not _same_output("a ...", "a\nb")
+
+
+def test_readme_shows_what_the_quickstart_prints():
+    # The README's set-up runs `examples/quickstart.py` in a `bash` block (not
+    # run here) and shows its output in the `text` block after it.
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    runs = next(i for i, line in enumerate(lines) if "examples/quickstart.py" in line)
+    start = next(i for i in range(runs, len(lines)) if lines[i] == "```text") + 1
+    shown = "\n".join(lines[start : lines.index("```", start)])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        runpy.run_path(str(ROOT / "examples/quickstart.py"), run_name="__main__")
+    assert _same_output(shown, printed.getvalue()), printed.getvalue()
