@@ -235,18 +235,7 @@ def _zeros(z):
 
 
 def _add(acc, x):
-    def add(a, b):
-        # (`+` would broadcast a scalar and promote an int: a count emitted
-        # into a float accumulator the tag's shape would pass unnoticed)
-        if jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b):
-            raise ValueError(
-                "'sum' adds values shaped like the tagged value, one example's "
-                "(its accumulator starts from zeros of that shape); for another "
-                "shape or dtype, give mode=fx.Reduce(fn, init)"
-            )
-        return a + b
-
-    return jax.tree.map(add, acc, x)
+    return jax.tree.map(jnp.add, acc, x)
 
 
 _MODES = {
