@@ -3,7 +3,9 @@ docs/notebooks/build.py makes them from the pages. Each notebook must hold the
 cells its page makes now, all run (the check needs only the standard library,
 so it runs in every session), and must run without an error on a fresh kernel
 of this environment's Python (with the `notebooks` extra: the nox `docs`
-session). After editing one of the pages, run `python docs/notebooks/build.py`."""
+session). On the docs site (the `docs` extra), a notebook's table of contents
+must show its headings whole. After editing one of the pages, run
+`python docs/notebooks/build.py`."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,7 +25,19 @@ _spec = importlib.util.spec_from_file_location(
 build = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(build)
 
+_hooks_spec = importlib.util.spec_from_file_location(
+    "notebooks_hooks", ROOT / "docs/notebooks/hooks.py"
+)
+
 NAMES = sorted(build.SOURCES)
+
+
+def _hooks():
+    """docs/notebooks/hooks.py, which imports MkDocs (the `docs` extra)."""
+    pytest.importorskip("mkdocs", reason="the site needs the `docs` extra")
+    hooks = importlib.util.module_from_spec(_hooks_spec)
+    _hooks_spec.loader.exec_module(hooks)
+    return hooks
 
 
 def _path(name: str):
@@ -73,3 +88,55 @@ assert sys.prefix == {sys.prefix!r}, f"the kernel runs {{sys.executable}}"
 assert effects.__file__ == {effects.__file__!r}, effects.__file__"""
     nb.cells.insert(0, nbformat.v4.new_code_cell(check, id="kernel-check"))
     build.execute(nb)  # raises CellExecutionError, with the cell and traceback
+
+
+class _Files:
+    """What the hook asks of MkDocs' files: every link's target is a page."""
+
+    def get_file_from_path(self, uri):
+        return SimpleNamespace(url_relative_to=lambda page_file: uri)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_toc_shows_whole_headings(name):
+    """The site's table of contents of a notebook lists its headings, code spans
+    included (mkdocs-jupyter's own drops them: "What is there: `fx.sites`"
+    became "What is there:"), each linking to an anchor on the page, as a
+    Markdown page's table of contents does."""
+    hooks = _hooks()
+    markdown = pytest.importorskip("markdown")
+    convert = pytest.importorskip("mkdocs_jupyter.convert")
+    plugin = pytest.importorskip("mkdocs_jupyter.plugin")
+
+    # The page as mkdocs-jupyter renders it, with its table of contents.
+    html = convert.nb2html(str(_path(name)))
+    toc, _ = plugin.get_nb_toc(str(_path(name)), 6)
+    file = SimpleNamespace(src_uri=f"notebooks/{name}.ipynb")
+    page = SimpleNamespace(file=file, toc=toc)
+    html = hooks.on_page_content(html, page=page, config=None, files=_Files())
+
+    def flat(items):
+        for item in items:
+            yield item.level, item.title, item.id
+            yield from flat(item.children)
+
+    # The headings as Python Markdown's table of contents gives them, for the
+    # Markdown cells read as one page.
+    md = markdown.Markdown(extensions=["fenced_code", "toc"])
+    md.convert(
+        "\n\n".join(
+            c["source"] for c in build.cells(name) if c["cell_type"] == "markdown"
+        )
+    )
+
+    def flat_tokens(tokens):
+        for t in tokens:
+            yield t["level"], t["name"]
+            yield from flat_tokens(t["children"])
+
+    toc = list(flat(page.toc))
+    assert [(level, title) for level, title, _ in toc] == list(
+        flat_tokens(md.toc_tokens)
+    )
+    for _, title, id in toc:
+        assert f'id="{id}"' in html, f"{title!r} links to #{id}, not on the page"
