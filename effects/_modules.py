@@ -70,6 +70,15 @@ def tag_modules(
     Only the array leaves of an output are tagged; an output without arrays is
     left alone.
 
+    Only submodules are tagged: a function applied between them is not.
+    `eqx.nn.MLP` holds its activation as a function in a field (`activation`),
+    so its `"layers.0"` is the first `Linear`'s output, before the activation.
+    To collect the activations, put a tagging function in that field:
+    `eqx.tree_at(lambda m: m.activation, model, lambda x:
+    fx.tag(jax.nn.relu(x), "activation"))` reports one `"activation"` entry per
+    hidden layer ([Capture every
+    layer](../guides/capture-every-layer.md#activations-applied-as-functions)).
+
     **Arguments:**
 
     - `model`: an Equinox module, a Flax linen module or a Flax NNX module.
