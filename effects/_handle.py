@@ -6,7 +6,9 @@ function, argument signature and handler configuration."""
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
+import re
 import threading
 import types
 from collections.abc import Callable
@@ -28,7 +30,10 @@ _NOT_HANDLER = (
     "handle: {h!r} is not a handler; pass instances such as fx.Tag(), fx.Perturb(), "
     "fx.Substitute(...) or fx.Intervene(...)."
 )
-_UNKNOWN_NAME = "{handler}: no {kind} named {name!r}{where}. Known names: {known}."
+_UNKNOWN_NAME = (
+    "{handler}: no {kind} {named} {name!r}{where}. Known names: {known}. (A tag "
+    "inside a callback's Python function is never seen: tag its result instead.)"
+)
 _NO_DERIVATIVE = (
     " A {part} site exists where a `jax.{transform}` inside the handled function "
     "differentiates the tag: handle `jax.{transform}(f)`, not `f`. A tag inside a "
@@ -350,7 +355,7 @@ def _check_names(sites, handlers) -> None:
             return next((j for j, g in before if g.consumes and g.matches(site)), None)
 
         for name in names:
-            mine = [p for p in probes if p.name == name and h.matches(p)]
+            mine = [p for p in probes if _named(p, name) and h.matches(p)]
             if not mine:
                 raise ValueError(_unknown_name(h, name, probes, consumer))
             if all(consumer(p) is not None for p in mine):
@@ -418,6 +423,18 @@ def _kind(kind: str) -> str:
     return "tag" if kind == "tag" else "perturb site"
 
 
+_GLOB = re.compile(r"[*?\[]")
+
+
+def _named(site: Site, name: str) -> bool:
+    """Whether `site` is named `name`, a name or a glob pattern."""
+    return (
+        fnmatch.fnmatchcase(site.name, name)
+        if _GLOB.search(name)
+        else site.name == name
+    )
+
+
 def _unknown_name(h, name: str, probes, consumer) -> str:
     # The names the handler could have meant: those of its kind and collection
     # when it says which (Tag, Perturb, ...), else every name it sees.
@@ -438,6 +455,7 @@ def _unknown_name(h, name: str, probes, consumer) -> str:
     message = _UNKNOWN_NAME.format(
         handler=type(h).__name__,
         kind=what,
+        named="matching" if _GLOB.search(name) else "named",
         name=name,
         where=where,
         known=", ".join(map(repr, known)) or "none",

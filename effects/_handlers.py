@@ -7,7 +7,6 @@ import dataclasses
 import fnmatch
 import inspect
 import operator
-import re
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeAlias, dataclass_transform
 
@@ -65,16 +64,11 @@ def _check_names(names, owner: str):
     )
 
 
-_GLOB = re.compile(r"[*?\[]")
-
-
-def exact_names(names) -> tuple[str, ...]:
-    """The names of a `names=` filter without glob characters: meant to exist,
-    so a typo is an error (a glob or a predicate may match nothing)."""
+def filter_names(names) -> tuple[str, ...]:
+    """The names and glob patterns of a `names=` filter: each is meant to match
+    a site, so a typo is an error (a predicate may match nothing)."""
     names = (names,) if isinstance(names, str) else names
-    if not isinstance(names, tuple):
-        return ()
-    return tuple(n for n in names if not _GLOB.search(n))
+    return names if isinstance(names, tuple) else ()
 
 
 def _name_matches(names, name: str) -> bool:
@@ -375,10 +369,11 @@ class Handler:
 
     Two optional methods: `per_call_inputs() -> {name: (entry, ...)}`, one
     entry per execution in the layout `Tag()` reports, read by
-    `ctx.next_input()`; and `required_names() -> (name, ...)`, names that
-    must exist among the sites the handler sees (a typo is then an error
-    listing the known names). A handler with a `collection` attribute and a
-    `mode` gets `found[collection]`, empty when it matched nothing.
+    `ctx.next_input()`; and `required_names() -> (name, ...)`, names (or
+    glob patterns) each of which must match a site the handler sees (a typo
+    is then an error listing the known names). A handler with a `collection`
+    attribute and a `mode` gets `found[collection]`, empty when it matched
+    nothing.
 
     **Arguments:**
 
@@ -755,7 +750,7 @@ class Tag(Handler):
         return matches_tag(self, site)
 
     def required_names(self):
-        return exact_names(self.names)
+        return filter_names(self.names)
 
     def apply(self, site, value, ctx):
         ctx.emit(value)
@@ -869,7 +864,7 @@ class Perturb(Handler):
         return self.deltas is None or site.name in self.deltas
 
     def required_names(self):
-        return exact_names(self.names) if self.deltas is None else tuple(self.deltas)
+        return filter_names(self.names) if self.deltas is None else tuple(self.deltas)
 
     def per_call_inputs(self):
         return {} if self.deltas is None else self.deltas

@@ -193,9 +193,13 @@ def _subclass(cls: type, methods: tuple[str, ...], equinox: bool) -> type:
         per_class = _subclasses.setdefault(cls, {})
         sub = per_class.get(methods)
         if sub is None:
+            # Printed as the class it copies (`__name__`), but named as a copy
+            # where JAX names a type (`__qualname__`): gradients with respect to
+            # a tagged copy have its classes, and a tree mismatch against the
+            # plain model then says which side is the copy.
             namespace: dict[str, Any] = {
                 "__module__": cls.__module__,
-                "__qualname__": cls.__qualname__,
+                "__qualname__": f"tag_modules({cls.__qualname__})",
                 "__doc__": cls.__doc__,
             }
             if equinox:

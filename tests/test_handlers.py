@@ -500,6 +500,11 @@ def test_intermediate_grads_and_perturb_at_tags():
         assert_trees_close(got[1], {"c": (gc,)}, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="no tag named 'hh'.*'c', 'h'"):
         fx.intermediate_grads(loss, kind="tag", names="hh")(X)
+    # A glob that matches nothing is a typo too (`found` would be empty).
+    with pytest.raises(ValueError, match="no tag matching 'hh\\*'.*'c', 'h'"):
+        fx.handle(model, fx.Tag(names="hh*"))(X)
+    with pytest.raises(ValueError, match="no tag matching 'q\\?'"):
+        fx.handle(model, fx.Tag(names=("h", "q?")))(X)
     # The handler itself: zeros reported for tags, deltas added at them.
     _, found = fx.handle(model, fx.Perturb(kind="tag"))(X)
     assert_trees_close(found, {"intermediates": {"h": (ZH,), "c": (ZC,)}})
