@@ -59,6 +59,8 @@ def test_notebook_is_made_from_its_page(name):
     assert cells == build.cells(name), (
         f"docs/notebooks/{name}.ipynb is not what {build.SOURCES[name]} makes: " + rerun
     )
+    # Where it comes from is said to whoever edits it, not shown to readers.
+    assert nb["metadata"].get("effects") == build.metadata(name), rerun
     # Run in order, top to bottom, so the outputs are those of the cells.
     counts = [c["execution_count"] for c in nb["cells"] if c["cell_type"] == "code"]
     assert counts == list(range(1, len(counts) + 1)), f"not run in order: {rerun}"

@@ -20,6 +20,9 @@ A page becomes cells as a reader reads it:
   pages on the docs site);
 - the page's line `Also as a notebook: ...` is left out.
 
+The notebook's metadata (`effects`) names its page and this script; a reader
+sees no note of it.
+
 The outputs are the CPU's (JAX_PLATFORMS=cpu unless set), as on the pages."""
 
 from __future__ import annotations
@@ -105,20 +108,19 @@ def cells(name: str) -> list[dict]:
             markdown.extend([f"{fence}{language}", *body, fence])
         after_code = False
     flush()
-    title = next((j for j, c in enumerate(out) if c["source"].startswith("# ")), None)
-    note = (
-        f"*Made from [{page.name}]({_relative(page)}) by `docs/notebooks/build.py`:"
-        " edit the page, then run the script.*"
-    )
-    if title is None:
-        out.insert(0, {"cell_type": "markdown", "source": note})
-    else:
-        head, _, rest = out[title]["source"].partition("\n")
-        out[title] = {
-            "cell_type": "markdown",
-            "source": f"{head}\n\n{note}\n{rest}".rstrip("\n"),
-        }
     return out
+
+
+def metadata(name: str) -> dict:
+    """What notebook `name` says of where it comes from, for whoever opens it to
+    edit it: in its metadata (`effects`), out of the reader's way."""
+    return {
+        "source": SOURCES[name],
+        "note": (
+            f"Made from {SOURCES[name]} by docs/notebooks/build.py: edit the page,"
+            " then run the script."
+        ),
+    }
 
 
 def _dedent_notes(lines: list[str]) -> list[str]:
@@ -189,6 +191,7 @@ def notebook(name: str):
             new = nbformat.v4.new_markdown_cell
         # Ids that do not change from one build to the next.
         nb.cells.append(new(cell["source"], id=f"{name}-{n}"))
+    nb.metadata["effects"] = metadata(name)
     nb.metadata["kernelspec"] = {
         "name": "python3",
         "display_name": "Python 3 (ipykernel)",
@@ -210,6 +213,9 @@ def execute(nb, timeout_s: float = TIMEOUT_S, cwd: Path = HERE):
         # Each cell gets the time left of the notebook's.
         timeout_func=lambda cell: max(1, int(deadline - time.monotonic())),
         record_timing=False,  # timestamps would change the file on every build
+        # One output per stream and cell: how a cell's prints are split into
+        # messages depends on timing, and would change the file too.
+        coalesce_streams=True,
     ).execute()
     return nb
 
