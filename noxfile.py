@@ -30,9 +30,15 @@ JAX_MINORS = {
     "0.12": "3.12",
 }
 
-# The minors `tests` already runs, as the newest JAX its Pythons resolve to:
-# CI leaves them out of the matrix (`nox -s "tests_jax(0.10)"` still runs one).
-_IN_TESTS = ("0.10", "0.12")
+# The minors CI runs besides `tests` (0.10 on Python 3.11, 0.12 on 3.13) and
+# `minimums` (which resolves jax 0.7.2, as `tests_jax(0.7)` does, with an older
+# Equinox): one on each side of every JAX version `effects/_compat.py` branches
+# on. Its branches split 0.7 | 0.8-0.9 | 0.10 | 0.11 | 0.12 (0.8 and 0.9 take
+# the same ones: `pcast` and the `remat_p` export are 0.8+, hijax and
+# `newly_manual_axes` 0.10+), so 0.9 stands for 0.8-0.9; 0.11 alone has the
+# flat-tree scan params without 0.12's `jax.Inline`. Every other minor is one
+# `nox -s "tests_jax(0.8)"` away.
+_IN_CI = ("0.9", "0.11")
 
 # .ci/run runs `nox -s tests`, then every session tagged CI (`nox -t ci`).
 CI = ["ci"]
@@ -69,7 +75,7 @@ def tests(session: nox.Session) -> None:
 @nox.parametrize(
     ("python", "jax"),
     [
-        nox.param(python, jax, id=jax, tags=[] if jax in _IN_TESTS else CI)
+        nox.param(python, jax, id=jax, tags=CI if jax in _IN_CI else [])
         for jax, python in JAX_MINORS.items()
     ],
 )
@@ -140,7 +146,7 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python="3.11", tags=CI)
 def docs(session: nox.Session) -> None:
-    """Build the docs strictly, run every code block in them and every notebook."""
+    """Build the docs strictly and run every notebook."""
     session.install("-e", ".[docs,test,notebooks]")
     site = f"{session.create_tmp()}/site"
     # NO_MKDOCS_2_WARNING: mkdocs-material's banner about a future mkdocs 2.
@@ -152,8 +158,9 @@ def docs(session: nox.Session) -> None:
         site,
         env={"NO_MKDOCS_2_WARNING": "1"},
     )
-    tests = ["tests/test_docs.py", "tests/test_notebooks.py"]
-    session.run("pytest", "-n", "auto", *tests, *session.posargs)
+    # The pages' code blocks run in every `tests` session (tests/test_docs.py);
+    # here only what needs the `docs` and `notebooks` extras.
+    session.run("pytest", "-n", "auto", "tests/test_notebooks.py", *session.posargs)
 
 
 @nox.session(python="3.11", tags=CI)
