@@ -50,10 +50,10 @@ names = ["jax", "jaxlib", "equinox", "jaxtyping", "flax", "pytest"]
 print("python", sys.version.split()[0], *(f"{n} {m.version(n)}" for n in names))
 """
 
-# The sessions that repeat the suite on other versions run it without JAX's
-# tracer-leak checking (which turns JAX's tracing caches off and doubles the
-# suite's time; the `tests` sessions have it on, and one property test turns it
-# on wherever it runs), with fewer generated programs per property test.
+# JAX's tracer-leak checking turns JAX's tracing caches off and doubles the
+# suite's time: `tests` on the oldest Python has it on (and one property test
+# turns it on wherever it runs). The sessions that repeat the suite on other
+# versions run without it, with fewer generated programs per property test.
 _REPEAT = {"EFFECTS_LEAK_CHECKS": "0", "EFFECTS_FUZZ_EXAMPLES": "6"}
 
 
@@ -61,14 +61,20 @@ def _pytest(session: nox.Session, *, workers: str = "auto", **env: str) -> None:
     """Print the versions under test, then run pytest on `workers` processes
     (pytest-xdist; `nox -s tests -- -n 0` runs in this one)."""
     session.run("python", "-c", _VERSIONS, silent=False)
-    session.run("pytest", "-n", workers, *session.posargs, env=env)
+    # worksteal: a worker that runs out of tests takes some of the other's, so
+    # a long test near the end does not leave one core idle.
+    session.run(
+        "pytest", "-n", workers, "--dist", "worksteal", *session.posargs, env=env
+    )
 
 
 @nox.session(python=PYTHONS)
 def tests(session: nox.Session) -> None:
-    """The test suite on the newest JAX each Python resolves to (CPU)."""
+    """The test suite on the newest JAX each Python resolves to (CPU), with
+    JAX's tracer-leak checking on the oldest Python."""
     session.install("-e", ".[test]")
-    _pytest(session)
+    leaks = "1" if session.python == PYTHONS[0] else "0"
+    _pytest(session, EFFECTS_LEAK_CHECKS=leaks)
 
 
 @nox.session
