@@ -9,6 +9,10 @@ collection before each timed call and the collector off while it runs (as
 collector, so these collections stay cheap). The reported times are the medians
 over the rounds of A and of B, and the ratio is the median over the rounds of
 A / B: pairing the two calls of a round cancels slow drifts of the machine.
+
+With `--smoke` (what `run_all.py --smoke` passes), every measurement is one
+round of one call with no warm-up: the script runs its smallest case once and
+checks its values, and its times mean nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import gc
 import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +32,10 @@ import numpy as np
 #
 # Timing
 #
+
+# Set by `arguments` from `--smoke`. One switch here, rather than one per
+# script: every `compare` and `compare_cold` of every script obeys it.
+_smoke = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +110,8 @@ def compare(
 ) -> Pair:
     """Times repeated calls of `a` and of `b` (`number` calls per round, `repeats`
     rounds), interleaved. Use for warm calls: run time, dispatch."""
+    if _smoke:
+        repeats, number, warmup = 1, 1, 0
     for _ in range(warmup):
         a()
         b()
@@ -118,6 +128,8 @@ def compare_cold(
     """Times one call of a fresh thunk from `make_a()` against one from `make_b()`
     per round, interleaved. `make_*` builds new function objects each time (not
     timed), so no cache keyed on them helps: use for cold trace and lowering."""
+    if _smoke:
+        repeats, warmup = 1, 0
     for _ in range(warmup):
         make_a()()
         make_b()()
@@ -127,6 +139,23 @@ def compare_cold(
 def blocking(fn: Callable, *args) -> Callable[[], object]:
     """A thunk calling `fn(*args)` and waiting for every array it returns."""
     return lambda: jax.block_until_ready(fn(*args))
+
+
+#
+# Comparing values
+#
+
+
+def plain_dicts(tree):
+    """`tree` with every mapping made a plain `dict`, all the way down: what
+    `handle` returns (`fx.Found`, and `fx.Statistics` from `fx.Stats`) is a
+    pytree of its own type, which `jax.tree.map` will not pair with the dicts
+    a hand-written reference returns. Every key and value is kept."""
+    if isinstance(tree, Mapping):
+        return {k: plain_dicts(v) for k, v in tree.items()}
+    if type(tree) in (tuple, list):
+        return type(tree)(plain_dicts(v) for v in tree)
+    return tree
 
 
 #
@@ -186,6 +215,7 @@ class Row:
     target: str
     met: bool | str | None  # a string: "within noise"
     spread: str = "—"  # the interquartile range of the per-round ratios
+    timed: bool = False  # a ratio of times (meaningless in a smoke run)
 
 
 def seconds(t: float) -> str:
@@ -219,6 +249,7 @@ def ratio_row(what: str, pair: Pair, limit: float | None, target: str = "") -> R
         target or ("—" if limit is None else f"≤ {limit:g}"),
         met,
         f"{low:.3f}–{high:.3f}",
+        timed=True,
     )
 
 
@@ -234,11 +265,26 @@ def identical_row(what: str, a: str, b: str) -> Row:
     )
 
 
+def heading(title: str) -> str:
+    """A section's Markdown heading, which in a smoke run says so."""
+    note = " (smoke run: one call each, times mean nothing)" if _smoke else ""
+    return f"### {title}{note}"
+
+
 def table(title: str, columns: tuple[str, str], rows: Sequence[Row]) -> str:
-    """A Markdown section: `columns` names the A and B columns."""
+    """A Markdown section: `columns` names the A and B columns.
+
+    In a smoke run no ratio of times is shown or judged, and a row that is
+    not timed and misses its target (an HLO that differs, memory that grows,
+    a compilation) fails the script, with the table as the message."""
     head = ["benchmark", *columns, "ratio A/B", "spread (IQR)", "target", "met"]
+    if _smoke:
+        rows = [
+            dataclasses.replace(r, ratio="—", spread="—", met="smoke") if r.timed else r
+            for r in rows
+        ]
     lines = [
-        f"### {title}",
+        heading(title),
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join("---" for _ in head) + "|",
@@ -250,7 +296,11 @@ def table(title: str, columns: tuple[str, str], rows: Sequence[Row]) -> str:
             met = "—" if r.met is None else ("yes" if r.met else "**no**")
         cells = (r.what, r.a, r.b, r.ratio, r.spread, r.target, met)
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    missed = [r.what for r in rows if r.met is False]
+    if _smoke and missed:
+        raise SystemExit(f"{text}\nsmoke run: targets missed: {missed}")
+    return text
 
 
 def arguments(description: str) -> argparse.Namespace:
@@ -258,10 +308,24 @@ def arguments(description: str) -> argparse.Namespace:
     parser.add_argument(
         "--append", metavar="FILE", help="also append the table to this file"
     )
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument(
-        "--quick", action="store_true", help="fewer repeats (a smoke run)"
+        "--smoke",
+        action="store_true",
+        help="the smallest case once, to check that it runs and that its values "
+        "agree: times mean nothing, and `--append` is refused",
     )
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.smoke and args.append:
+        parser.error("--smoke writes no results: leave out --append")
+    global _smoke
+    _smoke = args.smoke
+    if args.smoke:
+        # A smoke run compiles much and runs little: XLA's backend (LLVM)
+        # optimisation would be most of its time. Both sides of every
+        # comparison are compiled alike.
+        jax.config.update("jax_disable_most_optimizations", True)
+    return args
 
 
 def emit(text: str, args: argparse.Namespace) -> None:

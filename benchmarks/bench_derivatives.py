@@ -22,7 +22,8 @@ Every handled result is checked against the hand-written one before it is
 timed. Targets: identical optimized HLO and temporary memory; run time at most
 1.02x; cold trace+lower of the reverse pass at most 1.3x.
 
-Run with `python benchmarks/bench_derivatives.py [--append FILE] [--quick]`.
+Run with `python benchmarks/bench_derivatives.py [--append FILE] [--quick]`;
+`--smoke` runs it once with 4 layers.
 """
 
 import jax
@@ -151,9 +152,10 @@ def temp_bytes(fn, *args) -> int | None:
 def main():
     args = arguments(__doc__.splitlines()[0])
     repeats = 5 if args.quick else 15
+    layers = 4 if args.smoke else LAYERS
     x = jax.random.normal(jax.random.key(1), (32, 128))
     v = jax.random.normal(jax.random.key(2), (32, 128))
-    params = mlp_params(LAYERS)
+    params = mlp_params(layers)
 
     def same_program(name, handled, by_hand, number):
         """The rows saying that `handled` is `by_hand`'s program: the same
@@ -222,7 +224,7 @@ def main():
         )
     emit(
         table(
-            "13. Derivative sites, 200 layers: handled (A) vs hand-written (B)",
+            f"13. Derivative sites, {layers} layers: handled (A) vs hand-written (B)",
             ("handled", "hand-written"),
             rows,
         ),

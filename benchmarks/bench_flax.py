@@ -11,7 +11,8 @@ every layer's output in one of three ways:
 Measured: cold trace+lower (fresh function objects every round) and the run time
 of the jitted functions, each `fx.tag` (A) vs an anchor (B).
 
-Run with `python benchmarks/bench_flax.py [--append FILE]`.
+Run with `python benchmarks/bench_flax.py [--append FILE] [--quick]`; `--smoke`
+runs it once with 4 layers.
 """
 
 import functools
@@ -45,11 +46,12 @@ class Layer(nn.Module):
 
 class MLP(nn.Module):
     record: str  # "tag", "sow" or "none"
+    layers: int = LAYERS
     instance: int = 0  # unused by the model: makes each round's module distinct
 
     @nn.compact
     def __call__(self, h):
-        for i in range(LAYERS):
+        for i in range(self.layers):
             h = Layer()(h)
             if self.record == "tag":
                 h = fx.tag(h, f"layer{i}")
@@ -69,8 +71,8 @@ def only_layers(module, method_name):
 _instances = itertools.count()
 
 
-def with_tag():
-    model = MLP("tag", instance=next(_instances))
+def with_tag(layers=LAYERS):
+    model = MLP("tag", layers, next(_instances))
     return functools.partial(fx.handle(model.apply, fx.Tag()))
 
 
@@ -83,13 +85,13 @@ def as_plain_dicts(handled):
     return fn
 
 
-def with_sow():
-    model = MLP("sow", instance=next(_instances))
+def with_sow(layers=LAYERS):
+    model = MLP("sow", layers, next(_instances))
     return functools.partial(model.apply, mutable="intermediates")
 
 
-def with_capture():
-    model = MLP("none", instance=next(_instances))
+def with_capture(layers=LAYERS):
+    model = MLP("none", layers, next(_instances))
     return functools.partial(
         model.apply, capture_intermediates=only_layers, mutable="intermediates"
     )
@@ -98,8 +100,12 @@ def with_capture():
 def main():
     args = arguments(__doc__.splitlines()[0])
     repeats = 5 if args.quick else 11
+    layers = 4 if args.smoke else LAYERS
+    tag, sow, capture = (
+        functools.partial(make, layers) for make in (with_tag, with_sow, with_capture)
+    )
     x = jax.random.normal(jax.random.key(1), (32, WIDTH))
-    params = MLP("none").init(jax.random.key(0), x)
+    params = MLP("none", layers).init(jax.random.key(0), x)
 
     def trace_lower(make_fn):
         return lambda: lambda: jax.jit(make_fn()).lower(params, x)
@@ -108,26 +114,24 @@ def main():
         identical_row(
             "optimized HLO, `fx.tag` vs `sow`",
             # `found` as plain dicts: flattened sorted, as `sow`'s are.
-            optimized_hlo(as_plain_dicts(with_tag()), params, x),
-            optimized_hlo(with_sow(), params, x),
+            optimized_hlo(as_plain_dicts(tag()), params, x),
+            optimized_hlo(sow(), params, x),
         )
     ]
     for label, anchor, limit in (
-        ("`sow`", with_sow, 1.1),
-        ("`capture_intermediates`", with_capture, None),
+        ("`sow`", sow, 1.1),
+        ("`capture_intermediates`", capture, None),
     ):
         # Three times the rounds: the two traces differ by about 1%, less than
         # one round's noise on a shared machine.
-        pair = compare_cold(
-            trace_lower(with_tag), trace_lower(anchor), repeats=3 * repeats
-        )
+        pair = compare_cold(trace_lower(tag), trace_lower(anchor), repeats=3 * repeats)
         rows.append(ratio_row(f"cold trace+lower, `fx.tag` vs {label}", pair, limit))
     for label, anchor in (
-        ("`sow`", with_sow),
-        ("`capture_intermediates`", with_capture),
+        ("`sow`", sow),
+        ("`capture_intermediates`", capture),
     ):
         pair = compare(
-            blocking(jax.jit(with_tag()), params, x),
+            blocking(jax.jit(tag()), params, x),
             blocking(jax.jit(anchor()), params, x),
             repeats=6 * repeats,
             number=4,
@@ -136,7 +140,9 @@ def main():
         rows.append(ratio_row(f"run time, `fx.tag` vs {label}", pair, 1.02, "≤ 1.02 †"))
     emit(
         table(
-            "5. Flax linen, 200 layers: `fx.tag` (A) vs anchor (B)", ("A", "B"), rows
+            f"5. Flax linen, {layers} layers: `fx.tag` (A) vs anchor (B)",
+            ("A", "B"),
+            rows,
         ),
         args,
     )

@@ -41,7 +41,9 @@ steady state at most 1.03x the hand-written code, first call at most 1.15x,
 
 Run with `python benchmarks/bench_gpt.py [--append FILE] [--quick]`; `--quick`
 uses a small model (2 blocks, width 64, vocabulary 512, 32 tokens). The full
-size takes about 20 minutes on a 2-core CPU.
+size takes about 20 minutes on a 2-core CPU. `--smoke` runs a tiny model once
+(2 blocks, width 16, 8 tokens), without the first-call rows and with one chunk
+size in the grid's table.
 """
 
 from __future__ import annotations
@@ -64,7 +66,9 @@ from _timing import (
     compare,
     compare_cold,
     emit,
+    heading,
     nbytes,
+    plain_dicts,
     ratio_row,
     seconds,
     table,
@@ -87,6 +91,7 @@ class Config:
 
 FULL = Config()
 QUICK = Config(layers=2, width=64, heads=4, vocab=512, context=64, tokens=32)
+SMOKE = Config(layers=2, width=16, heads=2, vocab=64, context=16, tokens=8, positions=4)
 CHUNK = 8  # the grid's chunk size in the side-by-side rows
 
 #
@@ -628,7 +633,8 @@ def close(what, a, b, tol):
 def same_found(what, found, by_hand, tol):
     names = found["intermediates"], by_hand["intermediates"]
     assert set(names[0]) == set(names[1]), (what, set(names[0]) ^ set(names[1]))
-    close(what, dict(names[0]), dict(names[1]), tol)
+    # (`Stats()` keeps an `fx.Statistics` per leaf, the hand-written side a dict)
+    close(what, plain_dicts(names[0]), plain_dicts(names[1]), tol)
 
 
 class Measure:
@@ -661,6 +667,8 @@ class Measure:
         self.rows.append(ratio_row(self.label(f"{what}, steady"), pair, limit, target))
 
     def first(self, what, make_a, make_b, repeats=None):
+        if not self.cold:  # a smoke run
+            return
         log(self.label(f"{what}, first call"))
         pair = compare_cold(make_a, make_b, repeats=repeats or self.cold, warmup=0)
         self.rows.append(ratio_row(self.label(f"{what}, first call"), pair, 1.15))
@@ -931,9 +939,11 @@ def chunk_sizes(plain, cfg, clean, corrupt, sizes, reference):
     args = grid_args(cfg, residuals(tagged, clean), corrupt)
     n = len(args[-1])
     lines = [
-        f"### 12c. Patch grid, {n} patches ({cfg.layers} layers x {cfg.positions} "
-        f"positions, one sequence of {cfg.tokens} tokens), list form: "
-        "`jax.lax.map(one_patch, patches, batch_size=k)`",
+        heading(
+            f"12c. Patch grid, {n} patches ({cfg.layers} layers x {cfg.positions} "
+            f"positions, one sequence of {cfg.tokens} tokens), list form: "
+            "`jax.lax.map(one_patch, patches, batch_size=k)`"
+        ),
         "",
         "| chunk size k | time, effects | temp memory, effects "
         "| temp memory, by hand |",
@@ -982,9 +992,11 @@ def chunk_sizes(plain, cfg, clean, corrupt, sizes, reference):
 
 def main():
     args = arguments(__doc__.splitlines()[0])
-    cfg = QUICK if args.quick else FULL
+    cfg = SMOKE if args.smoke else QUICK if args.quick else FULL
     # Steady-state rounds, first-call rounds; halved for the backward passes.
-    repeats, cold = (3, 1) if args.quick else (5, 3)
+    # A smoke run makes no first-call rows: they check no value, and each is
+    # two compilations of a model that the other rows compile already.
+    repeats, cold = (1, 0) if args.smoke else (3, 1) if args.quick else (5, 3)
     listed, scanned = build(cfg)
     tokens = jax.random.randint(
         jax.random.key(1), (cfg.batch, cfg.tokens), 0, cfg.vocab
@@ -1007,7 +1019,7 @@ def main():
         m.nonfinite(backward=True)
         m.patches(clean, corrupt)
         grids[form] = m.grid(corrupt, residuals(m.tagged, clean), 1)
-        size = "124M" if cfg == FULL else "small"
+        size = {FULL: "124M", QUICK: "small", SMOKE: "tiny"}[cfg]
         emit(
             table(
                 f"12{part}. GPT-2-shaped Equinox model ({size}: {cfg.layers} blocks, "
@@ -1020,7 +1032,7 @@ def main():
         )
     close("grid, list vs scan", grids["list"], grids["scan"], 1e-3)
     n = cfg.layers * cfg.positions
-    sizes = sorted({1, 4, 8, 16, n})
+    sizes = [CHUNK] if args.smoke else sorted({1, 4, 8, 16, n})
     emit(chunk_sizes(listed, cfg, clean, corrupt, sizes, grids["list"]), args)
 
 

@@ -19,7 +19,8 @@ Targets: identical optimized HLO; run time at most 1.02x; cold trace+lower at
 handled 200 layers; the trace again under a new outer jit at most 0.75x the cold
 hand-written trace+lower.
 
-Run with `python benchmarks/bench_mlp.py [--append FILE]`.
+Run with `python benchmarks/bench_mlp.py [--append FILE] [--quick]`; `--smoke`
+runs it once at 4, 8 and 16 layers.
 """
 
 import jax
@@ -75,12 +76,13 @@ def trace_lower(make_fn, *args):
 def main():
     args = arguments(__doc__.splitlines()[0])
     repeats = 5 if args.quick else 15
+    small, large = (4, 16) if args.smoke else (200, 800)
     x = jax.random.normal(jax.random.key(1), (32, 128))
-    params = mlp_params(200)
+    params = mlp_params(small)
 
     rows = [
         identical_row(
-            "optimized HLO, 200 layers",
+            f"optimized HLO, {small} layers",
             optimized_hlo(handled(), params, x),
             optimized_hlo(make_hand_written(), params, x),
         )
@@ -92,9 +94,9 @@ def main():
         number=5,
         warmup=3,
     )
-    rows.append(ratio_row("run time, 200 layers", pair, 1.02))
+    rows.append(ratio_row(f"run time, {small} layers", pair, 1.02))
 
-    sized = {200: params, 400: mlp_params(400), 800: mlp_params(800)}
+    sized = {small: params, 2 * small: mlp_params(2 * small), large: mlp_params(large)}
     for n, p in sized.items():
         pair = compare_cold(
             trace_lower(handled, p, x),
@@ -102,7 +104,9 @@ def main():
             repeats=repeats,
         )
         rows.append(
-            ratio_row(f"cold trace+lower, {n} layers", pair, 1.3 if n == 200 else None)
+            ratio_row(
+                f"cold trace+lower, {n} layers", pair, 1.3 if n == small else None
+            )
         )
     # The same handled function under a new outer jit each round: its rewrite
     # is cached (it was traced once before), the hand-written one is traced
@@ -119,7 +123,7 @@ def main():
     rows.append(
         ratio_row(
             "trace+lower again under a new outer jit (A) vs cold hand-written (B), "
-            "200 layers",
+            f"{small} layers",
             pair,
             0.75,
         )
@@ -130,12 +134,16 @@ def main():
         ("hand-written", make_hand_written, None),
     ):
         pair = compare_cold(
-            trace_lower(make_fn, sized[800], x),
+            trace_lower(make_fn, sized[large], x),
             trace_lower(make_fn, params, x),
             repeats=repeats,
         )
         rows.append(
-            ratio_row(f"growth 200 → 800 layers, {label} (A: 800, B: 200)", pair, limit)
+            ratio_row(
+                f"growth {small} → {large} layers, {label} (A: {large}, B: {small})",
+                pair,
+                limit,
+            )
         )
     emit(
         table(

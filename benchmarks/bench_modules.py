@@ -10,7 +10,8 @@ The model is a list of 100 blocks (`tanh(Linear(128, 128)(h))`, batch 32 by
   round so no cache keyed on the function helps); for linen and NNX, cold
   trace+lower only (their HLO is tested in `tests/test_modules.py`).
 
-Run with `python benchmarks/bench_modules.py [--append FILE]`.
+Run with `python benchmarks/bench_modules.py [--append FILE] [--quick]`;
+`--smoke` runs it once with 4 layers.
 """
 
 import itertools
@@ -56,8 +57,8 @@ class Model(eqx.Module):
         return h
 
 
-def make(tagged: bool) -> Model:
-    keys = jax.random.split(jax.random.key(0), LAYERS)
+def make(tagged: bool, layers: int = LAYERS) -> Model:
+    keys = jax.random.split(jax.random.key(0), layers)
     return Model([Block(eqx.nn.Linear(WIDTH, WIDTH, key=k)) for k in keys], tagged)
 
 
@@ -73,11 +74,12 @@ class LinenBlock(nn.Module):
 
 class LinenModel(nn.Module):
     tagged: bool = False
+    layers: int = LAYERS
     instance: int = 0  # unused: makes each round's module distinct
 
     @nn.compact
     def __call__(self, h):
-        for i in range(LAYERS):
+        for i in range(self.layers):
             h = LinenBlock()(h)
             if self.tagged:
                 h = fx.tag(h, f"LinenBlock_{i}")
@@ -93,9 +95,9 @@ class NnxBlock(nnx.Module):
 
 
 class NnxModel(nnx.Module):
-    def __init__(self, tagged, rngs):
+    def __init__(self, tagged, rngs, layers=LAYERS):
         self.tagged = tagged
-        self.blocks = nnx.List([NnxBlock(rngs) for _ in range(LAYERS)])
+        self.blocks = nnx.List([NnxBlock(rngs) for _ in range(layers)])
 
     def __call__(self, h):
         for i, block in enumerate(self.blocks):
@@ -108,13 +110,13 @@ class NnxModel(nnx.Module):
 _instances = itertools.count()
 
 
-def flax_rows(xs, repeats):
+def flax_rows(xs, repeats, layers):
     """Cold trace+lower, `tag_modules` vs hand-tagged, for linen and NNX."""
-    params = LinenModel().init(jax.random.key(0), xs)
+    params = LinenModel(layers=layers).init(jax.random.key(0), xs)
 
     def linen(tagged_by_hand):
         def thunk():
-            model = LinenModel(tagged_by_hand, next(_instances))
+            model = LinenModel(tagged_by_hand, layers, next(_instances))
             if not tagged_by_hand:
                 model = fx.tag_modules(model, filter=LinenBlock)
             apply = fx.handle(model.apply, fx.Tag())
@@ -124,7 +126,7 @@ def flax_rows(xs, repeats):
 
     def nnx_model(tagged_by_hand):
         def thunk():
-            model = NnxModel(tagged_by_hand, nnx.Rngs(0))
+            model = NnxModel(tagged_by_hand, nnx.Rngs(0), layers)
             if not tagged_by_hand:
                 model = fx.tag_modules(model, filter=NnxBlock)
             run = fx.handle(lambda m, xs: m(xs), fx.Tag())
@@ -144,8 +146,9 @@ def flax_rows(xs, repeats):
 def main():
     args = arguments(__doc__.splitlines()[0])
     repeats = 5 if args.quick else 11
+    layers = 4 if args.smoke else LAYERS
     xs = jax.random.normal(jax.random.key(1), (32, WIDTH))
-    plain, by_hand = make(False), make(True)
+    plain, by_hand = make(False, layers), make(True, layers)
     auto = fx.tag_modules(plain, filter=Block)
 
     rows = [
@@ -177,15 +180,15 @@ def main():
         return thunk
 
     pair = compare_cold(
-        cold(lambda: fx.tag_modules(make(False), filter=Block)),
-        cold(lambda: make(True)),
+        cold(lambda: fx.tag_modules(make(False, layers), filter=Block)),
+        cold(lambda: make(True, layers)),
         repeats=3 * repeats,
     )
     rows.append(ratio_row("Equinox: handled, cold trace+lower", pair, 1.2))
-    rows += flax_rows(xs, repeats)
+    rows += flax_rows(xs, repeats, layers)
     emit(
         table(
-            f"8. `tag_modules`, {LAYERS} layers: `tag_modules` (A) vs B",
+            f"8. `tag_modules`, {layers} layers: `tag_modules` (A) vs B",
             ("A", "B"),
             rows,
         ),

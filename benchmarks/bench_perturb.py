@@ -17,7 +17,8 @@ row is JAX alone: the gradient of the hand-written loss's traced jaxpr
 (`jax.make_jaxpr`, `jax.extend.core.jaxpr_as_fun`) against the gradient of the
 loss, the cost any rewrite of a jaxpr meets.
 
-Run with `python benchmarks/bench_perturb.py [--append FILE]`.
+Run with `python benchmarks/bench_perturb.py [--append FILE] [--quick]`;
+`--smoke` runs it once with 4 layers.
 """
 
 import jax
@@ -85,9 +86,10 @@ def make_jaxpr_grad(params, x, deltas):
 def main():
     args = arguments(__doc__.splitlines()[0])
     repeats = 5 if args.quick else 11
+    layers = 4 if args.smoke else LAYERS
     x = jax.random.normal(jax.random.key(1), (32, 128))
-    params = mlp_params(LAYERS)
-    deltas = {f"layer{i}": (jnp.zeros((32, 128)),) for i in range(LAYERS)}
+    params = mlp_params(layers)
+    deltas = {f"layer{i}": (jnp.zeros((32, 128)),) for i in range(layers)}
 
     def trace_lower(make_grad):
         return lambda: lambda: jax.jit(make_grad(params, x)).lower(deltas)
@@ -140,7 +142,8 @@ def main():
     )
     emit(
         table(
-            "6. `Perturb` + `grad`, 200 layers: handled (A) vs explicit deltas (B)",
+            f"6. `Perturb` + `grad`, {layers} layers: handled (A) vs explicit "
+            "deltas (B)",
             ("handled", "hand-written"),
             rows,
         ),

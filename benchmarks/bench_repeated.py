@@ -23,7 +23,8 @@ Targets: the eager and the inline-jit rows at most 1.3x their reference. Each
 on a small MLP (4 layers, where per-call overhead dominates) and on the
 200-layer MLP of group 2 (width 128, batch 32, a tag per layer).
 
-Run with `python benchmarks/bench_repeated.py [--append FILE]`.
+Run with `python benchmarks/bench_repeated.py [--append FILE] [--quick]`;
+`--smoke` runs the small MLP once.
 """
 
 import jax
@@ -51,7 +52,9 @@ def main():
     x = jax.random.normal(jax.random.key(1), (32, 128))
     xs = jax.random.normal(jax.random.key(2), (8, 32, 128))
     rows = []
-    for n, number in ((4, 200), (200, 10)):
+    # (layers, calls per round)
+    sizes = ((4, 200),) if args.smoke else ((4, 200), (200, 10))
+    for n, number in sizes:
         params = mlp_params(n)
 
         def eager():

@@ -7,7 +7,8 @@
   the same at 100 and 1000 layers. For contrast, `"append"` stacks one entry
   per layer into the program's outputs, O(length) by design: its output size.
 
-Run with `python benchmarks/bench_scan.py [--append FILE]`.
+Run with `python benchmarks/bench_scan.py [--append FILE] [--quick]`; `--smoke`
+runs it once at 10 and 100 layers.
 """
 
 import dataclasses
@@ -47,8 +48,9 @@ def memory(mode, ws, x):
 def main():
     args = arguments(__doc__.splitlines()[0])
     repeats = 5 if args.quick else 41
+    short, long = (10, 100) if args.smoke else (100, 1000)
     x = jax.random.normal(jax.random.key(1), (32, WIDTH))
-    ws = {n: weights(n) for n in (100, 1000)}
+    ws = {n: weights(n) for n in (short, long)}
 
     def trace(n):
         # A trace takes about a millisecond, less than one slice of a shared
@@ -60,7 +62,7 @@ def main():
 
         return lambda: traces
 
-    pair = compare_cold(trace(1000), trace(100), repeats=repeats)
+    pair = compare_cold(trace(long), trace(short), repeats=repeats)
     pair = dataclasses.replace(
         pair,
         times_a=tuple(t / TRACES for t in pair.times_a),
@@ -76,7 +78,7 @@ def main():
     ):
         big, small = (
             getattr(memory(mode, ws[n], x), f"{field}_size_in_bytes")
-            for n in (1000, 100)
+            for n in (long, short)
         )
         rows.append(
             Row(
@@ -89,7 +91,11 @@ def main():
             )
         )
     emit(
-        table("3. Scan over layers: 1000 layers (A) vs 100 (B)", ("1000", "100"), rows),
+        table(
+            f"3. Scan over layers: {long} layers (A) vs {short} (B)",
+            (str(long), str(short)),
+            rows,
+        ),
         args,
     )
 

@@ -7,7 +7,8 @@ tag instead of its value.
   tagged in the body: the compiled program's temporary and output buffers with
   `fx.Stats()` (A) against `fx.Tag()` (B), which keeps every activation.
 
-Run with `python benchmarks/bench_stats.py [--append FILE]`.
+Run with `python benchmarks/bench_stats.py [--append FILE] [--quick]`; `--smoke`
+runs it once with 4 layers, 64 wide (256 in the scan).
 """
 
 import jax
@@ -19,8 +20,8 @@ import effects as fx
 LAYERS = 100
 
 
-def mlp(width: int):
-    keys = jax.random.split(jax.random.key(0), LAYERS)
+def mlp(layers: int, width: int):
+    keys = jax.random.split(jax.random.key(0), layers)
     return [jax.random.normal(k, (width, width)) / width**0.5 for k in keys]
 
 
@@ -40,7 +41,8 @@ def scanned(ws, x):
 def main():
     args = arguments(__doc__.splitlines()[0])
     repeats = 5 if args.quick else 11
-    ws, x = mlp(1024), jax.random.normal(jax.random.key(1), (32, 1024))
+    layers, width, scan_width = (4, 64, 256) if args.smoke else (LAYERS, 1024, 4096)
+    ws, x = mlp(layers, width), jax.random.normal(jax.random.key(1), (32, width))
     pair = compare(
         blocking(jax.jit(fx.handle(tagged, fx.Stats())), ws, x),
         blocking(jax.jit(tagged), ws, x),
@@ -48,11 +50,13 @@ def main():
         number=3,
         warmup=3,
     )
-    rows = [ratio_row("run time, 100 layers x 1024, vs plain", pair, 1.3, "≤ 1.3")]
+    rows = [
+        ratio_row(f"run time, {layers} layers x {width}, vs plain", pair, 1.3, "≤ 1.3")
+    ]
 
     # Compiled only, never run: shapes suffice (the weights would be 6.7 GB).
-    stacked = jax.ShapeDtypeStruct((LAYERS, 4096, 4096), jnp.float32)
-    x = jax.ShapeDtypeStruct((32, 4096), jnp.float32)
+    stacked = jax.ShapeDtypeStruct((layers, scan_width, scan_width), jnp.float32)
+    x = jax.ShapeDtypeStruct((32, scan_width), jnp.float32)
 
     def memory(handler):
         run = jax.jit(fx.handle(scanned, handler))
@@ -64,7 +68,8 @@ def main():
         b = getattr(tags, f"{field}_size_in_bytes")
         rows.append(
             Row(
-                f"{field} memory, scan of 100 x 4096, vs `Tag()` (every activation)",
+                f"{field} memory, scan of {layers} x {scan_width}, vs `Tag()` "
+                "(every activation)",
                 nbytes(a),
                 nbytes(b),
                 f"{a / b:.3f}",

@@ -9,6 +9,12 @@ its `results` markers, and the machine and the method between its `method`
 markers. `--from-results` runs nothing and rebuilds the page from the results
 file as it is (a group measured on its own, appended to it with its script's
 `--append`, shows there as it was measured).
+
+`python benchmarks/run_all.py --smoke` checks that the benchmarks still run:
+each script runs its smallest case once with its `--smoke` and checks its
+values (handled against hand-written results, and the targets that are not
+times), its times meaning nothing. It writes no file, goes on past a script
+that fails, and exits non-zero if any did.
 """
 
 import argparse
@@ -18,8 +24,11 @@ import os
 import pathlib
 import platform
 import re
+import runpy
 import subprocess
 import sys
+import time
+import traceback
 
 HERE = pathlib.Path(__file__).parent
 SCRIPTS = [
@@ -66,8 +75,8 @@ SUMMARY = [
     (
         "`fx.Stats()`",
         [
-            ("12", "`Stats()`, steady"),
-            ("12", "`Stats()`, first call"),
+            ("12a", "list: `Stats()`, steady"),
+            ("12a", "list: `Stats()`, first call"),
             ("11", "memory, `Stats()`"),
         ],
     ),
@@ -147,8 +156,8 @@ def machine() -> str:
 
 
 def sections(results: str) -> dict[str, str]:
-    """The results' sections by group number ("1", "12", ...)."""
-    parts = re.split(r"^### (?=\d+\.)", results, flags=re.M)
+    """The results' sections by group number ("1", "11", "12a", ...)."""
+    parts = re.split(r"^### (?=\d+[a-z]?\.)", results, flags=re.M)
     return {part.split(".", 1)[0]: part for part in parts[1:]}
 
 
@@ -190,7 +199,17 @@ def main():
         action="store_true",
         help="run nothing: rebuild the `--docs` page from the results file",
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="each script's smallest case once, checking its values: write "
+        "nothing, exit non-zero if a script fails",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        if args.docs or args.from_results:
+            parser.error("--smoke writes nothing: leave out --docs and --from-results")
+        raise SystemExit(smoke())
 
     output = pathlib.Path(args.output)
     if not args.from_results:
@@ -201,6 +220,37 @@ def main():
             subprocess.run(command + ["--quick"] * args.quick, check=True)
     if args.docs:
         update_docs(pathlib.Path(args.docs), output.read_text(encoding="utf-8"))
+
+
+def smoke() -> int:
+    """Runs every script with `--smoke`, all of them whatever fails; returns
+    the exit status: 1 if any failed. They run in this process, one after
+    the other, as `python SCRIPT --smoke` would: importing JAX and the
+    libraries once instead of once per script saves a good part of the run,
+    and no time is measured that another script's caches could spoil."""
+    failed, took = [], {}
+    for script in SCRIPTS:
+        print(f"## {script} --smoke", flush=True)
+        sys.argv = [str(HERE / script), "--smoke"]
+        start = time.perf_counter()
+        try:
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        except SystemExit as e:  # how a script's checks fail
+            if e.code not in (None, 0):
+                traceback.print_exc()
+                failed.append(script)
+        except Exception:
+            traceback.print_exc()
+            failed.append(script)
+        took[script] = time.perf_counter() - start
+    print("\nsmoke run, wall time per script (not a measurement of effects):")
+    for script, seconds in took.items():
+        status = "FAILED" if script in failed else "ok"
+        print(f"  {script:24} {seconds:6.1f} s  {status}")
+    print(f"  {'total':24} {sum(took.values()):6.1f} s")
+    if failed:
+        print(f"smoke run: {len(failed)} failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def update_docs(page: pathlib.Path, results: str) -> None:
