@@ -31,7 +31,7 @@ _NOT_HANDLER = (
     "fx.Substitute(...) or fx.Intervene(...)."
 )
 _UNKNOWN_NAME = (
-    "{handler}: no {kind} {named} {name!r}{where}. Known names: {known}. (A tag "
+    "{handler}: no {kind} {named} {name}{where}. Known names: {known}. (A tag "
     "inside a callback's Python function is never seen: tag its result instead.)"
 )
 _NO_DERIVATIVE = (
@@ -354,7 +354,11 @@ def _check_names(sites, handlers) -> None:
             before = enumerate(handlers[:i])
             return next((j for j, g in before if g.consumes and g.matches(site)), None)
 
-        for name in names:
+        # Each name must exist, and a filter of glob patterns alone select a
+        # site, so a pattern with a typo is not an empty `found`.
+        exact = [n for n in names if not _GLOB.search(n)]
+        globs = tuple(n for n in names if _GLOB.search(n))
+        for name in exact or ([globs] if globs else []):
             mine = [p for p in probes if _named(p, name) and h.matches(p)]
             if not mine:
                 raise ValueError(_unknown_name(h, name, probes, consumer))
@@ -368,7 +372,7 @@ def _check_names(sites, handlers) -> None:
                         before_type=before,
                         handler=type(h).__name__,
                         kind=_kind(mine[0].kind),
-                        name=name,
+                        name=mine[0].name,
                         collection=mine[0].collection,
                     )
                 )
@@ -426,16 +430,14 @@ def _kind(kind: str) -> str:
 _GLOB = re.compile(r"[*?\[]")
 
 
-def _named(site: Site, name: str) -> bool:
-    """Whether `site` is named `name`, a name or a glob pattern."""
-    return (
-        fnmatch.fnmatchcase(site.name, name)
-        if _GLOB.search(name)
-        else site.name == name
-    )
+def _named(site: Site, name: str | tuple[str, ...]) -> bool:
+    """Whether `site` is named `name`, or matches one of the glob patterns."""
+    if isinstance(name, tuple):
+        return any(fnmatch.fnmatchcase(site.name, g) for g in name)
+    return site.name == name
 
 
-def _unknown_name(h, name: str, probes, consumer) -> str:
+def _unknown_name(h, name: str | tuple[str, ...], probes, consumer) -> str:
     # The names the handler could have meant: those of its kind and collection
     # when it says which (Tag, Perturb, ...), else every name it sees.
     kind = getattr(h, "kind", "tag")
@@ -455,8 +457,8 @@ def _unknown_name(h, name: str, probes, consumer) -> str:
     message = _UNKNOWN_NAME.format(
         handler=type(h).__name__,
         kind=what,
-        named="matching" if _GLOB.search(name) else "named",
-        name=name,
+        named="matching" if isinstance(name, tuple) else "named",
+        name=" or ".join(map(repr, name)) if isinstance(name, tuple) else repr(name),
         where=where,
         known=", ".join(map(repr, known)) or "none",
     )

@@ -369,11 +369,11 @@ class Handler:
 
     Two optional methods: `per_call_inputs() -> {name: (entry, ...)}`, one
     entry per execution in the layout `Tag()` reports, read by
-    `ctx.next_input()`; and `required_names() -> (name, ...)`, names (or
-    glob patterns) each of which must match a site the handler sees (a typo
-    is then an error listing the known names). A handler with a `collection`
-    attribute and a `mode` gets `found[collection]`, empty when it matched
-    nothing.
+    `ctx.next_input()`; and `required_names() -> (name, ...)`, names that
+    must exist among the sites the handler sees, or glob patterns that must
+    match one between them (a typo is then an error listing the known
+    names). A handler with a `collection` attribute and a `mode` gets
+    `found[collection]`, empty when it matched nothing.
 
     **Arguments:**
 

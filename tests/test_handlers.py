@@ -213,7 +213,7 @@ def named_ref(x):
         (["dec/*", "enc/g"], {"dec/h", "enc/g"}),
         (("dec/?",), {"dec/h"}),
         (lambda n: n.endswith("g"), {"enc/g"}),
-        ("nothing*", set()),
+        (lambda n: n.startswith("nothing"), set()),
     ],
     ids=[
         "none",
@@ -501,10 +501,16 @@ def test_intermediate_grads_and_perturb_at_tags():
     with pytest.raises(ValueError, match="no tag named 'hh'.*'c', 'h'"):
         fx.intermediate_grads(loss, kind="tag", names="hh")(X)
     # A glob that matches nothing is a typo too (`found` would be empty).
+    # A glob that matches nothing is a typo too (`found` would be empty): a
+    # filter must select a site, and each name in it exist.
     with pytest.raises(ValueError, match="no tag matching 'hh\\*'.*'c', 'h'"):
         fx.handle(model, fx.Tag(names="hh*"))(X)
-    with pytest.raises(ValueError, match="no tag matching 'q\\?'"):
-        fx.handle(model, fx.Tag(names=("h", "q?")))(X)
+    with pytest.raises(ValueError, match="no tag matching 'q\\?' or 'x\\*'"):
+        fx.handle(model, fx.Tag(names=("q?", "x*")))(X)
+    _, found = fx.handle(model, fx.Tag(names=("c", "q?")))(X)
+    assert list(found["intermediates"]) == ["c"]
+    with pytest.raises(ValueError, match="no tag named 'q'"):
+        fx.handle(model, fx.Tag(names=("h*", "q")))(X)
     # The handler itself: zeros reported for tags, deltas added at them.
     _, found = fx.handle(model, fx.Perturb(kind="tag"))(X)
     assert_trees_close(found, {"intermediates": {"h": (ZH,), "c": (ZC,)}})
@@ -1043,7 +1049,7 @@ def test_a_loop_threads_its_iteration_only_when_at_is_read():
         (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
         return [str(v.aval) for v in eqn.invars]
 
-    unhandled = scan_inputs(fx.Tag(names="nothing*"))
+    unhandled = scan_inputs(fx.Tag(names=lambda n: n.startswith("nothing")))
     assert scan_inputs(fx.Intervene({"blocks": lambda v: v * 2.0})) == unhandled
     with_at = scan_inputs(fx.Intervene({"blocks": lambda v, at: v * at[1]}))
     assert with_at == [*unhandled, f"int32[{L}]"]  # the iteration, as an input

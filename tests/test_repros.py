@@ -262,7 +262,8 @@ def test_handle_of_vmap_of_batched_cond_reports_each_examples_branch(fn, mode):
         fx.handle(jax.vmap(fn), fx.Tag(mode=mode))(xs)
     assert "'b'" in str(e.value)
     # A handler that matches none of the branches' tags sees no mixed value.
-    out, found = fx.handle(jax.vmap(fn), fx.Tag(names=["other*"]))(xs)
+    other = fx.Tag(names=lambda n: n.startswith("other"))
+    out, found = fx.handle(jax.vmap(fn), other)(xs)
     assert_trees_close(out, jax.vmap(fn)(xs))
     assert found == {"intermediates": {}}
 
@@ -702,13 +703,19 @@ def test_exact_name_matching_nothing_is_an_error(wrap):
 
 
 @pytest.mark.parametrize("wrap", ["eager", "jit"])
-def test_glob_matching_nothing_is_empty(wrap):
-    """The issue: a glob that matches nothing stays an empty dict."""
-    h = fx.handle(_hidden, fx.Tag(names="zz*"))
+def test_glob_matching_nothing_is_an_error(wrap):
+    """The issue: a glob that matched nothing (`names="hidn*"`, a typo) gave an
+    empty dict without a word; it is now the error a name gets. A predicate
+    may match nothing."""
+    h = fx.handle(_hidden, fx.Tag(names="hidn*"))
     if wrap == "jit":
         h = jax.jit(h)
     x = jnp.ones(2)
-    out, found = h(x)
+    with pytest.raises(ValueError, match="no tag matching 'hidn\\*'") as info:
+        h(x)
+    assert "'hidden'" in str(info.value)
+    h = fx.handle(_hidden, fx.Tag(names=lambda n: n.startswith("zz")))
+    out, found = (jax.jit(h) if wrap == "jit" else h)(x)
     assert_trees_close(out, _hidden(x))
     assert found == {"intermediates": {}}
 
