@@ -180,6 +180,13 @@ def examples(session: nox.Session) -> None:
         session.run("python", script)
 
 
+@nox.session(python="3.11", tags=CI)
+def bench_smoke(session: nox.Session) -> None:
+    """Every benchmark's smallest case once, its values checked (no timing)."""
+    session.install("-e", ".[flax]")
+    session.run("python", "benchmarks/run_all.py", "--smoke")
+
+
 # Not among the default sessions: run it with `nox -s bench` (`-- --quick` for a
 # smoke run with fewer repeats).
 @nox.session(python="3.11")
