@@ -32,13 +32,12 @@ JAX_MINORS = {
 
 # The minors CI runs besides `tests` (0.10 on Python 3.11, 0.12 on 3.13) and
 # `minimums` (which resolves jax 0.7.2, as `tests_jax(0.7)` does, with an older
-# Equinox): one on each side of every JAX version `effects/_compat.py` branches
-# on. Its branches split 0.7 | 0.8-0.9 | 0.10 | 0.11 | 0.12 (0.8 and 0.9 take
-# the same ones: `pcast` and the `remat_p` export are 0.8+, hijax and
-# `newly_manual_axes` 0.10+), so 0.9 stands for 0.8-0.9; 0.11 alone has the
-# flat-tree scan params without 0.12's `jax.Inline`. Every other minor is one
-# `nox -s "tests_jax(0.8)"` away.
-_IN_CI = ("0.9", "0.11")
+# Equinox): those whose internals `effects/_compat.py` branches on and no other
+# CI session runs. 0.8 changed `get_bind_params`, `pcast` and the `remat_p`
+# export; 0.11 scan's params (flat trees), without 0.12's `jax.Inline`. 0.9
+# takes 0.8's branches (hijax and `newly_manual_axes` are 0.10+). Every other
+# minor is one `nox -s "tests_jax(0.9)"` away.
+_IN_CI = ("0.8", "0.11")
 
 # .ci/run runs `nox -s tests`, then every session tagged CI (`nox -t ci`).
 CI = ["ci"]
@@ -57,14 +56,16 @@ print("python", sys.version.split()[0], *(f"{n} {m.version(n)}" for n in names))
 _REPEAT = {"EFFECTS_LEAK_CHECKS": "0", "EFFECTS_FUZZ_EXAMPLES": "6"}
 
 
-def _pytest(session: nox.Session, *, workers: str = "auto", **env: str) -> None:
+def _pytest(
+    session: nox.Session, *args: str, workers: str = "auto", **env: str
+) -> None:
     """Print the versions under test, then run pytest on `workers` processes
     (pytest-xdist; `nox -s tests -- -n 0` runs in this one)."""
     session.run("python", "-c", _VERSIONS, silent=False)
     # worksteal: a worker that runs out of tests takes some of the other's, so
     # a long test near the end does not leave one core idle.
     session.run(
-        "pytest", "-n", workers, "--dist", "worksteal", *session.posargs, env=env
+        "pytest", "-n", workers, "--dist", "worksteal", *args, *session.posargs, env=env
     )
 
 
@@ -86,9 +87,12 @@ def tests(session: nox.Session) -> None:
     ],
 )
 def tests_jax(session: nox.Session, jax: str) -> None:
-    """The test suite on each JAX minor release, pinned (`jax==0.X.*`), on CPU."""
+    """The library's tests on each JAX minor release, pinned (`jax==0.X.*`), on
+    CPU: the suite but the docs' pages and notebooks and the two-process run,
+    which `tests` and `minimums` run at both ends and at the floor."""
     session.install("-e", ".[test]", f"jax=={jax}.*", f"jaxlib=={jax}.*")
-    _pytest(session, **_REPEAT)
+    ends_only = ["test_docs.py", "test_notebooks.py", "test_multiprocess.py"]
+    _pytest(session, *(f"--ignore=tests/{name}" for name in ends_only), **_REPEAT)
 
 
 # Not among the default sessions: `nox -s fuzz` (`-- -x` to stop at the first
