@@ -102,24 +102,36 @@ def loss_fn(model, tokens):
     return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(len(tokens)), tokens[:, 0]])
 
 
-@eqx.filter_jit
-def train_step(model, moments, step, key):
+def adam_step(params, moments, step, key, static):
     # Adam, written out: the example needs nothing beyond the library's own.
-    loss, grads = eqx.filter_value_and_grad(loss_fn)(model, batch_of(key, 128))
-    grads = eqx.filter(grads, eqx.is_array)
+    tokens = batch_of(key, 128)
+    loss_of = lambda p: loss_fn(eqx.combine(p, static), tokens)  # noqa: E731
+    loss, grads = jax.value_and_grad(loss_of)(params)
     m, v = moments
     m = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, m, grads)
     v = jax.tree.map(lambda v, g: 0.999 * v + 0.001 * g**2, v, grads)
     lr = 3e-3 * jnp.sqrt(1 - 0.999**step) / (1 - 0.9**step)
     updates = jax.tree.map(lambda m, v: -lr * m / (jnp.sqrt(v) + 1e-8), m, v)
-    return eqx.apply_updates(model, updates), (m, v), loss
+    return jax.tree.map(jnp.add, params, updates), (m, v), loss
 
 
-model = Transformer(jax.random.key(0))
-params = eqx.filter(model, eqx.is_array)
-moments = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, params))
-for step, key in enumerate(jax.random.split(jax.random.key(1), 300), start=1):
-    model, moments, loss = train_step(model, moments, jnp.float32(step), key)
+@eqx.filter_jit
+def train(model, keys):
+    # Every step in one compiled `lax.scan`: one call, however many steps.
+    params, static = eqx.partition(model, eqx.is_array)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+
+    def step(carry, step_and_key):
+        params, moments, loss = adam_step(*carry, *step_and_key, static)
+        return (params, moments), loss
+
+    steps = jnp.arange(1, len(keys) + 1, dtype=jnp.float32)
+    (params, _), losses = jax.lax.scan(step, (params, (zeros, zeros)), (steps, keys))
+    return eqx.combine(params, static), losses[-1]
+
+
+keys = jax.random.split(jax.random.key(1), 300)
+model, loss = train(Transformer(jax.random.key(0)), keys)
 test = batch_of(jax.random.key(2), 512)
 accuracy = jnp.mean(jnp.argmax(jax.vmap(model)(test), -1) == test[:, 0])
 print(f"trained: loss {loss:.4f}, accuracy {accuracy:.0%}")
