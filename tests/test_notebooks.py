@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -142,3 +143,29 @@ def test_notebook_toc_shows_whole_headings(name):
     )
     for _, title, id in toc:
         assert f'id="{id}"' in html, f"{title!r} links to #{id}, not on the page"
+
+
+def test_notebook_output_scrolls_instead_of_wrapping():
+    """What a cell prints keeps its lines (an `fx.summary` table wrapped
+    mid-number in the output area): the site's stylesheet, listed in
+    mkdocs.yml, sets the output blocks mkdocs-jupyter renders, found by the
+    classes it gives them, to keep lines and scroll."""
+    convert = pytest.importorskip("mkdocs_jupyter.convert")
+    css = ROOT / "docs" / "stylesheets" / "notebooks.css"
+    assert "stylesheets/notebooks.css" in (ROOT / "mkdocs.yml").read_text()
+    rules = dict(
+        (selector.strip(), body)
+        for selector, body in re.findall(r"([^{}/]+)\{([^}]*)\}", css.read_text())
+    )
+    selector = ".md-content .jupyter-wrapper .jp-OutputArea-output pre"
+    assert "white-space: pre;" in rules[selector]
+    assert "overflow-x: auto;" in rules[selector]
+    # The classes are mkdocs-jupyter's: a printed table is such a block.
+    html = convert.nb2html(str(_path("debugging")))
+    assert re.search(r'class="[^"]*\bjupyter-wrapper\b', html)
+    outputs = re.findall(
+        r'<div class="[^"]*\bjp-OutputArea-output\b[^"]*"[^>]*>\s*<pre>(.*?)</pre>',
+        html,
+        re.S,
+    )
+    assert any("mean" in o and "std" in o for o in outputs), "no summary table"
