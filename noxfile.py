@@ -62,11 +62,7 @@ def _pytest(
     """Print the versions under test, then run pytest on `workers` processes
     (pytest-xdist; `nox -s tests -- -n 0` runs in this one)."""
     session.run("python", "-c", _VERSIONS, silent=False)
-    # worksteal: a worker that runs out of tests takes some of the other's, so
-    # a long test near the end does not leave one core idle.
-    session.run(
-        "pytest", "-n", workers, "--dist", "worksteal", *args, *session.posargs, env=env
-    )
+    session.run("pytest", "-n", workers, *args, *session.posargs, env=env)
 
 
 @nox.session(python=PYTHONS)
