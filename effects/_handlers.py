@@ -65,8 +65,9 @@ def _check_names(names, owner: str):
 
 
 def filter_names(names) -> tuple[str, ...]:
-    """The names and glob patterns of a `names=` filter: each is meant to match
-    a site, so a typo is an error (a predicate may match nothing)."""
+    """The names and glob patterns of a `names=` filter: each name must exist
+    and the patterns select a site, so a typo is an error (a predicate may
+    match nothing)."""
     names = (names,) if isinstance(names, str) else names
     return names if isinstance(names, tuple) else ()
 
