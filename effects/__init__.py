@@ -2,6 +2,9 @@
 
 from importlib import metadata as _metadata
 
+# `_rules` fills the rewriter's table of rules for higher-order primitives
+# (`_rewrite.rules`); it imports `_rewrite`, so the package imports it.
+from . import _rules  # noqa: F401
 from ._debug import BadSite as BadSite
 from ._debug import Statistics as Statistics
 from ._debug import Stats as Stats

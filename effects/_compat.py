@@ -266,6 +266,28 @@ _Inline = getattr(jax, "Inline", None)
 INLINE_WHEN_TRACED = True if _Inline is None else _Inline.JAX_EARLY
 
 
+def is_key(aval) -> bool:
+    """Whether `aval` is of a PRNG key array (a dtype JAX extends)."""
+    return jax.dtypes.issubdtype(getattr(aval, "dtype", None), jax.dtypes.prng_key)
+
+
+def inline_here():
+    """The `inline` param for a call bound on the current trace. In jax
+    0.7-0.11, `True` inlines the call into whatever jaxpr JAX builds next, the
+    linear jaxpr of an eager `jax.grad` included: its loops are then
+    transposed anew at every call, each compiled again. So there, only where
+    the current trace stages into a jaxpr (`jax.jit`), directly or under
+    transformations (`trace.parent_trace`)."""
+    if _Inline is not None:
+        return INLINE_WHEN_TRACED
+    trace = _core.trace_ctx.trace
+    while trace is not None:
+        if type(trace) is _pe.DynamicJaxprTrace:
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
 from jax._src import mesh as _mesh_lib  # noqa: E402
 from jax._src import shard_map as _shard_map  # noqa: E402
 

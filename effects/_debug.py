@@ -24,7 +24,7 @@ import numpy as np
 # our own keyed by the function would keep it alive, as `eqx.filter_jit` does.
 from ._handle import eager_cached, handle
 from ._handlers import Append, Handler, Names, Reduce, Tag
-from ._sites import sites
+from ._sites import sites, text_table
 
 STAT_KEYS = ("mean", "std", "min", "max", "mean_abs", "nan_count", "inf_count")
 
@@ -95,9 +95,16 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
 def _leaf_stats(x, xp=jnp) -> dict[str, Any]:
     """Statistics of `x`, one example's value: moments and extremes over the
-    finite values, counts of the rest. With `xp=np`, in NumPy and float64."""
+    finite values, counts of the rest. With `xp=np`, in NumPy and float64. A
+    PRNG key is summarised by its key data (`jax.random.key_data`)."""
+    if _is_key(x):
+        x = jax.random.key_data(x)
     if xp.iscomplexobj(x):
         x = xp.abs(x)
     if xp is np or not xp.issubdtype(x.dtype, xp.floating) or x.dtype.itemsize < 4:
@@ -160,7 +167,8 @@ class Stats(Tag):
     a dict with `mean`, `std` (population), `min`, `max` and `mean_abs` over
     the finite values, and `nan_count`, `inf_count`. A leaf with no finite
     value has NaN moments; integers and 16-bit floats are summarised in
-    float32, complex numbers by their absolute values. Entries are a tuple
+    float32, complex numbers by their absolute values, PRNG keys by their key
+    data (`jax.random.key_data`). Entries are a tuple
     with one entry per execution; inside a `lax.scan` each statistic is
     stacked along the scan (shape `(length,)`). Under a `jax.vmap` inside the
     handled function (an Equinox model's `vmap` over tokens, say), they are
@@ -327,14 +335,6 @@ class Summary:
         return f"<table>{note}<tr>{head}</tr>{''.join(body)}</table>"
 
 
-def text_table(rows) -> str:
-    """Rows of strings, the first a header, as aligned plain-text columns."""
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 def _cell(v) -> str:
     if v is None:
         return ""
@@ -461,6 +461,8 @@ def _host_stats(leaf) -> tuple[dict[str, np.ndarray], Any, str | None]:
     if _spans_processes(leaf):
         stats = {k: np.asarray(v) for k, v in _device_stats(leaf).items()}
         return stats, leaf.shape, str(leaf.dtype)
+    if _is_key(leaf):
+        return _host_stats(jax.random.key_data(leaf))[0], leaf.shape, str(leaf.dtype)
     x = np.asarray(leaf)
     return _leaf_stats(x, np), x.shape, str(x.dtype)
 

@@ -18,8 +18,8 @@ import equinox as eqx
 import jax
 
 from . import _branches, _compat, _jaxpr, _nnx
-from ._handlers import Handler, Names, Perturb, found_key, mode_of
-from ._primitives import batched_sites, handling, probing
+from ._handlers import SUM, Handler, Names, Perturb, found_key, mode_of
+from ._primitives import batched_sites, handling, probing, site_p
 from ._rewrite import per_state, run
 from ._scope import Scope, Unbatched
 from ._site import CHECKPOINT_NAME, Site, aval
@@ -62,11 +62,10 @@ _CONSUMED_BEFORE = (
     "`fx.handle(fx.handle(f, {before_type}(...)), {handler}(...))`."
 )
 _TWO_REPORTERS = (
-    "{first} and {second} both report the checkpoint_name {name!r} into "
-    "found[{collection!r}]; a `checkpoint_name` is not consumed, so both see "
-    "it, and one would overwrite the other. Narrow one's `names`, or handle in "
-    "two steps, `fx.handle(fx.handle(f, {first}(...)), {second}(...))`, to "
-    "have both."
+    "{first} and {second} both report the {what} {name!r} into "
+    "found[{collection!r}]; {why}, and one report would overwrite the other. "
+    "Narrow one's `names`, or handle in two steps, "
+    "`fx.handle(fx.handle(f, {first}(...)), {second}(...))`, to have both."
 )
 _EVERY_BRANCH = (
     "{handler}: the {kind} {names} (collection {collection!r}) sits in a "
@@ -75,6 +74,12 @@ _EVERY_BRANCH = (
     "each example's own outputs, so a handler outside it would report branches "
     "that did not run. Put the handler inside the vmap instead: "
     "`jax.vmap(fx.handle(f, ...))` reports each example's own branch."
+)
+_CANNOT_BATCH = (
+    '{} The function cannot be traced with it batched: JAX says "{}". A '
+    "`jax.jacfwd` or `jax.hessian` inside the handled function vmaps over "
+    "tangents only, with the value shared: differentiate the handled function "
+    "instead, `jax.jacfwd(lambda x: fx.handle(f, ...)(x)[0])`."
 )
 _LEFTOVER = (
     "{handler} got more entries for {where} than it has executions ({n} left "
@@ -469,22 +474,104 @@ def _unknown_name(h, name: str | tuple[str, ...], probes, consumer) -> str:
 
 
 def _check_reporters(sites, handlers) -> None:
-    """No two handlers report one `checkpoint_name` (never consumed, so every
-    handler sees it) into the same collection of `found`."""
+    """No two handlers report one site into the same place of `found`: each
+    handler that sees a site (every one up to the first that consumes it; a
+    `checkpoint_name` is never consumed) and has a mode reports it into
+    `found[collection][name]`, where one would overwrite the other."""
     for k, c, n, part in sites:  # at every call: no sorting, names only on error
-        if c != CHECKPOINT_NAME:
-            continue
-        probe = Site.probe(k, c, n, part)
-        hits = [h for h in handlers if mode_of(h) is not None and h.matches(probe)]
+        probe, hits = Site.probe(k, c, n, part), []
+        for h in handlers:
+            if h.of != part or not h.matches(probe):
+                continue
+            if mode_of(h) is not None:
+                hits.append(h)
+            if h.consumes and c != CHECKPOINT_NAME:
+                break
         if len(hits) > 1:
+            first, second = (type(h).__name__ for h in hits[:2])
+            collection = c if part == "value" else f"{c}:{part}"
+            what = "checkpoint_name" if c == CHECKPOINT_NAME else _kind(k)
             raise ValueError(
                 _TWO_REPORTERS.format(
-                    first=type(hits[0]).__name__,
-                    second=type(hits[1]).__name__,
+                    first=first,
+                    second=second,
+                    what=what,
                     name=n,
-                    collection=c,
+                    collection=collection,
+                    why=_NOT_CONSUMED[c == CHECKPOINT_NAME].format(first),
                 )
             )
+
+
+_NOT_CONSUMED = (
+    "{} does not consume it (it leaves the site to the handlers after it)",
+    "a `checkpoint_name` is not consumed, so both see it",
+)
+
+
+def _check_loop_invariant(traced: _Traced, handlers) -> None:
+    """No handler of a value sees a site that JAX took out of a loop. Under a
+    `jax.grad` inside the handled function, JAX's partial evaluation of a
+    `lax.scan` computes a value that its body computes from what the loop
+    closes over only once, before the loop, and its site with it (it does so
+    with `jax.debug.print` too); the site's derivative stays in the loop's
+    backward pass, under the same `pair` number. A handler of the value would
+    see one execution where the loop runs many."""
+    located = walk(traced.jaxpr).sites
+    loops = {}  # pair -> the most loops around one of its derivative sites
+    for s in located:
+        pair = s.eqn.params.get("pair") if s.eqn.primitive is site_p else None
+        if pair is not None and s.key[3] != "value":
+            loops[pair] = max(loops.get(pair, 0), _loops(s))
+    for s in located:
+        pair = s.eqn.params.get("pair") if s.eqn.primitive is site_p else None
+        if pair is None or s.key[3] != "value" or loops.get(pair, 0) <= _loops(s):
+            continue
+        probe = Site.probe(*s.key)
+        for h in handlers:
+            if h.of == "value" and h.matches(probe):
+                raise ValueError(
+                    _HOISTED.format(handler=type(h).__name__, where=probe.where())
+                )
+
+
+def _check_keys(traced: _Traced, handlers) -> None:
+    """No handler sums a PRNG key: a key has no sum."""
+    for s in walk(traced.jaxpr).sites:
+        keys = [v.aval for v in s.eqn.invars if _compat.is_key(v.aval)]
+        if not keys:
+            continue
+        probe = Site.probe(*s.key)
+        for h in handlers:
+            if h.of == probe.part and h.matches(probe) and mode_of(h) is SUM:
+                raise ValueError(
+                    _REDUCED_KEY.format(
+                        handler=type(h).__name__, where=probe.where(), key=keys[0]
+                    )
+                )
+
+
+_REDUCED_KEY = (
+    "{handler} sums {where}, whose value holds a PRNG key ({key}), which has "
+    "no sum. Leave it out of `names`, collect it with mode='append' or "
+    "'last', or tag `jax.random.key_data(key)`."
+)
+
+
+def _loops(located) -> int:
+    return sum(r.eqn.primitive in _LOOPS for r in located.path)
+
+
+_LOOPS = (_compat.scan_p, _compat.while_p)
+_HOISTED = (
+    "{handler} matches {where}, whose value a loop body (`lax.scan`, "
+    "`fori_loop`) computes from what the loop closes over only. Under the "
+    "`jax.grad` inside the handled function, JAX computes such a value once, "
+    "before the loop, so {handler} would see one execution where "
+    "`fx.handle(f, ...)` sees one per iteration. Handle the function before "
+    "differentiating it (`jax.grad(lambda *a: fx.handle(f, ...)(*a)[0])`), or "
+    "tag a value the loop computes from its carry."
+)
 
 
 def _check_branches(every_branch, handlers) -> None:
@@ -700,12 +787,20 @@ def _program(
     # The sites whose values a vmap inside `fn` batches although they do not
     # depend on the example: those the handlers give values per execution, and
     # those a handler turns out to change per example (each traces again).
-    batched, handlers = config.batched, config.handlers
+    batched, handlers, unbatched = config.batched, config.handlers, None
     while True:
-        traced = _traced(cache, fn, static, treedef, dynamic, sig, batched)
+        try:
+            traced = _traced(cache, fn, static, treedef, dynamic, sig, batched)
+        except ValueError as e:
+            if unbatched is None:
+                raise
+            first = str(e).splitlines()[0]
+            raise ValueError(_CANNOT_BATCH.format(unbatched, first)) from e
         _check_names(traced.sites, handlers)
         _check_derivatives(traced, handlers)
         _check_reporters(traced.sites, handlers)
+        _check_loop_invariant(traced, handlers)
+        _check_keys(traced, handlers)
         every_branch = _every_branch(traced, handlers, fn, static, treedef, dynamic)
         _check_branches(every_branch, handlers)
         try:
@@ -713,7 +808,7 @@ def _program(
         except Unbatched as e:
             if e.name in batched:
                 raise
-            batched |= {e.name}
+            batched, unbatched = batched | {e.name}, e
             continue
         break
     if key is not None and not any(map(_is_tracer, [*program.consts, *traced.consts])):

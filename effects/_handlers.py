@@ -229,16 +229,35 @@ def _zeros(z):
     return z
 
 
+def _sum_dtype(x):
+    # As `jnp.sum` sums: bools and narrow integers into the default integer
+    # (a bool sum is a count, an int8 one does not wrap); 16-bit floats in
+    # float32, where a count of ones goes past 256.
+    dtype = jnp.result_type(x)
+    if dtype == jnp.bool_ or (
+        jnp.issubdtype(dtype, jnp.integer) and dtype.itemsize < 4
+    ):
+        return jnp.sum(jnp.zeros((), dtype)).dtype
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        return jnp.float32
+    return dtype
+
+
+def _sum_init(z):
+    return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), _sum_dtype(x)), z)
+
+
 def _add(acc, x):
-    return jax.tree.map(jnp.add, acc, x)
+    return jax.tree.map(lambda a, b: a + jnp.asarray(b).astype(a.dtype), acc, x)
 
 
 _MODES = {
     "append": Append(),
     "strict": Append(single=True, label="Tag(mode='strict')"),
     "last": _BuiltinReduce(_last, _zeros, "last"),
-    "sum": _BuiltinReduce(_add, _zeros, "sum"),
+    "sum": _BuiltinReduce(_add, _sum_init, "sum"),
 }
+SUM = _MODES["sum"]
 _BAD_MODE = (
     "Tag: unknown mode {mode!r}; use 'append', 'last', 'strict', 'sum' or "
     "fx.Reduce(fn, init)."
@@ -489,7 +508,7 @@ class Context:
     ```python
     class Count(fx.Handler):
         # Counts the executions of each name. A "sum" adds up values shaped
-        # and typed like the site's, from zeros.
+        # like the site's, from zeros (in the dtype `jnp.sum` would give).
         mode = "sum"
 
         def apply(self, site, value, ctx):
@@ -650,7 +669,10 @@ class Tag(Handler):
     - `"strict"`: the single value; a second execution, or a tag in a
       `lax.scan` or `lax.while_loop`, is an error.
     - `"last"`: the value of the last execution.
-    - `"sum"`: the sum over executions.
+    - `"sum"`: the sum over executions, as `jnp.sum` of them would be:
+      bools and integers narrower than 32 bits sum into the default integer
+      (a bool tag counts its `True`s), 16-bit floats in float32. What a
+      custom handler emits is added in that dtype.
     - [`fx.Reduce(fn, init)`][effects.Reduce]: any fold over executions.
 
     Reductions (`"last"`, `"sum"`, `Reduce`) carry an accumulator through

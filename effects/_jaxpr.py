@@ -109,7 +109,7 @@ def call_jaxpr(closed: ClosedJaxpr, args: Sequence[Any], name: str) -> list[Any]
         elif type(value) is tuple and len(value) == 2:
             value = (value[0],) * n_out
         params[key] = value
-    params.update(jaxpr=closed, name=name, inline=_compat.INLINE_WHEN_TRACED)
+    params.update(jaxpr=closed, name=name, inline=_compat.inline_here())
     return _compat.pjit_p.bind(*args, **params)
 
 

@@ -26,6 +26,8 @@ from ._site import (
 from ._sites import site_of, walk
 
 Rule = Callable[[Any, list[Any], Scope], list[Any]]
+# The rules for higher-order primitives, by primitive: `_rules` fills it (the
+# package imports `_rules`, which imports this module).
 rules: dict[Any, Rule] = {}
 
 #
@@ -176,26 +178,7 @@ def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
     env.update(zip(jaxpr.invars, args))
     literal = _compat.Literal
     eqns, per_eqn = jaxpr.eqns, _analyse(jaxpr)[1]
-    i = 0
-    one_copy = _without_sites(jaxpr) if _all_kept(jaxpr, scope) else None
-    if one_copy is not None:
-        # Sites whose handlers keep their values: every other equation copied
-        # at once, then the sites handled in order. Should a handler change a
-        # value after all, the equations after its site run again with the new
-        # value (the copies made of them are left unused).
-        part, part_in, indices = one_copy
-        outs = _jaxpr.copy_into_trace(part, [read(v) for v in part_in])
-        if outs is not None:
-            env.update(zip(part.outvars, outs))
-            i = len(eqns)
-            for index in indices:
-                eqn = eqns[index]
-                invals = [read(v) for v in eqn.invars]
-                outs = _site_rule(eqn, invals, scope)
-                env.update(zip(eqn.outvars, outs))
-                if any(a is not b for a, b in zip(outs, invals)):
-                    i = index + 1
-                    break
+    i = _run_kept(jaxpr, scope, env, read)
     runs = _plain_runs(jaxpr) if i < len(eqns) else {}
     while i < len(eqns):
         run_of_plain = runs.get(i)
@@ -210,38 +193,58 @@ def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
         eqn, sites = eqns[i], per_eqn[i]
         i += 1
         invals = [v.val if type(v) is literal else env[v] for v in eqn.invars]
-        if not sites:
-            outs = _bind(eqn, invals)
-        elif eqn.primitive is site_p:
-            outs = _site_rule(eqn, invals, scope)
-        elif _compat.checkpoint_name_of(eqn) is not None:
-            outs = _checkpoint_name_rule(eqn, invals, scope)
-        elif _needs_rule(eqn, sites, scope):
-            rule = rules.get(eqn.primitive)
-            if rule is None:
-                matched = _matched(scope.handlers, sites)
-                if matched:
-                    where = Site.probe(*matched[0]).where()
-                    message = _UNSUPPORTED.format(
-                        where=where, prim=_compat.primitive_name(eqn)
-                    )
-                    flag = _compat.hijax_flag(eqn)
-                    if flag is not None:
-                        message += _UNDER_FLAG.format(*flag)
-                    raise ValueError(message)
-                outs = _bind(eqn, invals)
-            else:
-                with _compat.eqn_context(eqn):
-                    outs = rule(eqn, invals, scope)
-        else:
-            outs = _bind(eqn, invals)
-        env.update(zip(eqn.outvars, outs))
+        env.update(zip(eqn.outvars, _run_eqn(eqn, sites, invals, scope)))
     return [read(v) for v in jaxpr.outvars]
 
 
-def _needs_rule(eqn, sites, scope: Scope) -> bool:
-    """Whether an equation holding `sites` in its sub-jaxprs is rewritten."""
-    return needs_rewrite(scope.handlers, sites, eqn.effects, bool(handling.value))
+def _run_kept(jaxpr, scope: Scope, env: dict[Any, Any], read) -> int:
+    """Where the sites' handlers all keep their values (see `_all_kept`): every
+    other equation copied at once, then the sites handled in order, into `env`.
+    Should a handler change a value after all, the equations after its site run
+    again with the new value (the copies made of them are left unused). The
+    index of the first equation still to run: 0 where this does not apply."""
+    one_copy = _without_sites(jaxpr) if _all_kept(jaxpr, scope) else None
+    if one_copy is None:
+        return 0
+    part, part_in, indices = one_copy
+    outs = _jaxpr.copy_into_trace(part, [read(v) for v in part_in])
+    if outs is None:
+        return 0
+    env.update(zip(part.outvars, outs))
+    for index in indices:
+        eqn = jaxpr.eqns[index]
+        invals = [read(v) for v in eqn.invars]
+        outs = _site_rule(eqn, invals, scope)
+        env.update(zip(eqn.outvars, outs))
+        if any(a is not b for a, b in zip(outs, invals)):
+            return index + 1
+    return len(jaxpr.eqns)
+
+
+def _run_eqn(eqn, sites, invals, scope: Scope) -> list[Any]:
+    """One equation, holding `sites` (itself or in its sub-jaxprs), evaluated
+    on the current trace: a site handled, a higher-order equation by its rule."""
+    if not sites:
+        return _bind(eqn, invals)
+    if eqn.primitive is site_p:
+        return _site_rule(eqn, invals, scope)
+    if _compat.checkpoint_name_of(eqn) is not None:
+        return _checkpoint_name_rule(eqn, invals, scope)
+    if not needs_rewrite(scope.handlers, sites, eqn.effects, bool(handling.value)):
+        return _bind(eqn, invals)
+    rule = rules.get(eqn.primitive)
+    if rule is None:
+        matched = _matched(scope.handlers, sites)
+        if matched:
+            where = Site.probe(*matched[0]).where()
+            message = _UNSUPPORTED.format(where=where, prim=_compat.primitive_name(eqn))
+            flag = _compat.hijax_flag(eqn)
+            if flag is not None:
+                message += _UNDER_FLAG.format(*flag)
+            raise ValueError(message)
+        return _bind(eqn, invals)
+    with _compat.eqn_context(eqn):
+        return rule(eqn, invals, scope)
 
 
 def needs_rewrite(handlers, sites, effects, handling_outside: bool) -> bool:
@@ -462,7 +465,3 @@ def _bound_again(jaxpr, consts):
         lambda *args: run(opened, (), [*consts, *args], Scope(())),
         [v.aval for v in opened.invars[n:]],
     )
-
-
-# The rules for higher-order primitives fill `rules`.
-from . import _rules  # noqa: E402, F401

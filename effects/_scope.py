@@ -413,9 +413,7 @@ def act(
     handler, mode = handlers[index], handlers.modes[index]
     key: Key = (index, site.name) if within is None else (index, site.name, within)
     quiet = within is not None or (scope.replaying and site.part == "value")
-    backward = "cotangent" in (site.part, within)
-    if quiet:
-        mode = None
+    mode = None if quiet else mode
     scope.sites.setdefault(key, site)
     front = site.to_front(leaves)
     front_primal = None if primal is None else site.to_front(primal)
@@ -431,25 +429,8 @@ def act(
         acc = scope.acc(key, init, sizes)
         extra = len(scope.acc_batch[key]) - len(sizes)
     axes = tuple(f"effects_example_{i}" for i in range(len(sizes)))
-    call = scope.calls.get(key, 0)
-    replay = scope.replaying and site.part == "value" and within is None
-    if not replay:  # (a recomputation has no call number of its own)
-        scope.calls[key] = call + 1
-        if within is None and site.pair is not None:
-            scope.rewrite.pairs[index, site.pair] = call
+    at = _counted(scope, index, site, key, within)
     same: list[bool] = []
-
-    def at():
-        number = call
-        if replay or within is not None:  # the call of the value's execution
-            pairs = scope.rewrite.pairs
-            number = pairs.get((index, site.pair), None if backward else call)
-        if replay and number is None:
-            raise ValueError(_AT_IN_REPLAY.format(where=site.where()))
-        if number is None or (backward and within is None):
-            raise ValueError(_AT_BACKWARD.format(where=site.where()))
-        scope.wants_index = True
-        return (jnp.int32(number), *scope.index)
 
     def one(value, entry, acc, primal):
         # Returns the leaves `apply` changed, what it appended, and the
@@ -474,13 +455,7 @@ def act(
         entry = entry if has_input else NO_INPUT
         ctx = Context(site, emit, entry, axes, at, primal, stacking)
         new = type(handler).apply(handler, site, value, ctx)
-        if new is value:  # kept whole, as a handler that only looks keeps it
-            same[:] = [True] * len(leaves)
-            return [], appended, state[0]
-        old_leaves = jax.tree.leaves(value)
-        new_leaves = _checked(new, value, site, handler)
-        same[:] = [a is b for a, b in zip(new_leaves, old_leaves)]
-        changed = [a for a, b in zip(new_leaves, old_leaves) if a is not b]
+        same[:], changed = _checked(new, value, site, handler)
         return changed, appended, state[0]
 
     fn = one
@@ -491,6 +466,40 @@ def act(
         scope.add_entry(key, value, sizes)
     if mode is not None and mode.reduces:
         scope.accs[key] = acc
+    return _into_program(scope, handler, site, leaves, same, changed)
+
+
+def _counted(scope: Scope, index: int, site: Site, key: Key, within: str | None):
+    """Counts this execution of `site` for handler `index` (under `key`) and
+    gives its `ctx.at`: the execution's call number and the iterations of the
+    loops around it. A recomputation, and a handler of the value differentiated
+    at a derivative site (`within`), have the number of the value's execution."""
+    backward = "cotangent" in (site.part, within)
+    call = scope.calls.get(key, 0)
+    replay = scope.replaying and site.part == "value" and within is None
+    if not replay:  # (a recomputation has no call number of its own)
+        scope.calls[key] = call + 1
+        if within is None and site.pair is not None:
+            scope.rewrite.pairs[index, site.pair] = call
+
+    def at():
+        number = call
+        if replay or within is not None:  # the call of the value's execution
+            pairs = scope.rewrite.pairs
+            number = pairs.get((index, site.pair), None if backward else call)
+        if replay and number is None:
+            raise ValueError(_AT_IN_REPLAY.format(where=site.where()))
+        if number is None or (backward and within is None):
+            raise ValueError(_AT_BACKWARD.format(where=site.where()))
+        scope.wants_index = True
+        return (jnp.int32(number), *scope.index)
+
+    return at
+
+
+def _into_program(scope: Scope, handler, site: Site, leaves, same, changed) -> list:
+    """`leaves` with those the handler did not keep (`same`) replaced by
+    `changed`, its new values for one example, put back in program layout."""
     if all(same):
         return leaves
     if scope.custom is not None:
@@ -517,11 +526,13 @@ def _name(handler) -> str:
     return type(handler).__name__
 
 
-def _checked(new, value, site: Site, handler) -> list[Any]:
-    """The leaves of `new`, a handler's value for one example of `site`, after
-    checking its structure, shapes and dtypes (a weakly typed number takes the
-    site's dtype)."""
+def _checked(new, value, site: Site, handler) -> tuple[list[bool], list[Any]]:
+    """Which leaves of `value` (one example's, at `site`) a handler's `new`
+    value keeps, and its leaves that differ, after checking its structure,
+    shapes and dtypes (a weakly typed number takes the site's dtype)."""
     want_leaves, want_tree = jax.tree.flatten(value)
+    if new is value:  # kept whole, as a handler that only looks keeps it
+        return [True] * len(want_leaves), []
     leaves, tree = jax.tree.flatten(new)
     if tree == want_tree:
         out = []
@@ -534,7 +545,8 @@ def _checked(new, value, site: Site, handler) -> list[Any]:
                     break
             out.append(x)
         else:
-            return out
+            same = [a is b for a, b in zip(out, want_leaves)]
+            return same, [a for a, kept in zip(out, same) if not kept]
     raise ValueError(
         _BAD_VALUE.format(
             handler=_name(handler),

@@ -232,8 +232,6 @@ class Sites(dict):
     """
 
     def __str__(self) -> str:
-        from ._debug import text_table  # (the one table layout, `fx.summary`'s)
-
         infos = [i for names in self.values() for v in names.values() for i in v]
         parts = any(i.part != "value" for i in infos)  # a column only then
         rows = [("collection", "name", "kind", *("part",) * parts, "value", "where")]
@@ -249,6 +247,15 @@ class Sites(dict):
             for i in infos
         ]
         return text_table(rows)
+
+
+def text_table(rows) -> str:
+    """Rows of strings, the first a header, as aligned plain-text columns: the one
+    table layout, `fx.sites`' and `fx.summary`'s."""
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 def sites(fn: Callable) -> Callable[..., Sites]:

@@ -854,7 +854,8 @@ def test_find_nonfinite_keeps_no_dead_function_alive():
 
 def test_debug_uses_the_public_api_only():
     # `_debug` is built on what `effects` exports; `eager_cached` is its one
-    # internal entry point (caching on the user's function, see `_debug`).
+    # internal entry point (caching on the user's function, see `_debug`), and
+    # `text_table` the table layout it shares with `fx.sites`.
     import ast
     import pathlib
 
@@ -867,4 +868,4 @@ def test_debug_uses_the_public_api_only():
         if isinstance(node, ast.ImportFrom) and node.level > 0
         for alias in node.names
     }
-    assert imported - set(dir(fx)) == {"eager_cached"}
+    assert imported - set(dir(fx)) == {"eager_cached", "text_table"}

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_trees_close, devices, no_leak_checks
+from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -1455,3 +1456,172 @@ def test_find_nonfinite_backward_reports_the_nan_weight_of_the_forward_pass():
     assert forward == backward == fx.BadSite("l1", "intermediates", 0, None)
     assert not backward.backward
     assert "forward pass is already non-finite" in str(backward)
+
+
+#
+# What real code found at 545a672 (repros: bug_scan_invariant_tag_under_grad,
+# bug_two_reporting_handlers_one_name, bug_sum_mode_low_precision,
+# perf_eager_grad_scan_recompiles_jax010, err_stats_key_tag,
+# err_jacfwd_vmap_out_axes)
+#
+
+
+def _invariant_in_scan(x, w):
+    def body(c, _):
+        u = fx.tag(w * 2.0, "u")  # computed from what the body closes over only
+        return jnp.sin(c) * u, None
+
+    return lax.scan(body, x, None, length=3)[0]
+
+
+@pytest.mark.parametrize(
+    "handler",
+    [
+        fx.Intervene({"u": lambda v, at: v * (1.0 + at[-1])}),
+        fx.Tag(mode="sum"),
+        fx.Tag(),
+    ],
+    ids=["intervene_at", "sum", "append"],
+)
+def test_a_hoisted_loop_invariant_tag_is_refused_not_seen_once(handler):
+    x, w = jnp.float32(0.5), jnp.float32(0.7)
+    with pytest.raises(ValueError, match="'u'.*computes from what the loop closes"):
+        fx.handle(jax.grad(_invariant_in_scan, argnums=1), handler)(x, w)
+    # The way the message gives is the law's other side: per iteration.
+    g, found = (
+        jax.grad(
+            lambda w: fx.handle(_invariant_in_scan, fx.Tag(mode="sum"))(x, w)[0],
+            has_aux=False,
+        )(w),
+        fx.handle(_invariant_in_scan, fx.Tag(mode="sum"))(x, w)[1],
+    )
+    np.testing.assert_allclose(found["intermediates"]["u"], 3 * 1.4, rtol=1e-6)
+    np.testing.assert_allclose(g, jax.grad(_invariant_in_scan, argnums=1)(x, w))
+
+
+def test_a_loop_invariant_tag_keeps_its_cotangent_per_iteration():
+    # The derivative site stays in the loop: a handler of the cotangent is exact.
+    x, w = jnp.float32(0.5), jnp.float32(0.7)
+    _, found = fx.handle(
+        jax.grad(_invariant_in_scan, argnums=1), fx.Tag(of="cotangent")
+    )(x, w)
+    _, want = fx.intermediate_grads(_invariant_in_scan, kind="tag")(x, w)
+    assert_trees_close(found["intermediates:cotangent"]["u"], want["u"])
+
+
+class _Clip(fx.Handler):
+    # The guide's handler: clips, counts what it clipped, leaves the site on.
+    mode = fx.Reduce(lambda acc, x: acc + x, lambda value: jnp.zeros((), jnp.int32))
+    consumes = False
+
+    def apply(self, site, value, ctx):
+        clipped = jnp.clip(value, -0.5, 0.5)
+        ctx.emit(jnp.sum(clipped != value, dtype=jnp.int32))
+        return clipped
+
+
+def _doubling(x):
+    return lax.scan(lambda h, _: (fx.tag(2.0 * h, "h"), None), x, None, length=3)[0]
+
+
+@pytest.mark.parametrize("wrap", ["eager", "jit"])
+def test_two_handlers_reporting_one_name_are_an_error_not_a_loss(wrap):
+    x = jnp.array([0.05, 0.3, -0.2])
+    handled = fx.handle(_doubling, _Clip(), fx.Tag())
+    handled = jax.jit(handled) if wrap == "jit" else handled
+    with pytest.raises(ValueError, match="_Clip and Tag both report the tag 'h'.*two"):
+        handled(x)
+    # Nested, as the message says: both reports, the count by hand.
+    (_, inner), outer = fx.handle(fx.handle(_doubling, _Clip()), fx.Tag())(x)
+    assert int(inner["intermediates"]["h"]) == 5
+    assert outer["intermediates"]["h"][0].shape == (3, 3)
+    # One that consumes first leaves nothing for a second that matches every
+    # name (a predicate may match nothing).
+    _, found = fx.handle(_doubling, fx.Tag(), fx.Tag(mode="sum", names=bool))(x)
+    assert found["intermediates"]["h"][0].shape == (3, 3)
+
+
+def test_sum_counts_as_jnp_sum_does_for_narrow_dtypes():
+    def f(x):
+        def body(c, _):
+            fx.tag(c > 0, "pos")
+            fx.tag(jnp.int8(1), "count_i8")
+            fx.tag(jnp.ones((), jnp.bfloat16), "one_bf16")
+            fx.tag(jnp.float32(0.5), "half")
+            return c + 1, None
+
+        return lax.scan(body, x, None, length=300)[0]
+
+    x = jnp.float32(-10.0)
+    _, summed = fx.handle(f, fx.Tag(mode="sum"))(x)
+    _, stacked = fx.handle(f, fx.Tag())(x)
+    got = summed["intermediates"]
+    for name in ("pos", "count_i8", "one_bf16", "half"):
+        want = np.sum(np.asarray(stacked["intermediates"][name][0], np.float64))
+        assert float(got[name]) == want, name
+    assert got["pos"].dtype == got["count_i8"].dtype == jnp.sum(jnp.int8(1)).dtype
+    assert got["one_bf16"].dtype == jnp.float32
+    assert got["half"].dtype == jnp.float32
+
+
+def _keyed(k, x):
+    k = fx.tag(k, "key")
+    return fx.tag(jnp.tanh(x) + jax.random.normal(k, x.shape), "h")
+
+
+def test_a_tagged_prng_key_under_stats_and_sum():
+    k, x = jax.random.key(42), jnp.ones(3)
+    _, found = fx.handle(_keyed, fx.Stats())(k, x)
+    stats = found["intermediates"]["key"][0]
+    data = np.asarray(jax.random.key_data(k), np.float64)
+    assert stats.dtype == str(k.dtype) and data.max() > 0
+    np.testing.assert_allclose(float(stats["mean"]), data.mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(stats["max"]), data.max())
+    assert "key" in str(fx.summary(found))
+    assert "key" in str(fx.summary(fx.handle(_keyed, fx.Tag())(k, x)[1]))
+    with pytest.raises(ValueError, match="Tag sums tag 'key'.*PRNG key.*no sum"):
+        fx.handle(_keyed, fx.Tag(mode="sum"))(k, x)
+    # "last" and "append" keep the key.
+    _, last = fx.handle(_keyed, fx.Tag(mode="last"))(k, x)
+    assert jnp.array_equal(
+        jax.random.key_data(last["intermediates"]["key"]), jax.random.key_data(k)
+    )
+
+
+_W = jnp.array([[0.5, -0.3], [0.2, 0.8]])
+
+
+def _cubed(v):
+    return jnp.sum(fx.tag(jnp.tanh(v @ _W), "h") ** 3)
+
+
+@pytest.mark.parametrize("transform", [jax.jacfwd, jax.hessian])
+def test_jacfwd_inside_handle_names_the_handler_and_the_tag(transform):
+    H = fx.Intervene({"h": lambda a: a * 1.5})
+    x = jnp.array([0.3, -0.7])
+    with pytest.raises(ValueError, match="Intervene changes tag 'h'.*jax.jacfwd"):
+        fx.handle(transform(_cubed), H)(x)
+    # The way it gives: the handled function differentiated.
+    got = transform(lambda v: fx.handle(_cubed, H)(v)[0])(x)
+    want = transform(lambda v: jnp.sum((1.5 * jnp.tanh(v @ _W)) ** 3))(x)
+    assert_trees_close(got, want)
+
+
+def test_eager_grad_of_a_handled_scan_compiles_once():
+    def f(x, w):
+        h = fx.tag(jnp.tanh(x * w), "h")
+        scan = lax.scan(lambda c, _: (fx.tag(jnp.sin(c), "s"), None), h, None, length=3)
+        return jnp.sum(scan[0] ** 2)
+
+    w = jnp.float32(1.5)
+    handled = fx.handle(f, fx.Tag())
+    step = jax.grad(lambda x: handled(x, w)[0])
+    plain = jax.grad(lambda x: f(x, w))
+    x = jnp.full((4,), 0.1)
+    _compiled_functions(step, x)
+    # (as above: under leak checks eager operations compile at every call, the
+    # plain function's too; jax 0.10 compiled the scan's transpose every call)
+    for i in range(2, 4):
+        again = _compiled_functions(step, x * i)
+        assert not any("scan" in n for n in again), again
+        assert_trees_close(step(x * i), plain(x * i))
