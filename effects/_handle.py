@@ -1032,11 +1032,11 @@ def eager_cached(what, fn, args, kwargs, make) -> tuple[Any, list[Any]]:
     return made, dynamic
 
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
+P = ParamSpec("P")  # (named as users read them in `handle`'s signature)
+R = TypeVar("R")
 
 
-def handle(fn: Callable[_P, _R], *handlers: Handler) -> Callable[_P, tuple[_R, Found]]:
+def handle(fn: Callable[P, R], *handlers: Handler) -> Callable[P, tuple[R, Found]]:
     """Returns `fn` with its sites handled: `wrapped(*args, **kwargs) -> (out,
     found)`.
 
@@ -1191,7 +1191,7 @@ def handle(fn: Callable[_P, _R], *handlers: Handler) -> Callable[_P, tuple[_R, F
     for h in handlers:
         if not isinstance(h, Handler):
             raise TypeError(_NOT_HANDLER.format(h=h))
-    return cast(Callable[_P, tuple[_R, Found]], _memoized(fn, handlers))
+    return cast(Callable[P, tuple[R, Found]], _memoized(fn, handlers))
 
 
 _NO_SITES = {
@@ -1209,12 +1209,12 @@ _NO_SITES = {
 
 
 def intermediate_grads(
-    fn: Callable[_P, Any],
+    fn: Callable[P, Any],
     *,
     collection: str | None = None,
     kind: str = "perturb",
     names: Names = None,
-) -> Callable[_P, tuple[Any, dict[str, Any]]]:
+) -> Callable[P, tuple[Any, dict[str, Any]]]:
     """Returns a function computing `fn` and its gradients with respect to
     its sites: those of [`fx.perturb`][effects.perturb], or with `kind="tag"`
     those of [`fx.tag`][effects.tag].
