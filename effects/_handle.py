@@ -18,7 +18,16 @@ import equinox as eqx
 import jax
 
 from . import _branches, _compat, _jaxpr, _nnx
-from ._handlers import SUM, Handler, Names, Perturb, found_key, mode_of
+from ._handlers import (
+    PARTS,
+    SUM,
+    Handler,
+    Names,
+    Perturb,
+    acts_on,
+    found_key,
+    mode_of,
+)
 from ._primitives import batched_sites, handling, probing, site_p
 from ._rewrite import per_state, run
 from ._scope import Scope, Unbatched
@@ -389,28 +398,36 @@ def _check_derivatives(traced: _Traced, handlers) -> None:
     that have no derivative, says so rather than find nothing. (A tag whose
     value does not depend on what is differentiated has none either: it is
     left out, as JAX leaves out its zero derivative.)"""
+    custom = None
     for h in handlers:
-        part = h.of
-        if part == "value":
+        # Per derivative part the handler takes (by `matches`): the tags it
+        # matches there, and those of them the function does not differentiate.
+        checked = []
+        for part in ("tangent", "cotangent"):
+            values = sorted(
+                k
+                for k in traced.sites
+                if k[3] == "value" and acts_on(h, Site.probe(*k[:3], part)) == part
+            )
+            have = {k[:3] for k in traced.sites if k[3] == part}
+            if values:
+                checked.append((part, values, [k for k in values if k[:3] not in have]))
+        if not checked:
             continue
-        values = sorted(
-            k
-            for k in traced.sites
-            if k[3] == "value" and h.matches(Site.probe(k[0], k[1], k[2], part))
-        )
-        if not values:
-            continue
-        have = {k[:3] for k in traced.sites if k[3] == part}
-        missing = [k for k in values if k[:3] not in have]
-        if len(missing) == len(values):
-            message, names = _NOT_DIFFERENTIATED, missing
+        if all(len(missing) == len(values) for _, values, missing in checked):
+            (part, _, names), message = checked[0], _NOT_DIFFERENTIATED
         else:
-            custom = {
-                s.key[:3]
-                for s in walk(traced.jaxpr).sites
-                if any(r.name in ("custom_jvp_call", "custom_vjp_call") for r in s.path)
-            }
-            names = [k for k in missing if k[:3] in custom]
+            if custom is None:
+                custom = {
+                    s.key[:3]
+                    for s in walk(traced.jaxpr).sites
+                    if any(r.name in _CUSTOM for r in s.path)
+                }
+            partly = [(p, m) for p, v, m in checked if len(m) < len(v)]
+            part, names = next(
+                ((p, [k for k in m if k[:3] in custom]) for p, m in partly),
+                (None, []),
+            )
             if not names:
                 continue
             message = _IN_CUSTOM_RULE
@@ -426,6 +443,9 @@ def _check_derivatives(traced: _Traced, handlers) -> None:
                 them="it" if len(names) == 1 else "them",
             )
         )
+
+
+_CUSTOM = ("custom_jvp_call", "custom_vjp_call")
 
 
 def _kind(kind: str) -> str:
@@ -447,18 +467,25 @@ def _unknown_name(h, name: str | tuple[str, ...], probes, consumer) -> str:
     # when it says which (Tag, Perturb, ...), else every name it sees.
     kind = getattr(h, "kind", "tag")
     collection = getattr(h, "collection", None)
+    # The part it takes, as it would take a site of that name.
+    one = name if isinstance(name, str) else name[0]
+    where = collection if isinstance(collection, str) else "intermediates"
+    part = next(
+        (p for p in PARTS if acts_on(h, Site.probe(kind, where, one, p)) == p),
+        "value",
+    )
     known = sorted(
         {
             p.name
             for p in probes
             if consumer(p) is None
             and p.kind == kind
-            and p.part == h.of
+            and p.part == part
             and (collection is None or p.collection == collection)
         }
     )
     where = f" in collection {collection!r}" if isinstance(collection, str) else ""
-    what = _kind(kind) if h.of == "value" else f"{h.of} of a {_kind(kind)}"
+    what = _kind(kind) if part == "value" else f"{part} of a {_kind(kind)}"
     message = _UNKNOWN_NAME.format(
         handler=type(h).__name__,
         kind=what,
@@ -467,9 +494,9 @@ def _unknown_name(h, name: str | tuple[str, ...], probes, consumer) -> str:
         where=where,
         known=", ".join(map(repr, known)) or "none",
     )
-    if h.of != "value":
-        transform = "grad" if h.of == "cotangent" else "jvp"
-        message += _NO_DERIVATIVE.format(part=h.of, transform=transform)
+    if part != "value":
+        transform = "grad" if part == "cotangent" else "jvp"
+        message += _NO_DERIVATIVE.format(part=part, transform=transform)
     return message
 
 
@@ -481,7 +508,7 @@ def _check_reporters(sites, handlers) -> None:
     for k, c, n, part in sites:  # at every call: no sorting, names only on error
         probe, hits = Site.probe(k, c, n, part), []
         for h in handlers:
-            if h.of != part or not h.matches(probe):
+            if acts_on(h, probe) != part:
                 continue
             if mode_of(h) is not None:
                 hits.append(h)
@@ -529,7 +556,7 @@ def _check_loop_invariant(traced: _Traced, handlers) -> None:
             continue
         probe = Site.probe(*s.key)
         for h in handlers:
-            if h.of == "value" and h.matches(probe):
+            if h.matches(probe):
                 raise ValueError(
                     _HOISTED.format(handler=type(h).__name__, where=probe.where())
                 )
@@ -543,7 +570,7 @@ def _check_keys(traced: _Traced, handlers) -> None:
             continue
         probe = Site.probe(*s.key)
         for h in handlers:
-            if h.of == probe.part and h.matches(probe) and mode_of(h) is SUM:
+            if acts_on(h, probe) == probe.part and mode_of(h) is SUM:
                 raise ValueError(
                     _REDUCED_KEY.format(
                         handler=type(h).__name__, where=probe.where(), key=keys[0]
@@ -651,7 +678,7 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-def _report(scope: Scope, handlers) -> Found:
+def _report(scope: Scope, handlers, sites) -> Found:
     """What the handlers found, once the whole function has run, each
     collection's names in the order the program first executed them."""
     for key, left in scope.inputs.items():
@@ -664,8 +691,9 @@ def _report(scope: Scope, handlers) -> Found:
             )
     found = Found()
     modes = scope.handlers.modes
+    probes = [Site.probe(*s) for s in sorted(sites)]
     for h, mode in zip(handlers, modes):
-        key = found_key(h)
+        key = found_key(h, probes)
         if mode is not None and key is not None:
             found.setdefault(key, Found())
     for key, site in scope.sites.items():  # in order of first execution
@@ -702,7 +730,7 @@ def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:
         scope = _scope(handlers)
         outs = run(traced.jaxpr, (), flat[len(h_leaves) :], scope)
         info["dropped"] = scope.rewrite.dropped
-        found = _report(scope, handlers)
+        found = _report(scope, handlers, traced.sites)
         leaves, info["tree"] = jax.tree.flatten(found)
         return [*outs, *leaves]
 

@@ -344,8 +344,8 @@ class Handler:
     **The protocol:**
 
     - `matches(site) -> bool`: whether to act at a [`Site`][effects.Site]
-      (`site.kind`, `site.collection`, `site.name`). Default: every tag of the
-      collection `"intermediates"`.
+      (`site.kind`, `site.collection`, `site.name`, `site.part`). Default:
+      the value of every tag of the collection `"intermediates"`.
     - `apply(site, value, ctx) -> value`: one execution, the one method a
       subclass must define. `value` is the tagged value of **one example**:
       under a `jax.vmap` inside the handled function, `apply` runs under that
@@ -371,21 +371,18 @@ class Handler:
       vmap(handle(f, H))` is then not kept, by design: a handler of the
       whole batch sees the vmaps inside `handle` only.
 
-    - `of`: the part of a site the handler acts on: `"value"` (the default),
-      or, under a `jax.jvp` or `jax.grad` inside [`handle`][effects.handle],
-      `"tangent"` or `"cotangent"`: `apply` then gets the derivative of one
-      execution's value (`site.part` says which, `ctx.primal` is the value
-      itself) and returns the derivative the program goes on with: a gradient
-      clip at a layer, say. A handler of the value is differentiated where the
-      program is: its JVP acts on the tangent and its VJP on the cotangent,
-      so `handle(jax.grad(f), H) == jax.grad(handle(f, H))` (see
-      [Gradients and tangents](../guides/derivatives.md)).
-
-    - `looks_only`: `True` for a handler whose `apply` always returns the
-      value it gets (it only emits, as `Tag` and `Stats` do). Default
-      `False`: at a tangent or cotangent site, `apply` runs again on the
-      value, reporting nothing, to be differentiated there; with `True` that
-      is skipped, as the handler's derivative is the identity.
+    Derivatives: under a `jax.jvp` or `jax.grad` inside
+    [`handle`][effects.handle], a site has a tangent or cotangent part besides
+    its value (`site.part`). A handler whose `matches` takes only the
+    derivative part gets, in `apply`, the derivative of one execution's value
+    (`ctx.primal` is the value itself) and returns the derivative the program
+    goes on with: a gradient clip at a layer, say. A handler whose `matches`
+    takes the value is a handler of the value, differentiated where the
+    program is: its JVP acts on the tangent and its VJP on the cotangent, so
+    `handle(jax.grad(f), H) == jax.grad(handle(f, H))` (see [Gradients and
+    tangents](../guides/derivatives.md)). At an execution where `apply`
+    returned the value it got (it only emits, as `Tag` and `Stats` do), its
+    derivative is the identity and it is not run again.
 
     Two optional methods: `per_call_inputs() -> {name: (entry, ...)}`, one
     entry per execution in the layout `Tag()` reports, read by
@@ -441,8 +438,6 @@ class Handler:
     mode: ClassVar[Any] = None
     consumes: ClassVar[bool] = False
     per_example: ClassVar[bool] = True
-    of: ClassVar[str] = "value"
-    looks_only: ClassVar[bool] = False
     # Whether the class or a base defines its own `__init__` (as `Tag` does, to
     # validate its arguments): it is then kept, and no dataclass one generated.
     _custom_init: ClassVar[bool] = False
@@ -474,7 +469,7 @@ class Handler:
         return (
             site.kind == "tag"
             and site.collection == "intermediates"
-            and site.part == self.of
+            and site.part == "value"
         )
 
     def apply(self, site: Site, value: PyTree, ctx: Context) -> PyTree:
@@ -615,14 +610,29 @@ NO_INPUT = object()
 PARTS = ("value", "tangent", "cotangent")
 
 
-def found_key(handler) -> str | None:
-    """The key of `found` a handler reports under: its collection; for the
-    tangents or cotangents of a collection, `"collection:tangent"` and
-    `"collection:cotangent"`, beside the values."""
+def found_key(handler, sites) -> str | None:
+    """The key of `found` a handler reports under, given the program's
+    `sites`: its collection; for the tangents or cotangents of a collection,
+    `"collection:tangent"` and `"collection:cotangent"`, beside the values
+    (the part of the first site it acts on)."""
     collection = getattr(handler, "collection", None)
     if not isinstance(collection, str):
         return None
-    return collection if handler.of == "value" else f"{collection}:{handler.of}"
+    parts = (acts_on(handler, s) for s in sites)
+    part = next((p for p in parts if p is not None), "value")
+    return collection if part == "value" else f"{collection}:{part}"
+
+
+def acts_on(handler, site: Site) -> str | None:
+    """The part of `site` a handler acts on, by its `matches`: at a value site,
+    "value" where it matches it; at a tangent or cotangent site, "value" where
+    it matches the value (a handler of the value, differentiated there), else
+    the site's part where it matches that site; None where it does not act."""
+    if handler.matches(site if site.part == "value" else site.of("value")):
+        return "value"
+    if site.part != "value" and handler.matches(site):
+        return site.part
+    return None
 
 
 def mode_of(handler: Handler) -> Append | Reduce | None:
@@ -638,14 +648,14 @@ def mode_of(handler: Handler) -> Append | Reduce | None:
     )
 
 
-def matches_tag(handler, site, names=None) -> bool:
+def matches_tag(handler, site, names=None, part="value") -> bool:
     """Whether a handler with a `collection` field acts at `site`, a tag: one
     named in `names` if given, else one its `names` field selects.
     (Handler.matches, and the name filter, spelt out: this runs at every
     site.)"""
     if site.kind != "tag" or site.collection != handler.collection:
         return False
-    if site.part != handler.of:
+    if site.part != part:
         return False
     if names is not None:
         return site.name in names
@@ -736,7 +746,6 @@ class Tag(Handler):
     """
 
     consumes: ClassVar[bool] = True
-    looks_only: ClassVar[bool] = True
     collection: str = _static()
     names: Any = _static()
     mode: Any = _static()  # pyright: ignore[reportIncompatibleVariableOverride]
@@ -770,7 +779,7 @@ class Tag(Handler):
         )
 
     def matches(self, site):
-        return matches_tag(self, site)
+        return matches_tag(self, site, part=self.of)
 
     def required_names(self):
         return filter_names(self.names)

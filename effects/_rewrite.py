@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from . import _compat, _jaxpr
-from ._handlers import Handler
+from ._handlers import Handler, acts_on
 from ._primitives import bind_site, handling, probing, site_effect, site_p
 from ._scope import Scope, act
 from ._site import (
@@ -117,11 +117,7 @@ def _all_kept(jaxpr, scope: Scope) -> bool:
             return False
         site = Site.probe(*key)
         first = next(
-            (
-                i
-                for i, h in enumerate(handlers)
-                if handlers.parts[i] == "value" and handlers.matches[i](h, site)
-            ),
+            (i for i, h in enumerate(handlers) if handlers.matches[i](h, site)),
             None,
         )
         if first is None or handlers.modes[first] is None:
@@ -138,8 +134,7 @@ def _matched(handlers, sites) -> list[tuple[str, str, str]]:
 def _handler_may_match(h: Handler, s) -> bool:
     """Whether `h` may act at sites with the key `s`: a handler of the value
     acts at (is differentiated at) the value's tangent and cotangent sites."""
-    of = h.of
-    return (of == s[3] or of == "value") and h.matches(Site.probe(*s[:3], part=of))
+    return acts_on(h, Site.probe(*s)) is not None
 
 
 #
@@ -306,12 +301,11 @@ def _derivative(site: Site, params, avals, invals, scope: Scope, effect):
     sees_value, consumed = not params.get("value_consumed"), False
     consumable = site.collection != CHECKPOINT_NAME
     for i, (h, matches) in enumerate(zip(handlers, handlers.matches)):
-        of = handlers.parts[i]
-        if of == "value" and sees_value and matches(h, value):
-            if not handlers.looks_only[i]:
+        if matches(h, value):  # a handler of the value: differentiated here
+            if sees_value and not scope.rewrite.kept.get((i, site.pair)):
                 steps.append((i, True))
-            sees_value = not (handlers.consumes[i] and consumable)
-        elif of == part and not (higher or consumed) and matches(h, site):
+            sees_value = sees_value and not (handlers.consumes[i] and consumable)
+        elif not (higher or consumed) and matches(h, site):
             steps.append((i, False))
             consumed = handlers.consumes[i] and consumable
     # An enclosing `handle` sees the site (a value no handler here consumed
@@ -372,8 +366,12 @@ def _act(site: Site, leaves: list[Any], scope: Scope) -> tuple[list[Any], bool]:
     consumable = site.collection != CHECKPOINT_NAME
     handlers = scope.handlers
     for i, (handler, matches) in enumerate(zip(handlers, handlers.matches)):
-        if handlers.parts[i] == "value" and matches(handler, site):
-            leaves = act(scope, i, site, leaves)
+        if matches(handler, site):
+            new = act(scope, i, site, leaves)
+            if site.pair is not None:
+                kept = scope.rewrite.kept
+                kept[i, site.pair] = kept.get((i, site.pair), True) and new is leaves
+            leaves = new
             if handlers.consumes[i] and consumable:
                 return leaves, True
     return leaves, False

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _compat
-from ._handlers import NO_INPUT, PARTS, Context, Handler, mode_of
+from ._handlers import NO_INPUT, Context, Handler, mode_of
 from ._layout import Axes, grow, to_program
 from ._site import Site, describe, shape_dtype, strong
 
@@ -82,8 +82,6 @@ class Handlers(tuple):
     consumes: tuple[bool, ...]
     input_names: tuple[frozenset, ...]
     per_example: tuple[bool, ...]
-    parts: tuple[str, ...]
-    looks_only: tuple[bool, ...]
 
     def __new__(cls, handlers):
         self = super().__new__(cls, handlers)
@@ -92,14 +90,6 @@ class Handlers(tuple):
         self.consumes = tuple(bool(h.consumes) for h in handlers)
         self.input_names = tuple(frozenset(h.per_call_inputs()) for h in handlers)
         self.per_example = tuple(bool(h.per_example) for h in handlers)
-        self.parts = tuple(h.of for h in handlers)
-        self.looks_only = tuple(bool(h.looks_only) for h in handlers)
-        for h, part in zip(handlers, self.parts):
-            if part not in PARTS:
-                raise ValueError(
-                    f"{type(h).__name__}.of is {part!r}; use 'value', 'tangent' "
-                    "or 'cotangent'."
-                )
         return self
 
 
@@ -112,6 +102,10 @@ class Rewrite:
     # Per (handler index, `Site.pair`): the call number of the value's
     # execution that a derivative site belongs to.
     pairs: dict = dataclasses.field(default_factory=dict)
+    # Per (handler index, `Site.pair`): whether the handler returned the
+    # value's leaves unchanged at every trace of it. Its derivative there is
+    # then the identity: the derivative sites skip differentiating it.
+    kept: dict = dataclasses.field(default_factory=dict)
     # Whether a derivative site was dropped (no handler, no `handle` around):
     # then what the program kept for it is dead code (`_handle._rewrite`).
     dropped: bool = False

@@ -68,7 +68,7 @@ class Site:
     - `part`: `"value"`, or under a `jax.jvp` or `jax.grad` inside
       [`handle`][effects.handle], `"tangent"` or `"cotangent"`: the
       derivative of the value that `apply` then receives (see
-      [`Handler.of`][effects.Handler]).
+      [`Handler`][effects.Handler]).
     - `shape_dtype`: the structure, shapes and dtypes of the value `apply`
       receives (one example's), a pytree of `jax.ShapeDtypeStruct`; None when
       `matches` is asked before the value is known.

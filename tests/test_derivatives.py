@@ -283,11 +283,13 @@ def test_a_gradient_clip_at_one_layer():
     # A user's handler of the cotangent, against the gradient of a function
     # clipped by hand (an identity whose backward pass clips).
     class ClipGrad(fx.Handler):
-        of = "cotangent"
+        # A handler of the cotangent: its `matches` takes that part.
         bound: float = dataclasses.field(metadata={"static": True})
 
         def matches(self, site):
-            return site.kind == "tag" and site.name == "out"
+            return (
+                site.kind == "tag" and site.name == "out" and site.part == "cotangent"
+            )
 
         def apply(self, site, value, ctx):
             assert ctx.primal.shape == value.shape
@@ -334,7 +336,8 @@ def test_at_in_the_backward_pass_is_the_values(checkpoint):
 
 def test_at_read_by_a_handler_of_the_cotangent_is_refused():
     class Numbered(fx.Handler):
-        of = "cotangent"
+        def matches(self, site):
+            return site.collection == "intermediates" and site.part == "cotangent"
 
         def apply(self, site, value, ctx):
             return value * ctx.at[0]
