@@ -399,16 +399,15 @@ def _check_derivatives(traced: _Traced, handlers) -> None:
     value does not depend on what is differentiated has none either: it is
     left out, as JAX leaves out its zero derivative.)"""
     custom = None
+    probes = {k: Site.probe(*k) for k in sorted(traced.sites) if k[3] == "value"}
     for h in handlers:
-        # Per derivative part the handler takes (by `matches`): the tags it
-        # matches there, and those of them the function does not differentiate.
+        # Per derivative part the handler takes (by `matches`, where it does
+        # not take the value): the tags it matches there, and those of them
+        # the function does not differentiate.
+        others = [p for p in probes.values() if not h.matches(p)]
         checked = []
-        for part in ("tangent", "cotangent"):
-            values = sorted(
-                k
-                for k in traced.sites
-                if k[3] == "value" and acts_on(h, Site.probe(*k[:3], part)) == part
-            )
+        for part in ("tangent", "cotangent") if others else ():
+            values = [probes_key(p) for p in others if h.matches(p.of(part))]
             have = {k[:3] for k in traced.sites if k[3] == part}
             if values:
                 checked.append((part, values, [k for k in values if k[:3] not in have]))
@@ -446,6 +445,10 @@ def _check_derivatives(traced: _Traced, handlers) -> None:
 
 
 _CUSTOM = ("custom_jvp_call", "custom_vjp_call")
+
+
+def probes_key(site: Site) -> tuple[str, str, str, str]:
+    return site.kind, site.collection, site.name, site.part
 
 
 def _kind(kind: str) -> str:
@@ -505,6 +508,8 @@ def _check_reporters(sites, handlers) -> None:
     handler that sees a site (every one up to the first that consumes it; a
     `checkpoint_name` is never consumed) and has a mode reports it into
     `found[collection][name]`, where one would overwrite the other."""
+    if sum(mode_of(h) is not None for h in handlers) < 2:
+        return
     for k, c, n, part in sites:  # at every call: no sorting, names only on error
         probe, hits = Site.probe(k, c, n, part), []
         for h in handlers:
@@ -691,10 +696,10 @@ def _report(scope: Scope, handlers, sites) -> Found:
             )
     found = Found()
     modes = scope.handlers.modes
-    probes = [Site.probe(*s) for s in sorted(sites)]
+    keys = sorted(sites)
     for h, mode in zip(handlers, modes):
-        key = found_key(h, probes)
-        if mode is not None and key is not None:
+        key = None if mode is None else found_key(h, keys)
+        if key is not None:
             found.setdefault(key, Found())
     for key, site in scope.sites.items():  # in order of first execution
         i, name, *within = key

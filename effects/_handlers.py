@@ -611,14 +611,14 @@ PARTS = ("value", "tangent", "cotangent")
 
 
 def found_key(handler, sites) -> str | None:
-    """The key of `found` a handler reports under, given the program's
-    `sites`: its collection; for the tangents or cotangents of a collection,
-    `"collection:tangent"` and `"collection:cotangent"`, beside the values
-    (the part of the first site it acts on)."""
+    """The key of `found` a handler reports under, given the keys of the
+    program's `sites`: its collection; for the tangents or cotangents of a
+    collection, `"collection:tangent"` and `"collection:cotangent"`, beside the
+    values (the part of the first site it acts on)."""
     collection = getattr(handler, "collection", None)
     if not isinstance(collection, str):
         return None
-    parts = (acts_on(handler, s) for s in sites)
+    parts = (acts_on(handler, Site.probe(*s)) for s in sites)
     part = next((p for p in parts if p is not None), "value")
     return collection if part == "value" else f"{collection}:{part}"
 
