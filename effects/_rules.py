@@ -632,7 +632,10 @@ def _collecting_custom_jvp(original, region, n_out):
     def jvp(primals, tangents):
         outs, t_outs = jax.jvp(original, list(primals[1]), list(tangents[1]))
         extra = region(*primals)[n_out:]
-        return [*outs, *extra], [*t_outs, *map(_zero_tangent, extra)]
+        # (zeros of each tangent type: a float0 one, and one that varies over
+        # the mesh axes the value does inside a shard_map)
+        zeros = jax.custom_derivatives.zero_from_primal(extra)
+        return [*outs, *extra], [*t_outs, *zeros]
 
     return collecting
 
