@@ -276,9 +276,10 @@ def handle_site(params, avals, invals, scope: Scope, effect=None) -> list[Any]:
 
 _HIGHER = (
     "{handler} changes {where} in a program that differentiates it twice "
-    "inside `fx.handle` (`jax.hessian`, `jax.jvp` of `jax.grad`, ...): only "
-    "first derivatives are taken through a handler. Differentiate the handled "
-    "function instead (`jax.hessian(fx.handle(f, ...))`)."
+    "inside `fx.handle` (`jax.jacrev` of `jax.grad`, `jax.jvp` of `jax.grad`, "
+    "...): only first derivatives are taken through a handler. Differentiate "
+    "the handled function instead (`jax.hessian(lambda x: fx.handle(f, ...)(x)"
+    "[0])`)."
 )
 
 
