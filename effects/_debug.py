@@ -233,10 +233,8 @@ class Stats(Tag):
         per_example: bool = True,
         of: str = "value",
     ):
-        super().__init__(collection, names=names, of=of)
-        # (frozen dataclass fields)
-        object.__setattr__(self, "mode", _STATS)
-        object.__setattr__(self, "per_example", bool(per_example))
+        super().__init__(collection, names=names, mode=_STATS, of=of)
+        object.__setattr__(self, "per_example", bool(per_example))  # (frozen)
 
     def apply(self, site, value, ctx):
         def leaf(x):

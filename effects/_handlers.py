@@ -259,8 +259,8 @@ _MODES = {
 }
 SUM = _MODES["sum"]
 _BAD_MODE = (
-    "Tag: unknown mode {mode!r}; use 'append', 'last', 'strict', 'sum' or "
-    "fx.Reduce(fn, init)."
+    "Tag: unknown mode {mode!r}; use 'append', 'last', 'strict', 'sum', "
+    "fx.Reduce(fn, init) or fx.Append(...)."
 )
 
 #
@@ -695,8 +695,8 @@ class Tag(Handler):
 
     - `collection`: the collection whose tags are collected.
     - `names`: which names; see [`Names`][effects.Names].
-    - `mode`: `"append"`, `"strict"`, `"last"`, `"sum"` or a
-      [`Reduce`][effects.Reduce], as above.
+    - `mode`: `"append"`, `"strict"`, `"last"`, `"sum"`, a
+      [`Reduce`][effects.Reduce] or an [`Append`][effects.Append], as above.
     - `of`: what to collect: `"value"` (the default), or the derivatives of
       the values that a `jax.jvp` (`"tangent"`) or `jax.grad`/`jax.vjp`
       (`"cotangent"`) inside the handled function takes: with `"cotangent"`,
@@ -756,7 +756,7 @@ class Tag(Handler):
         collection: str = "intermediates",
         *,
         names: Names = None,
-        mode: str | Reduce = "append",
+        mode: str | Reduce | Append = "append",
         of: str = "value",
     ):
         owner = type(self).__name__  # (a subclass's, `Stats`)
@@ -764,7 +764,7 @@ class Tag(Handler):
             raise TypeError(
                 f"{owner}: collection must be a string, got {collection!r}."
             )
-        if not (isinstance(mode, Reduce) or mode in _MODES):
+        if not (isinstance(mode, (Reduce, Append)) or mode in _MODES):
             raise ValueError(_BAD_MODE.format(mode=mode))
         if of not in PARTS:
             raise ValueError(
