@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.core as jax_core
+import jax.numpy as jnp
 
 # jax 0.10: private modules with no public equivalent.
 from jax._src import config as _config
@@ -268,7 +269,8 @@ INLINE_WHEN_TRACED = True if _Inline is None else _Inline.JAX_EARLY
 
 def is_key(aval) -> bool:
     """Whether `aval` is of a PRNG key array (a dtype JAX extends)."""
-    return jax.dtypes.issubdtype(getattr(aval, "dtype", None), jax.dtypes.prng_key)
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def inline_here():

@@ -96,7 +96,8 @@ jax.tree_util.register_pytree_with_keys(
 
 
 def _is_key(x) -> bool:
-    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def _leaf_stats(x, xp=jnp) -> dict[str, Any]:
