@@ -1057,6 +1057,7 @@ class _Scope:
     in_vmap: bool = False
     in_shard: bool = False
     in_custom: bool = False
+    in_jvp_rule: bool = False  # in a custom_jvp, whose rule JAX applies `jvp` to
     in_while: bool = False
     in_root: bool = False
 
@@ -1133,6 +1134,11 @@ def _allowed(kind: str, scope: _Scope) -> bool:
         # function holds a custom_vjp ("differentiation of a custom_vjp
         # function with respect to a closed-over value"); fixed in jax 0.11.
         return False
+    if kind == "custom_vjp" and scope.in_jvp_rule:
+        # The custom_jvp's rule is `jax.jvp` of its body, and JAX refuses `jvp`
+        # of a custom_vjp: the program would fail under `jax.grad` with JAX
+        # alone (found by a random run).
+        return False
     if kind in ("while", "custom_root"):
         # (A custom_root's tags have a collection of their own, "root".)
         return not (scope.in_while or scope.in_root)
@@ -1196,7 +1202,8 @@ def _draw_structure(draw, kind: str, scope: _Scope, counter: list):
         inner = body(scope.inner(has_index=False, in_custom=True, in_root=True))
         return CustomRoot(inner, draw(st.sampled_from(["f", "solve"])))
     if kind in ("custom_jvp", "custom_vjp"):
-        inner = body(scope.inner(has_index=False, in_custom=True))
+        jvp_rule = scope.in_jvp_rule or kind == "custom_jvp"
+        inner = body(scope.inner(has_index=False, in_custom=True, in_jvp_rule=jvp_rule))
         return (CustomJvp if kind == "custom_jvp" else CustomVjp)(inner)
     if kind == "scan":
         length = draw(st.sampled_from([2, 3, 1, 0]))
