@@ -549,15 +549,17 @@ def _check_loop_invariant(traced: _Traced, handlers) -> None:
     with `jax.debug.print` too); the site's derivative stays in the loop's
     backward pass, under the same `pair` number. A handler of the value would
     see one execution where the loop runs many."""
-    located = walk(traced.jaxpr).sites
+    paired = [
+        (s, s.eqn.params["pair"], _loops(s))
+        for s in walk(traced.jaxpr).sites
+        if s.eqn.primitive is site_p and s.eqn.params.get("pair") is not None
+    ]
     loops = {}  # pair -> the most loops around one of its derivative sites
-    for s in located:
-        pair = s.eqn.params.get("pair") if s.eqn.primitive is site_p else None
-        if pair is not None and s.key[3] != "value":
-            loops[pair] = max(loops.get(pair, 0), _loops(s))
-    for s in located:
-        pair = s.eqn.params.get("pair") if s.eqn.primitive is site_p else None
-        if pair is None or s.key[3] != "value" or loops.get(pair, 0) <= _loops(s):
+    for s, pair, n in paired:
+        if s.key[3] != "value":
+            loops[pair] = max(loops.get(pair, 0), n)
+    for s, pair, n in paired:
+        if s.key[3] != "value" or loops.get(pair, 0) <= n:
             continue
         probe = Site.probe(*s.key)
         for h in handlers:
