@@ -1363,6 +1363,13 @@ def has_cond_in_data_cond(node) -> bool:
     return any(has_cond_in_data_cond(c) for c in _children(node))
 
 
+def has_cond_in_shard_map(node) -> bool:
+    """Whether a shard_map holds a cond with a data predicate."""
+    if isinstance(node, ShardMap):
+        return any(c.source == "data" for c in _conds(node))
+    return any(has_cond_in_shard_map(c) for c in _children(node))
+
+
 def _conds(node) -> list:
     here = [node] if isinstance(node, Cond) else []
     return here + [c for child in _children(node) for c in _conds(child)]
@@ -2195,8 +2202,14 @@ def test_a_user_handler_with_inputs_per_execution_equals_the_reference(program, 
     xs = program.batch()
     inside, inside_error = _outcome(jax.jit(jax.vmap(fx.handle(f, shift))), xs)
     assert inside_error is None, inside_error
-    by_place = jax.jit(jax.vmap(fx.handle(f, AtShift(offsets))))(xs)
-    assert_close(by_place, inside, what="vmap(handle(f, AtShift))")
+    at_shift = jax.jit(jax.vmap(fx.handle(f, AtShift(offsets))))
+    by_place, at_error = _outcome(at_shift, xs)
+    if at_error is None:
+        assert_close(by_place, inside, what="vmap(handle(f, AtShift))")
+    else:  # JAX's refusal of its lookup in a vmapped cond in a shard_map (see
+        # test_jax_refuses_a_vmap_of_a_cond_indexing_a_constant_in_a_shard_map)
+        assert "requires varying manual axes to match" in str(at_error), at_error
+        assert has_cond_in_shard_map(program.body), at_error
     batched = Shift({n: tuple(np.stack([e, e]) for e in v) for n, v in offsets.items()})
     outside, outside_error = _outcome(fx.handle(jax.vmap(f), batched), xs)
     if outside_error is not None:

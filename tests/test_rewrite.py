@@ -1549,3 +1549,32 @@ def test_jax_hoists_a_loop_invariant_print_out_of_a_differentiated_scan(capfd):
     jax.effects_barrier()
     under_grad = capfd.readouterr().out.count("inv ")
     assert (forward, under_grad) == (4, 1)
+
+
+# JAX's refusal when it batches a `cond` in a `shard_map` by a predicate that
+# varies per example: a select makes every operand vary over the mesh axes,
+# while the branches keep the types they were traced with.
+JAX_VMA_MISMATCH = "requires varying manual axes to match"
+
+
+def test_jax_refuses_a_vmap_of_a_cond_indexing_a_constant_in_a_shard_map():
+    # JAX alone (jax 0.10-0.12): the branch indexes a constant by a constant,
+    # which is well typed until a vmap batches the predicate. A handler that
+    # looks a value up by `ctx.at` in such a branch meets the same refusal
+    # (the property tests accept it there). Should JAX accept it, this test
+    # fails and that allowance goes.
+    table = jnp.arange(6.0).reshape(2, 3)
+
+    def body(x):
+        def branch(v):
+            return v + table[jnp.int32(1)]
+
+        return lax.cond(jnp.sum(x) > 0, branch, branch, x)
+
+    f = jax.shard_map(
+        body, mesh=Mesh(np.array(devices(2)), ("s",)), in_specs=P("s"), out_specs=P("s")
+    )
+    x = np.ones((2, 3), np.float32)
+    assert_trees_close(f(x), x + table[1])
+    with pytest.raises(ValueError, match=JAX_VMA_MISMATCH):
+        jax.jit(jax.vmap(f))(np.stack([x, -x]))
