@@ -223,6 +223,13 @@ def _cache_for(fn) -> _Cache | None:
     elif isinstance(fn, eqx.Module):
         table, key = _per_module, _split(fn)[1:]
     elif isinstance(fn, _CACHEABLE):
+        # Not a `weakref.WeakKeyDictionary` keyed by `fn`: the cache holds the
+        # wrapper `handle` returns, which holds `fn` (`jax.jit` caches per
+        # function object, so `jax.jit(fx.handle(f, ...))` written inline
+        # traces once only if the wrapper is the same), and a weak dictionary's
+        # value that holds its key keeps it alive for good, where a `__dict__`
+        # entry is a cycle freed with `fn`: tests/test_jax_facts.py::
+        # test_jit_cache_is_per_function_object.
         cache = vars(fn).get(_CACHE)
         # `functools.wraps` copies `__dict__` entries, so a wrapper of `fn` (say
         # `jax.vmap(fn)`) can hold `fn`'s cache: it needs its own.

@@ -84,9 +84,13 @@ def insert_invars(jaxpr: Jaxpr, index: int, avals: Sequence[Any]) -> Jaxpr:
 @functools.lru_cache(maxsize=16)
 def _jit_template(mesh) -> dict[str, Any]:
     # The params of a `jit` equation with one input and two outputs, as JAX
-    # makes them where `mesh` is the abstract mesh (its params differ across
-    # releases). A tuple of length 1 holds one entry per input, of length 2 one
-    # per output; `call_jaxpr` stretches them.
+    # makes them where `mesh` is the abstract mesh. A tuple of length 1 holds
+    # one entry per input, of length 2 one per output; `call_jaxpr` stretches
+    # them. JAX has no function, public or private, that builds them for a
+    # given jaxpr (its own rules that bind `jit` write them out), and their
+    # values depend on the release (`ctx_mesh`, chosen by private code that
+    # differs between jax 0.8 and 0.10; `inline`, a `jax.Inline` from 0.12):
+    # tests/test_jax_facts.py::test_jit_params_hold_one_entry_per_input_and_per_output.
     del mesh  # (part of the cache key: `ctx_mesh` is read from the context)
     closed = jax.make_jaxpr(jax.jit(lambda x: (x, x)))(0.0)
     (eqn,) = closed.jaxpr.eqns

@@ -60,7 +60,12 @@ _compat.allow_effect(SiteEffect)
 class _SitePrimitive(Primitive):
     # Every bind, including a re-bind from a jaxpr or a transformation rule, takes
     # the effect flag from the current handling state, so a site bound outside
-    # `handle` never carries the effect.
+    # `handle` never carries the effect. JAX binds a primitive again with the
+    # params its equation stored wherever it evaluates a jaxpr (a jit's, a
+    # loop's or a branch's body, under any trace), so a flag set at the first
+    # bind would be stale there; `bind` is the one place every bind passes
+    # through (JAX alone: tests/test_jax_facts.py::
+    # test_a_primitive_is_bound_again_with_the_params_its_equation_stored).
     def bind(self, *args, **params):
         # A recomputation's copy of a site (see `_site_partial_eval_custom`)
         # never carries it: JAX may drop it, and a loop may hold it.

@@ -1,0 +1,174 @@
+"""What JAX does, with JAX alone, that a workaround in `effects` answers. Each
+test names the code that cites it; when one fails, JAX has changed and that
+code may be simplified or removed."""
+
+import functools
+import gc
+import weakref
+
+import jax
+import jax.core
+import jax.extend
+import jax.numpy as jnp
+import pytest
+from helpers import leak_checks
+from jax.experimental import io_callback
+
+
+def test_custom_jvp_rule_is_traced_once_whatever_the_trace_context():
+    # `effects/_rewrite.py`, "Custom rules, traced once per handling state": a
+    # custom_jvp equation traces its rule the first time a jvp needs it, and
+    # every later jvp of the same jaxpr is served that trace, even where the
+    # trace context (here a user context the rule reads) has changed since.
+    scale = jax.make_user_context(1.0)
+    traced_with = []
+
+    @jax.custom_jvp
+    def f(x):
+        return jnp.sin(x)
+
+    @f.defjvp
+    def _(primals, tangents):
+        traced_with.append(scale.value)
+        return f(primals[0]), scale.value * tangents[0]
+
+    def jvp_of(fun):
+        return jax.make_jaxpr(lambda t: jax.jvp(fun, (0.0,), (t,))[1])(1.0)
+
+    # (As JAX runs by default: the leak checker collects garbage at each trace.)
+    with leak_checks(False):
+        fun = jax.extend.core.jaxpr_as_fun(jax.make_jaxpr(f)(0.0))
+        for value in (2.0, 3.0):
+            with scale(value):
+                jvp = jvp_of(fun)
+        assert traced_with == [2.0]
+        assert jax.core.eval_jaxpr(jvp.jaxpr, jvp.consts, 1.0) == [2.0]  # not 3.0
+
+        # `jax.jit`'s own cache, by contrast, keys on the context: traced once
+        # per context.
+        traced_with.clear()
+        g = jax.jit(f)
+        for value in (2.0, 3.0, 2.0):
+            with scale(value):
+                jvp_of(g)
+        assert traced_with == [2.0, 3.0]
+
+
+def test_jit_params_hold_one_entry_per_input_and_per_output():
+    # `effects/_jaxpr.py`, `_jit_template`: JAX has no function that builds a
+    # `jit` equation's params for a given jaxpr (its own rules that bind `jit`
+    # write them out, or edit those of an equation they were given), and the
+    # values depend on the release (`ctx_mesh` is chosen by private code that
+    # differs between 0.8 and 0.10; `inline` is a `jax.Inline` from 0.12). So
+    # the params come from a traced `jax.jit`, each tuple stretched to the
+    # number of inputs or outputs, which holds where the entries are alike.
+    closed = jax.make_jaxpr(jax.jit(lambda x, y, z: (x + y, z)))(1.0, 2.0, 3.0)
+    (eqn,) = closed.jaxpr.eqns
+    tuples = {k: v for k, v in eqn.params.items() if type(v) is tuple}
+    per_input = {k for k, v in tuples.items() if len(v) == 3}
+    per_output = {k for k, v in tuples.items() if len(v) == 2}
+    assert {"in_shardings", "in_layouts", "donated_invars"} <= per_input
+    assert {"out_shardings", "out_layouts"} <= per_output
+    # Every other tuple is empty (`compiler_options_kvs`): none has a length
+    # of its own that stretching would break.
+    assert all(
+        len(v) == 0 for k, v in tuples.items() if k not in per_input | per_output
+    )
+    # An unannotated `jax.jit` gives every input (and every output) the same
+    # entry: one entry, repeated, is what JAX would write.
+    assert all(len(set(map(repr, tuples[k]))) == 1 for k in per_input | per_output)
+    inline = eqn.params["inline"]
+    inline_type = getattr(jax, "Inline", None)  # jax 0.12+
+    if inline_type is not None:
+        assert inline is inline_type.AUTO
+    else:
+        assert inline is False
+
+
+def test_jit_cache_is_per_function_object():
+    # `effects/_handle.py`, `_cache_for`: `jax.jit(fx.handle(f, ...))(x)`
+    # written inline traces once only if `handle` returns the same wrapper, so
+    # what is cached for `f` holds the wrapper, which holds `f`.
+    traces = []
+
+    def f(x):
+        traces.append(None)
+        return x * 2.0
+
+    wrapper = lambda x: f(x)  # noqa: E731
+    jax.jit(wrapper)(1.0)
+    jax.jit(wrapper)(1.0)
+    assert len(traces) == 1
+    jax.jit(lambda x: f(x))(1.0)  # an equal wrapper, another object
+    assert len(traces) == 2
+
+    # (Python alone:) a `weakref.WeakKeyDictionary` entry whose value holds its
+    # key keeps the key alive for good; a `__dict__` entry that does so is a
+    # cycle the garbage collector frees with the function.
+    class Cache:
+        def __init__(self, fn):
+            self.wrapper = functools.partial(fn)
+
+    def make():
+        return lambda x: x
+
+    table = weakref.WeakKeyDictionary()
+    in_table, in_dict = make(), make()
+    table[in_table] = Cache(in_table)
+    in_dict.__dict__["cache"] = Cache(in_dict)
+    refs = [weakref.ref(in_table), weakref.ref(in_dict)]
+    del in_table, in_dict
+    gc.collect()
+    assert [r() is None for r in refs] == [False, True]
+    table.clear()
+
+
+def test_a_primitive_is_bound_again_with_the_params_its_equation_stored():
+    # `effects/_primitives.py`, `_SitePrimitive.bind`: evaluating a jaxpr (as
+    # JAX's rules for `jit`, `scan`, `cond` and the rest do with a body, under
+    # whatever trace is current) binds each primitive again with the params
+    # stored in its equation. A param taken from a context at the first bind
+    # is stale there; `bind` is the one place every bind passes through.
+    flag = jax.make_user_context(False)
+    binds = []
+
+    class Recorded(jax.extend.core.Primitive):
+        def bind(self, *args, **params):
+            binds.append((params["flag"], flag.value))
+            return super().bind(*args, **params)
+
+    prim = Recorded("recorded_for_test")
+    prim.def_impl(lambda x, **_: x)
+    prim.def_abstract_eval(lambda x, **_: x)
+
+    with flag(True):
+        closed = jax.make_jaxpr(lambda x: prim.bind(x, flag=flag.value))(1.0)
+    assert binds == [(True, True)]
+    jax.make_jaxpr(jax.extend.core.jaxpr_as_fun(closed))(1.0)
+    jax.core.eval_jaxpr(closed.jaxpr, closed.consts, 1.0)
+    assert binds == [(True, True), (True, False), (True, False)]
+
+
+def _io_in_a_branch(p, x):
+    def with_io(x):
+        shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return io_callback(lambda y: y, shape, x, ordered=False)
+
+    return jax.lax.cond(p, with_io, lambda x: x, x)
+
+
+def test_vmap_of_cond_refuses_io_effects_and_leaves_no_cond():
+    # `effects/_branches.py`, `mixed`: under `vmap` with a batched predicate a
+    # `cond` becomes a `select_n` of every branch's outputs, so no `cond` is
+    # left to say that a site was in one; JAX refuses its IO effect in such a
+    # branch, with this error, which is how `handle` finds those sites.
+    ps, xs = jnp.array([True, False]), jnp.ones(2)
+    branchy = lambda p, x: jax.lax.cond(p, jnp.sin, jnp.cos, x)  # noqa: E731
+    names = {e.primitive.name for e in jax.make_jaxpr(jax.vmap(branchy))(ps, xs).eqns}
+    assert "select_n" in names and "cond" not in names
+    with pytest.raises(NotImplementedError, match="vmap-of-cond"):
+        jax.make_jaxpr(jax.vmap(_io_in_a_branch))(ps, xs)
+    # Also where the predicate is not batched and the cond stays: so `handle`
+    # probes only sites outside every cond left in the program.
+    with pytest.raises(NotImplementedError, match="vmap-of-cond"):
+        jax.make_jaxpr(jax.vmap(_io_in_a_branch, in_axes=(None, 0)))(True, xs)
