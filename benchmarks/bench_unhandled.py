@@ -5,6 +5,9 @@
 - Dispatch: a jitted tagged function called in a loop on a small input vs the
   untagged one (JAX's C++ fast path must stay on): at most 1.05x.
 - Run time of the jitted 200-layer MLP, tagged vs untagged.
+- Cold trace+lower of the 200-layer MLP, tagged vs untagged (fresh function
+  objects each round): what a tag costs before XLA (no target: a tag is one
+  equation more per layer, and JAX's binding of a primitive has its price).
 
 Run with `python benchmarks/bench_unhandled.py [--append FILE] [--quick]`;
 `--smoke` runs a 4-layer MLP once.
@@ -16,6 +19,7 @@ from _timing import (
     arguments,
     blocking,
     compare,
+    compare_cold,
     emit,
     identical_row,
     mlp_params,
@@ -86,6 +90,13 @@ def main():
         warmup=3,
     )
     rows.append(ratio_row(f"run time, {layers}-layer MLP", pair, 1.02, "≤ 1.02 †"))
+
+    def lowering(fn):
+        # A new function object each round: no cache keyed on it helps.
+        return lambda: lambda: jax.jit(lambda *a: fn(*a)).lower(params, x)
+
+    pair = compare_cold(lowering(mlp), lowering(mlp_untagged), repeats=repeats)
+    rows.append(ratio_row(f"cold trace+lower, {layers}-layer MLP", pair, None, "—"))
     emit(
         table("1. Unhandled: tagged (A) vs untagged (B)", ("tagged", "untagged"), rows),
         args,

@@ -122,8 +122,13 @@ def _site_abstract_eval(*avals, effect, **params):
     return avals, {site_effect} if effect else set()
 
 
+# The identity, lowered in place: JAX's default emits each equation's lowering
+# as a function cached by its params, one per site name (each site's params
+# are its own), which made an unhandled tag cost as much to lower as a matmul.
 mlir.register_lowering(
-    site_p, lambda ctx, *args, **params: _derivative_leaves(args, params)
+    site_p,
+    lambda ctx, *args, **params: _derivative_leaves(args, params),
+    cacheable=False,
 )
 
 
