@@ -329,6 +329,11 @@ def _bind_site(fn: str, value, name, collection, kind):
             leaves = [_to_array(fn, name, collection, p, x) for p, x in paths_leaves]
         if not leaves:
             return value
+    if not handling.value:
+        # Nothing handles it: the identity, with no equation in the program.
+        # (JAX's caches of traces key on the handling state, a user context:
+        # `handle` traces its own, with the site.)
+        return leaves[0] if treedef is _LEAF else jax.tree.unflatten(treedef, leaves)
     params = dict(
         name=name,
         collection=collection,
@@ -347,8 +352,9 @@ def tag(value, name: str, *, collection: str = "intermediates"):
     """Marks `value` as the intermediate value `name` of `collection`, for
     handlers to collect, replace or transform.
 
-    With no handler active, `tag` is the identity and costs nothing: a jitted
-    function compiles to the same program with or without its tags. Under
+    With no handler active, `tag` is the identity and costs nothing: it
+    returns `value` and leaves no equation, so a jitted function traces and
+    compiles to the same program with or without its tags. Under
     [`fx.handle`][effects.handle], [`fx.Tag`][effects.Tag] collects the value,
     [`fx.Substitute`][effects.Substitute] replaces it and
     [`fx.Intervene`][effects.Intervene] transforms it, at every execution: in a

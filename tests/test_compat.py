@@ -190,10 +190,10 @@ def test_call_jaxpr_binds_one_inline_jit_call():
 
 def test_closed_call_is_rewritten():
     # `closed_call` has no public constructor; it is bound the way JAX's own
-    # interpreters re-bind a closed_call equation.
-    inner = jax.make_jaxpr(lambda y: fx.tag(jnp.sin(y) * 3, "a"))(jnp.ones(3))
-
+    # interpreters re-bind a closed_call equation. (Its jaxpr is traced where
+    # `f` is: one traced outside `handle` holds no tag.)
     def f(x):
+        inner = jax.make_jaxpr(lambda y: fx.tag(jnp.sin(y) * 3, "a"))(x)
         params = _compat.closed_call_p.get_bind_params(dict(call_jaxpr=inner))
         if isinstance(params, tuple):  # jax 0.7: (subfuns, params)
             subfuns, params = params
