@@ -377,3 +377,72 @@ def test_inner_jit_cached_outside_handle_is_retraced_inside():
     assert jax.make_jaxpr(inner)(X).effects == set()
     assert jax.make_jaxpr(jax.grad(loss))(X).effects == set()
     np.testing.assert_allclose(inner(X), jnp.sin(X), rtol=1e-6)
+
+
+#
+# Traced outside `handle` first, traced again inside
+#
+
+
+@jax.custom_jvp
+def _cj(x):
+    return fx.tag(jnp.sin(x), "cj")
+
+
+_cj.defjvp(lambda p, t: (_cj(p[0]), jnp.cos(p[0]) * t[0]))
+
+
+@jax.custom_vjp
+def _cv(x):
+    return fx.tag(jnp.cos(x), "cv")
+
+
+_cv.defvjp(lambda x: (_cv(x), x), lambda x, g: (-jnp.sin(x) * g,))
+
+
+def _scan_body(c, x):
+    return fx.tag(jnp.sin(c + x), "scan"), None
+
+
+def _while_body(c):
+    return c[0] + 1, fx.tag(c[1] * 0.5, "while")
+
+
+_remat = jax.checkpoint(lambda x: fx.tag(jnp.cos(x), "remat"))
+_inner_jit = jax.jit(lambda x: fx.tag(x * 2.0, "jit"))
+
+
+def _everywhere(x):
+    c = lax.scan(_scan_body, x, jnp.arange(3.0))[0]
+    c = lax.cond(c.sum() > 0, lambda v: fx.tag(v * 2, "cond"), lambda v: v * 3, c)
+    c = lax.while_loop(lambda s: s[0] < 2, _while_body, (0, c))[1]
+    c = _inner_jit(_remat(_cv(_cj(c))))
+    return jax.vmap(lambda v: fx.tag(v * 2.0, "vmap"))(c[None])[0]
+
+
+EVERYWHERE = ["cj", "cond", "cv", "jit", "remat", "scan", "vmap", "while"]
+
+
+def _custom(x):
+    return jnp.sum(_remat(_cv(_cj(x))))
+
+
+def test_a_function_traced_outside_handle_is_traced_again_inside():
+    # Unhandled, the tags leave no equation; JAX's caches of traces (jit's,
+    # the loops' and branches' bodies, custom rules, checkpoint) key on the
+    # handling state, so inside `handle` every tag is there.
+    x = jnp.linspace(0.2, 0.9, 2)
+    _everywhere(x)
+    jax.jit(_everywhere)(x)
+    jax.vmap(_everywhere)(x[None])
+    jax.grad(_custom)(x)  # (the custom rules traced outside)
+    for handled in [
+        fx.handle(_everywhere, fx.Tag(mode="last")),
+        jax.jit(fx.handle(_everywhere, fx.Tag(mode="last"))),
+    ]:
+        out, found = handled(x)
+        assert_trees_close(out, _everywhere(x))
+        assert sorted(found["intermediates"]) == EVERYWHERE
+    grad, found = fx.handle(jax.grad(_custom), fx.Tag())(x)
+    assert_trees_close(grad, jax.grad(_custom)(x))
+    assert sorted(found["intermediates"]) == ["cj", "cv", "remat"]
