@@ -269,7 +269,9 @@ class _Traced:
     # example (see `_branches`), and per set of them that handlers matched,
     # those that do (found by tracing `fn` again: see `_every_branch`).
     suspects: frozenset
-    every_branch: dict = dataclasses.field(default_factory=dict, compare=False)
+    every_branch: _LRU = dataclasses.field(
+        default_factory=lambda: _LRU(_SIZE), compare=False
+    )
     batched: frozenset = frozenset()  # traced with these sites batched
 
 
@@ -334,7 +336,8 @@ def _every_branch(traced: _Traced, handlers, fn, static, treedef, dynamic):
             with handling(True), probing(keys), batched_sites(traced.batched):
                 _jaxpr.trace(_flat(fn, static, treedef, {}), avals, named_after)
 
-        found = traced.every_branch[matched] = _branches.mixed(retrace, matched)
+        found = _branches.mixed(retrace, matched)
+        traced.every_branch.put(matched, found)
     return found
 
 

@@ -437,6 +437,10 @@ def per_state(jaxpr):
     return jaxpr if new is None else new
 
 
+# States a rule meets: in and out of `handle`, and the probes of `_branches`.
+_TRACES_PER_THUNK = 16
+
+
 def _per_state_thunk(thunk, birth):
     """`thunk`, made in the state `birth`, as a thunk memoized per state."""
     traces = {}
@@ -450,6 +454,8 @@ def _per_state_thunk(thunk, birth):
                 jaxpr = per_state(jaxpr)
             if state != birth:
                 jaxpr, consts = _bound_again(jaxpr, consts)
+            if len(traces) >= _TRACES_PER_THUNK:  # (the oldest goes)
+                del traces[next(iter(traces))]
             out = traces[(state, zeros)] = (jaxpr, consts, *rest)
         return out
 
