@@ -110,7 +110,8 @@ def _without_sites(jaxpr):
 def _all_kept(jaxpr, scope: Scope) -> bool:
     """Whether the first handler to match each site of `jaxpr` reports and
     consumes it, as a handler that only looks does (it may still change the
-    value: `run` checks)."""
+    value: `run` checks), or no handler matches it and no `handle` encloses
+    this one (it is gone: see `handle_site`)."""
     handlers = scope.handlers
     for key in _analyse(jaxpr)[0]:
         if key[3] != "value":
@@ -120,7 +121,11 @@ def _all_kept(jaxpr, scope: Scope) -> bool:
             (i for i, h in enumerate(handlers) if handlers.matches[i](h, site)),
             None,
         )
-        if first is None or handlers.modes[first] is None:
+        if first is None:
+            if handling.value:  # (an enclosing `handle` sees it: bound again)
+                return False
+            continue  # (gone: see `handle_site`)
+        if handlers.modes[first] is None:
             return False
         if not handlers.consumes[first]:
             return False
@@ -258,20 +263,18 @@ def _site_rule(eqn, invals, scope: Scope) -> list[Any]:
     return handle_site(eqn.params, [v.aval for v in eqn.invars], invals, scope)
 
 
-def handle_site(params, avals, invals, scope: Scope, effect=None) -> list[Any]:
+def handle_site(params, avals, invals, scope: Scope) -> list[Any]:
     """Lets the scope's handlers act, in order, on one executed site (its
     params, the avals of its leaves, their values). A site no handler consumes
-    is bound again, for handlers further out (carrying the site effect if
-    `effect`; by default, if the current handling state says so)."""
+    is bound again for the handlers of an enclosing `handle`; with none, it is
+    gone, as an unhandled tag is (see `_primitives.tag`)."""
     site = Site.from_eqn(params, avals, scope.shards)
     if site.part != "value":
-        return _derivative(site, params, avals, list(invals), scope, effect)
+        return _derivative(site, params, avals, list(invals), scope)
     leaves, consumed = _act(site, list(invals), scope)
-    if consumed:
+    if consumed or not handling.value:
         return leaves
-    if effect is None:
-        return site_p.bind(*leaves, **params)
-    return bind_site(leaves, params, effect)
+    return site_p.bind(*leaves, **params)
 
 
 _HIGHER = (
@@ -283,7 +286,7 @@ _HIGHER = (
 )
 
 
-def _derivative(site: Site, params, avals, invals, scope: Scope, effect):
+def _derivative(site: Site, params, avals, invals, scope: Scope):
     """The handlers act at a tangent or cotangent site: a handler of that part
     gets the derivative (and the value, `ctx.primal`); a handler of the value
     is differentiated there, so that handling commutes with differentiation:
@@ -312,15 +315,13 @@ def _derivative(site: Site, params, avals, invals, scope: Scope, effect):
     # An enclosing `handle` sees the site (a value no handler here consumed
     # is its to change); with none, it is dropped, and so is the value the
     # backward pass kept for it.
-    outer = not consumed and (bool(handling.value) if effect is None else effect)
+    outer = not consumed and bool(handling.value)
     if not (outer or consumed):
         scope.rewrite.dropped = True
     again = dict(params, value_consumed=True) if not sees_value else params
 
     def rebind(p, d):
-        return bind_site(
-            [*p, *d], again, bool(handling.value) if effect is None else effect
-        )
+        return bind_site([*p, *d], again, bool(handling.value))
 
     if higher:
         for i, _ in steps:

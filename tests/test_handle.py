@@ -1086,6 +1086,25 @@ def test_handled_program_compiles_like_the_hand_written_one(tagged, hand):
     assert optimized_hlo(handled, params, x) == optimized_hlo(hand, params, x)
 
 
+@pytest.mark.parametrize(
+    "tagged", [_tagged_mlp, _tagged_mlp_jit_inside], ids=["mlp", "jit-inside"]
+)
+def test_a_handler_matching_nothing_leaves_the_untagged_program(tagged):
+    # Sites no handler matches are gone, as unhandled tags are (no enclosing
+    # `handle` to see them): the jaxpr is the plain function's, with an empty
+    # `found`.
+    params = _params(0, (3, 8, 8, 2))
+    x = jnp.ones((5, 3))
+    handled = fx.handle(tagged, fx.Tag(names=lambda name: False))
+    out, found = handled(params, x)
+    assert_trees_close(out, tagged(params, x))
+    assert found == {"intermediates": {}}
+    program = str(jax.make_jaxpr(lambda p, x: handled(p, x)[0])(params, x))
+    plain = str(jax.make_jaxpr(tagged)(params, x))
+    assert "effects_site" not in program
+    assert program.count(" = ") == plain.count(" = ")  # equation for equation
+
+
 def test_handled_gradient_compiles_like_the_hand_written_one():
     params = _params(1, (3, 8, 2))
     x = jnp.ones((5, 3))
