@@ -300,9 +300,14 @@ class Region:
             outs = run(jaxpr, consts, args, sub)
             entries = []
             for key, specs in plan.entries.items():
-                got = sub.entries.get(key, [])
-                for j, (avals, _) in enumerate(specs):
-                    entries.append(got[j][0] if j < len(got) else zeros(avals))
+                got = [value for value, _ in sub.entries.get(key, [])]
+                # A run with fewer executions (a branch) lacks the last ones:
+                # zeros after its own, or before them in a backward pass,
+                # which runs the executions last first.
+                fill = [zeros(avals) for avals, _ in specs[len(got) :]]
+                if plan.sites[key].part == "cotangent":
+                    got, fill = fill, got
+                entries += got + fill
             accs = [sub.accs[k] for k in plan.acc_avals]
             counter = [flat[n_acc] + 1] if self.counter else []
             return [*outs, *map(b.leave, _flat([*accs, *entries])), *counter]

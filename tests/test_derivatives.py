@@ -749,3 +749,31 @@ def test_custom_derivatives():
     cube = fx.Intervene({"h": lambda v: v**3})
     got = fx.handle(jax.grad(f), cube)(X)[0]
     assert_trees_close(got, jax.grad(lambda x: fx.handle(f, cube)(x)[0])(X))
+
+
+@pytest.mark.parametrize("branch", [0, 1], ids=["once", "twice"])
+def test_cotangents_of_a_name_executed_unequally_in_cond_branches(branch):
+    # One branch tags `h` once, the other twice: the branch taken reports its
+    # executions first, zeros after (as `Tag()` does for values), though the
+    # backward pass runs them last first.
+    def f(x, pred):
+        def once(v):
+            return jnp.sin(fx.tag(v * 2.0, "h"))
+
+        def twice(v):
+            h = fx.tag(v * 3.0, "h")
+            return fx.tag(h * h, "h")
+
+        return jnp.sum(lax.cond(pred, twice, once, x))
+
+    x = jnp.array([0.5, -1.0])
+    pred = jnp.bool_(branch)
+    grad, found = fx.handle(jax.grad(f), fx.Tag(of="cotangent"))(x, pred)
+    assert_trees_close(grad, jax.grad(f)(x, pred))
+    if branch == 0:
+        want = (jnp.cos(2 * x), jnp.zeros(2))
+    else:
+        want = (2 * (3 * x), jnp.ones(2))
+    assert_trees_close(found, {"intermediates:cotangent": {"h": want}})
+    _, values = fx.handle(f, fx.Tag())(x, pred)
+    assert len(values["intermediates"]["h"]) == len(want)
