@@ -271,12 +271,14 @@ class Region:
             plan.forbid(loop, scope)
         return cls(scope, plan, boundary, loop=loop)
 
-    def trace(self, jaxpr, consts, in_avals):
+    def trace(self, jaxpr, consts, in_avals, own: Plan | None = None):
         """Traces the region `(*args, *accs, *inputs) -> (*outs, *accs,
         *entries)`; entries a run does not emit (a branch that did not tag a
-        name) are zeros. Returns the open jaxpr, which takes the constants it
-        closes over first, and those constants."""
+        name) are zeros. `own`: the plan of this run alone (a branch), whose
+        executions take the first of the inputs. Returns the open jaxpr, which
+        takes the constants it closes over first, and those constants."""
         plan, scope, b = self.plan, self.scope, self.boundary
+        own_inputs = plan.inputs if own is None else own.inputs
         acc_trees = list(plan.acc_avals.values())
         input_trees = [avals for specs in plan.inputs.values() for avals, _ in specs]
         n_args, n_acc = len(in_avals), len(self.accs) - self.counter
@@ -291,7 +293,10 @@ class Region:
             sub = scope.inner(
                 accs=dict(zip(plan.acc_avals, accs)),
                 acc_batch=plan.acc_batch,
-                inputs={k: [next(given) for _ in v] for k, v in plan.inputs.items()},
+                inputs={
+                    k: [next(given) for _ in v][: len(own_inputs.get(k, ()))]
+                    for k, v in plan.inputs.items()
+                },
                 shards=scope.shards + ((b.marker,) if b.stack == "shard" else ()),
                 scans=scope.scans + (b.stack == "scan"),
                 calls=self.calls,
@@ -506,13 +511,17 @@ rules[_compat.while_p] = _while_rule
 def _cond_rule(eqn, invals, scope: Scope) -> list[Any]:
     branches = eqn.params["branches"]
     in_avals = branches[0].in_avals
-    plan = Plan.merged([discover(b.jaxpr, b.consts, in_avals, scope) for b in branches])
+    plans = [discover(b.jaxpr, b.consts, in_avals, scope) for b in branches]
+    plan = Plan.merged(plans)
     # Inside a shard_map, one branch's entry may vary over the mesh where another
     # branch's (or a zeros fill) does not; cond needs them alike.
     region = Region(scope, plan, Boundary(vary=True))
     if scope.discovering:
         return region.discovered(eqn, invals)
-    traced = [region.trace(b.jaxpr, b.consts, in_avals) for b in branches]
+    traced = [
+        region.trace(b.jaxpr, b.consts, in_avals, own)
+        for b, own in zip(branches, plans)
+    ]
     hoisted_avals = [[jax.typeof(c) for c in h] for _, h in traced]
     new_branches = []
     for i, (body, hoisted) in enumerate(traced):

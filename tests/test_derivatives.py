@@ -777,3 +777,42 @@ def test_cotangents_of_a_name_executed_unequally_in_cond_branches(branch):
     assert_trees_close(found, {"intermediates:cotangent": {"h": want}})
     _, values = fx.handle(f, fx.Tag())(x, pred)
     assert len(values["intermediates"]["h"]) == len(want)
+
+
+class _ScaleEach(fx.Handler):
+    """Multiplies each execution of a tag by its own factor."""
+
+    factors: dict
+
+    def matches(self, site):
+        return site.part == "value" and site.name in self.factors
+
+    def per_call_inputs(self):
+        return self.factors
+
+    def apply(self, site, value, ctx):
+        return value * ctx.next_input()
+
+
+@pytest.mark.parametrize("branch", [0, 1], ids=["once", "twice"])
+def test_inputs_per_execution_in_unequal_cond_branches_commute_with_grad(branch):
+    # The backward pass of the branch that tags `h` once differentiates that
+    # execution with its own factor (the first), not the last one given.
+    def f(x, pred):
+        def once(v):
+            return jnp.sin(fx.tag(v * 2.0, "h"))
+
+        def twice(v):
+            h = fx.tag(v * 3.0, "h")
+            return fx.tag(h * h, "h")
+
+        return jnp.sum(lax.cond(pred, twice, once, x))
+
+    x = jnp.array([0.5, -1.0])
+    pred = jnp.bool_(branch)
+    scale = _ScaleEach({"h": (jnp.full(2, 5.0), jnp.full(2, 7.0))})
+    outside = jax.grad(lambda x: fx.handle(f, scale)(x, pred)[0])(x)
+    inside, _ = fx.handle(jax.grad(f), scale)(x, pred)
+    want = 10 * jnp.cos(10 * x) if branch == 0 else 7 * 2 * (15 * x) * 15
+    assert_trees_close(outside, want)
+    assert_trees_close(inside, want)
