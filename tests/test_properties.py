@@ -768,15 +768,19 @@ class _Reference:
     mode,
     `subs[name][entry][index path]` replaces the value at each site of a name in
     `subs` (the value recorded is the new one), and `shifts[name][entry][index
-    path]` is added. In both, `fns[name]` first transforms the value at each
-    site of a name in `fns`."""
+    path]` is added (after `scales[name][entry][index path]` multiplies it). In
+    both, `fns[name]` first transforms the value at each site of a name in
+    `fns`."""
 
-    def __init__(self, deltas=None, decisions=None, subs=None, shifts=None, fns=None):
+    def __init__(
+        self, deltas=None, decisions=None, subs=None, shifts=None, fns=None, scales=None
+    ):
         self.jax = deltas is not None
         self.xp = jnp if self.jax else np
         self.deltas = deltas
         self.subs = {} if subs is None else subs
         self.shifts = {} if shifts is None else shifts
+        self.scales = {} if scales is None else scales
         self.fns = {} if fns is None else fns
         self.log: list = []
         self.decisions = {} if decisions is None else decisions
@@ -883,6 +887,8 @@ class _Reference:
         if not self.jax:
             if node.name in self.subs:
                 v = self.subs[node.name][entry][idx]
+            if node.name in self.scales:
+                v = v * self.scales[node.name][entry][idx]
             if node.name in self.shifts:
                 v = v + self.shifts[node.name][entry][idx]
             self.log.append((node.name, entry, idx, np.array(v)))
@@ -972,11 +978,11 @@ def reference(program: Program, seed_offset=0) -> Expected:
 
 
 def substituted_reference(
-    program: Program, subs: dict, seed_offset=0, shifts=None, fns=None
+    program: Program, subs: dict, seed_offset=0, shifts=None, fns=None, scales=None
 ) -> Expected:
     """The reference with the values `subs` (by name, as `Tag()` reports them)
-    substituted at the sites, `shifts` (alike) added to them, and `fns[name]`
-    applied to them; raises `Ambiguous`."""
+    substituted at the sites, `shifts` (alike) added to them, `scales` (alike)
+    multiplying them, and `fns[name]` applied to them; raises `Ambiguous`."""
     infos = analyse(program)
 
     def nested(values):
@@ -985,7 +991,12 @@ def substituted_reference(
             for n, entries in values.items()
         }
 
-    ref = _Reference(subs=nested(subs), shifts=nested(shifts or {}), fns=fns)
+    ref = _Reference(
+        subs=nested(subs),
+        shifts=nested(shifts or {}),
+        fns=fns,
+        scales=nested(scales or {}),
+    )
     x = program.x(seed_offset).astype(np.float64)
     out = ref.run(program.body, x, None, {}, (), ())
     return Expected(out, ref.log, ref.decisions, infos)
@@ -2343,6 +2354,28 @@ def _bend(v):
     return v + 0.5 * xp.sin(v)
 
 
+class ScaleEach(fx.Handler):
+    """A handler written outside the package that multiplies the `i`-th
+    execution of the tag `name` by `factors[name][i]` (an input per execution,
+    so its derivative at each execution depends on that execution's input)."""
+
+    factors: dict
+
+    def matches(self, site):
+        return (
+            site.kind == "tag"
+            and site.collection == "intermediates"
+            and site.part == "value"
+            and site.name in self.factors
+        )
+
+    def per_call_inputs(self):
+        return self.factors
+
+    def apply(self, site, value, ctx):
+        return jax.tree.map(jnp.multiply, value, ctx.next_input())
+
+
 class Bend(fx.Handler):
     """A handler written outside the package that changes values nonlinearly:
     `_bend` of the tags `names` of its collection. It reports nothing."""
@@ -2375,7 +2408,7 @@ def _value_changer(infos, data, f, x):
         for c in TAGGED
     }
     perturbed = names_where(infos, collection="perturbations")
-    options = ["intervene", "substitute", "per_call", "perturb_tag", "bend"]
+    options = ["intervene", "substitute", "per_call", "perturb_tag", "bend", "scale"]
     options += ["perturb"] if perturbed else []
     if not names_where(infos, collection="intermediates", custom=True):
         options.append("clip")  # (it matches every tag of the collection)
@@ -2385,7 +2418,7 @@ def _value_changer(infos, data, f, x):
         return [n for n in names if data.draw(st.booleans())] or names[:1]
 
     # (intermediates are never in a while loop: per_call and Perturb apply)
-    if kind in ("per_call", "perturb_tag", "perturb", "clip"):
+    if kind in ("per_call", "perturb_tag", "perturb", "clip", "scale"):
         collection = "intermediates"
     else:
         collection = data.draw(st.sampled_from([c for c in TAGGED if tags[c]]))
@@ -2410,6 +2443,9 @@ def _value_changer(infos, data, f, x):
         _, found = fx.handle(f, fx.Tag(names=names))(x)
         values = jax.tree.map(np.asarray, found["intermediates"])
         return fx.Substitute(values, per_call=True), {"subs": values}
+    if kind == "scale":  # a factor per execution: its derivative depends on it
+        factors = jax.tree.map(lambda d: 1.0 + d, shift_offsets(infos, names))
+        return ScaleEach(factors), {"scales": factors}
     if kind == "perturb_tag":
         deltas = shift_offsets(infos, names)
         return fx.Perturb(deltas, kind="tag"), {"shifts": deltas}
@@ -2433,7 +2469,8 @@ def test_value_handlers_commute_with_grad_and_jvp(program, data):
     infos = analyse(program)
     f, x = program.function(), program.x()
     handler, changes = _value_changer(infos, data, f, x)
-    changed = {n for kind in ("fns", "subs", "shifts") for n in changes.get(kind, {})}
+    kinds = ("fns", "subs", "shifts", "scales")
+    changed = {n for kind in kinds for n in changes.get(kind, {})}
     try:
         expected = substituted_reference(program, changes.pop("subs", {}), **changes)
     except Ambiguous:  # a predicate the new values put on its boundary
@@ -2477,7 +2514,7 @@ def test_value_handlers_commute_with_grad_and_jvp(program, data):
         event("refused: per-execution input in a recomputed checkpoint region")
         assert isinstance(error, ValueError), error
         assert "recomputes" in str(error), error
-        assert isinstance(handler, (fx.Perturb, fx.Substitute)), error
+        assert isinstance(handler, (fx.Perturb, fx.Substitute, ScaleEach)), error
 
     # (a jax array: JAX fails on a NumPy tangent reaching a shard_map in a jit)
     t = jnp.asarray(program.x(7))
