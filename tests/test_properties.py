@@ -1374,6 +1374,25 @@ def has_cond_in_data_cond(node) -> bool:
     return any(has_cond_in_data_cond(c) for c in _children(node))
 
 
+# JAX's refusals when a vmap batches the predicate of a cond in a shard_map: a
+# select makes every operand vary over the mesh axes while the branches keep
+# the types they were traced with (JAX alone: test_rewrite.py::
+# test_jax_refuses_a_vmap_of_a_cond_in_a_shard_map). A handler's lookup by
+# `ctx.at` there, or the zeros filling an entry a branch does not emit (a scan
+# of length 0: a constant), meet them.
+JAX_VMA_REFUSALS = (
+    "requires varying manual axes to match",
+    "pvary is a invariant->variant collective",
+)
+
+
+def jax_vma_refusal(error, program) -> bool:
+    """Whether `error` is JAX's refusal above, in a program that can meet it."""
+    text = str(error)
+    refused = any(message in text for message in JAX_VMA_REFUSALS)
+    return refused and has_cond_in_shard_map(program.body)
+
+
 def has_cond_in_shard_map(node) -> bool:
     """Whether a shard_map holds a cond with a data predicate."""
     if isinstance(node, ShardMap):
@@ -2212,15 +2231,16 @@ def test_a_user_handler_with_inputs_per_execution_equals_the_reference(program, 
 
     xs = program.batch()
     inside, inside_error = _outcome(jax.jit(jax.vmap(fx.handle(f, shift))), xs)
-    assert inside_error is None, inside_error
+    if inside_error is not None:
+        assert jax_vma_refusal(inside_error, program), inside_error
+        event("JAX refuses a vmap of a cond in a shard_map")
+        return
     at_shift = jax.jit(jax.vmap(fx.handle(f, AtShift(offsets))))
     by_place, at_error = _outcome(at_shift, xs)
     if at_error is None:
         assert_close(by_place, inside, what="vmap(handle(f, AtShift))")
-    else:  # JAX's refusal of its lookup in a vmapped cond in a shard_map (see
-        # test_jax_refuses_a_vmap_of_a_cond_indexing_a_constant_in_a_shard_map)
-        assert "requires varying manual axes to match" in str(at_error), at_error
-        assert has_cond_in_shard_map(program.body), at_error
+    else:
+        assert jax_vma_refusal(at_error, program), at_error
     batched = Shift({n: tuple(np.stack([e, e]) for e in v) for n, v in offsets.items()})
     outside, outside_error = _outcome(fx.handle(jax.vmap(f), batched), xs)
     if outside_error is not None:

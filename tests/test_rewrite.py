@@ -1551,23 +1551,38 @@ def test_jax_hoists_a_loop_invariant_print_out_of_a_differentiated_scan(capfd):
     assert (forward, under_grad) == (4, 1)
 
 
-# JAX's refusal when it batches a `cond` in a `shard_map` by a predicate that
+# JAX's refusals when it batches a `cond` in a `shard_map` by a predicate that
 # varies per example: a select makes every operand vary over the mesh axes,
 # while the branches keep the types they were traced with.
-JAX_VMA_MISMATCH = "requires varying manual axes to match"
+def _gather_constant(table):
+    return table[jnp.int32(1)]
 
 
-def test_jax_refuses_a_vmap_of_a_cond_indexing_a_constant_in_a_shard_map():
-    # JAX alone (jax 0.10-0.12): the branch indexes a constant by a constant,
-    # which is well typed until a vmap batches the predicate. A handler that
-    # looks a value up by `ctx.at` in such a branch meets the same refusal
-    # (the property tests accept it there). Should JAX accept it, this test
-    # fails and that allowance goes.
+def _mark_varying(table):
+    return jax.lax.pcast(table[:1], ("s",), to="varying")
+
+
+@pytest.mark.parametrize(
+    "use, row, refusal",
+    [
+        (_gather_constant, 1, "requires varying manual axes to match"),
+        (_mark_varying, 0, "pvary is a invariant->variant collective"),
+    ],
+    ids=["gather", "pcast"],
+)
+def test_jax_refuses_a_vmap_of_a_cond_in_a_shard_map(use, row, refusal):
+    # JAX alone (jax 0.10-0.12): a branch using a constant it closes over
+    # (indexing it by a constant, marking it varying) is well typed until a
+    # vmap batches the predicate. A handler that looks a value up by `ctx.at`
+    # in such a branch, or the zeros that fill an entry a branch does not emit
+    # (of size 0: a constant), meet the same refusal; the property tests
+    # accept it there. Should JAX accept these, this test fails and that
+    # allowance goes.
     table = jnp.arange(6.0).reshape(2, 3)
 
     def body(x):
         def branch(v):
-            return v + table[jnp.int32(1)]
+            return v + use(table)
 
         return lax.cond(jnp.sum(x) > 0, branch, branch, x)
 
@@ -1575,6 +1590,6 @@ def test_jax_refuses_a_vmap_of_a_cond_indexing_a_constant_in_a_shard_map():
         body, mesh=Mesh(np.array(devices(2)), ("s",)), in_specs=P("s"), out_specs=P("s")
     )
     x = np.ones((2, 3), np.float32)
-    assert_trees_close(f(x), x + table[1])
-    with pytest.raises(ValueError, match=JAX_VMA_MISMATCH):
+    assert_trees_close(f(x), x + table[row])
+    with pytest.raises(ValueError, match=refusal):
         jax.jit(jax.vmap(f))(np.stack([x, -x]))
