@@ -751,31 +751,33 @@ def test_custom_derivatives():
     assert_trees_close(got, jax.grad(lambda x: fx.handle(f, cube)(x)[0])(X))
 
 
+def _once_or_twice(x, pred):
+    # `h` tagged once in one branch, twice in the other.
+    def once(v):
+        return jnp.sin(fx.tag(v * 2.0, "h"))
+
+    def twice(v):
+        h = fx.tag(v * 3.0, "h")
+        return fx.tag(h * h, "h")
+
+    return jnp.sum(lax.cond(pred, twice, once, x))
+
+
 @pytest.mark.parametrize("branch", [0, 1], ids=["once", "twice"])
 def test_cotangents_of_a_name_executed_unequally_in_cond_branches(branch):
     # One branch tags `h` once, the other twice: the branch taken reports its
     # executions first, zeros after (as `Tag()` does for values), though the
     # backward pass runs them last first.
-    def f(x, pred):
-        def once(v):
-            return jnp.sin(fx.tag(v * 2.0, "h"))
-
-        def twice(v):
-            h = fx.tag(v * 3.0, "h")
-            return fx.tag(h * h, "h")
-
-        return jnp.sum(lax.cond(pred, twice, once, x))
-
     x = jnp.array([0.5, -1.0])
     pred = jnp.bool_(branch)
-    grad, found = fx.handle(jax.grad(f), fx.Tag(of="cotangent"))(x, pred)
-    assert_trees_close(grad, jax.grad(f)(x, pred))
+    grad, found = fx.handle(jax.grad(_once_or_twice), fx.Tag(of="cotangent"))(x, pred)
+    assert_trees_close(grad, jax.grad(_once_or_twice)(x, pred))
     if branch == 0:
         want = (jnp.cos(2 * x), jnp.zeros(2))
     else:
         want = (2 * (3 * x), jnp.ones(2))
     assert_trees_close(found, {"intermediates:cotangent": {"h": want}})
-    _, values = fx.handle(f, fx.Tag())(x, pred)
+    _, values = fx.handle(_once_or_twice, fx.Tag())(x, pred)
     assert len(values["intermediates"]["h"]) == len(want)
 
 
@@ -798,21 +800,11 @@ class _ScaleEach(fx.Handler):
 def test_inputs_per_execution_in_unequal_cond_branches_commute_with_grad(branch):
     # The backward pass of the branch that tags `h` once differentiates that
     # execution with its own factor (the first), not the last one given.
-    def f(x, pred):
-        def once(v):
-            return jnp.sin(fx.tag(v * 2.0, "h"))
-
-        def twice(v):
-            h = fx.tag(v * 3.0, "h")
-            return fx.tag(h * h, "h")
-
-        return jnp.sum(lax.cond(pred, twice, once, x))
-
     x = jnp.array([0.5, -1.0])
     pred = jnp.bool_(branch)
     scale = _ScaleEach({"h": (jnp.full(2, 5.0), jnp.full(2, 7.0))})
-    outside = jax.grad(lambda x: fx.handle(f, scale)(x, pred)[0])(x)
-    inside, _ = fx.handle(jax.grad(f), scale)(x, pred)
+    outside = jax.grad(lambda x: fx.handle(_once_or_twice, scale)(x, pred)[0])(x)
+    inside, _ = fx.handle(jax.grad(_once_or_twice), scale)(x, pred)
     want = 10 * jnp.cos(10 * x) if branch == 0 else 7 * 2 * (15 * x) * 15
     assert_trees_close(outside, want)
     assert_trees_close(inside, want)
