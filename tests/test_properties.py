@@ -1383,6 +1383,7 @@ def has_cond_in_data_cond(node) -> bool:
 JAX_VMA_REFUSALS = (
     "requires varying manual axes to match",
     "pvary is a invariant->variant collective",
+    "Collective pvary must be applied to a non-device-varying type",  # jax 0.7
 )
 
 

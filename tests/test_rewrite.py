@@ -1559,6 +1559,8 @@ def _gather_constant(table):
 
 
 def _mark_varying(table):
+    if not hasattr(jax.lax, "pcast"):  # jax 0.7
+        return jax.lax.pvary(table[:1], ("s",))  # pyright: ignore[reportAttributeAccessIssue]
     return jax.lax.pcast(table[:1], ("s",), to="varying")
 
 
@@ -1566,7 +1568,12 @@ def _mark_varying(table):
     "use, row, refusal",
     [
         (_gather_constant, 1, "requires varying manual axes to match"),
-        (_mark_varying, 0, "pvary is a invariant->variant collective"),
+        (
+            _mark_varying,
+            0,
+            # (jax 0.7: "Collective pvary must be applied to a non-device-varying")
+            "pvary is a invariant->variant collective|Collective pvary must be",
+        ),
     ],
     ids=["gather", "pcast"],
 )
