@@ -4,7 +4,7 @@ from importlib import metadata as _metadata
 
 # `_rules` fills the rewriter's table of rules for higher-order primitives
 # (`_rewrite.rules`); it imports `_rewrite`, so the package imports it.
-from . import _rules  # noqa: F401
+from . import _handle, _nnx, _rules  # noqa: F401
 from ._debug import BadSite as BadSite
 from ._debug import Statistics as Statistics
 from ._debug import Stats as Stats
@@ -48,6 +48,10 @@ from ._site import Site as Site
 from ._sites import SiteInfo as SiteInfo
 from ._sites import Sites as Sites
 from ._sites import sites as sites
+
+# `handle` reaches Flax NNX objects through `_nnx`, an adapter (the core
+# imports none).
+_handle.adapters.append(_nnx)
 
 try:
     __version__ = _metadata.version("effects-jax")

@@ -21,7 +21,7 @@ import jax
 
 from . import _compat
 from ._primitives import site_p
-from ._sites import Region, walk
+from ._walk import Region, walk
 
 # (kind, collection, name, call path of the `tag`)
 Key = tuple[str, str, str, tuple]

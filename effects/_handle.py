@@ -17,7 +17,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 import equinox as eqx
 import jax
 
-from . import _branches, _compat, _jaxpr, _nnx
+from . import _branches, _compat, _jaxpr
 from ._handlers import (
     PARTS,
     SUM,
@@ -28,11 +28,12 @@ from ._handlers import (
     found_key,
     mode_of,
 )
+from ._jaxpr import aval
 from ._primitives import batched_sites, handling, probing, site_p
 from ._rewrite import per_state, run
 from ._scope import Scope, Unbatched
-from ._site import CHECKPOINT_NAME, Site, aval
-from ._sites import sites_in, walk
+from ._site import CHECKPOINT_NAME, Site
+from ._walk import sites_in, walk
 
 _NOT_CALLABLE = "handle: the first argument must be a callable, got {fn!r}."
 _NOT_HANDLER = (
@@ -94,6 +95,32 @@ _LEFTOVER = (
     "{handler} got more entries for {where} than it has executions ({n} left "
     "over). Give one entry per execution, in the layout Tag() reports."
 )
+
+#
+# Adapters: objects `handle` does not trace as they are
+#
+
+# Each knows one kind of object among a function and its arguments (Flax NNX
+# modules: `_nnx`, which the package registers here) and has
+# `functional(fn, args, kwargs) -> (pure, pure_args, finish) | None` (the call
+# as a pure function, and what writes its state back), `is_node(fn)` and
+# `explain(error) -> Exception | None`.
+adapters: list[Any] = []
+
+
+def functional(fn, args, kwargs):
+    """What the first adapter that knows `fn` or its arguments makes of them
+    (see `adapters`), or None."""
+    for adapter in adapters:
+        made = adapter.functional(fn, args, kwargs)
+        if made is not None:
+            return made
+    return None
+
+
+def _explained(e: Exception) -> Exception | None:
+    return next(filter(None, (a.explain(e) for a in adapters)), None)
+
 
 #
 # Splitting arguments into arrays (inputs) and the rest (static)
@@ -946,12 +973,12 @@ class _Handled:
 
     def __call__(self, *args, **kwargs):
         try:
-            nnx_call = _nnx.functional(self.fn, args, kwargs)
+            nnx_call = functional(self.fn, args, kwargs)
             if nnx_call is not None:
                 return self._call_nnx(*nnx_call)
             return self._call(args, kwargs)
         except Exception as e:
-            better = _nnx.explain(e)
+            better = _explained(e)
             if better is None:
                 raise
             raise better from e
@@ -959,7 +986,7 @@ class _Handled:
     def _call_nnx(self, pure, pure_args, finish):
         """With Flax NNX objects among the function and its arguments: their
         state in and out (see `_nnx`)."""
-        if isinstance(self.fn, _CACHEABLE) or _nnx.is_node(self.fn):
+        if isinstance(self.fn, _CACHEABLE) or any(a.is_node(self.fn) for a in adapters):
             handled = _memoized(pure, self.handlers)
         else:  # a callable that may hold state: traced at every call
             handled = _Handled(
@@ -1054,7 +1081,7 @@ def eager_cached(what, fn, args, kwargs, make) -> tuple[Any, list[Any]]:
     (hashable), `fn` and the arguments' signature, for the functions `handle`
     caches (an Equinox module per structure, as `handle(model, ...)`): it may
     hold `call`, which holds no array but what `fn` closes over."""
-    nnx_call = _nnx.functional(fn, args, kwargs)
+    nnx_call = functional(fn, args, kwargs)
     nnx = nnx_call is not None  # (`call` must not hold `nnx_call`'s Variables)
     if nnx_call is not None:
         fn, args, kwargs, what = nnx_call[0], nnx_call[1], {}, (what, "nnx")
@@ -1322,7 +1349,7 @@ def intermediate_grads(
     def g(*args, **kwargs):
         # Flax NNX objects among the arguments: their state goes in and the
         # state they end with comes out of the gradient as auxiliary output.
-        nnx_call = _nnx.functional(fn, args, kwargs)
+        nnx_call = functional(fn, args, kwargs)
         pure, kwargs = (fn, kwargs) if nnx_call is None else (nnx_call[0], {})
         if nnx_call is not None:
             args = nnx_call[1]

@@ -23,7 +23,7 @@ from ._site import (
     CHECKPOINT_NAME,
     Site,
 )
-from ._sites import site_of, walk
+from ._walk import site_of, walk
 
 Rule = Callable[[Any, list[Any], Scope], list[Any]]
 # The rules for higher-order primitives, by primitive: `_rules` fills it (the

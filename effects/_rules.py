@@ -24,7 +24,7 @@ from ._layout import WHOLE, Axes, Boundary
 from ._rewrite import _bind, _matched, rules, run
 from ._scope import Key, Scope, types_key, types_of, zeros
 from ._site import Site, describe
-from ._sites import recomputes, sites_in
+from ._walk import recomputes, sites_in
 
 #
 # Plans: what a region emits

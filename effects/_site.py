@@ -22,13 +22,6 @@ def strong(x):
     return lax.convert_element_type(x, x.dtype) if x.aval.weak_type else x
 
 
-def aval(x):
-    """`x.aval` where there is one (arrays, tracers): `jax.typeof` costs more,
-    and this runs for every argument and site."""
-    found = getattr(x, "aval", None)
-    return jax.typeof(x) if found is None else found
-
-
 def shape_dtype(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
 

@@ -1,154 +1,18 @@
-"""The sites of a jaxpr, found by one walk (cached per jaxpr) that the rewriter,
-the branch check of `handle` and `fx.sites` (defined here, on the walk) share. A
-site is a `tag` or `perturb` equation, or a `jax.ad_checkpoint.checkpoint_name`
-seen as a tag in the collection "checkpoint_name"; each is found with the
-higher-order equations around it."""
+"""`fx.sites`: the walk of a program (`_walk`), listed, without running it."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import equinox as eqx
 import jax
 
-from . import _compat, _jaxpr, _nnx
-from ._primitives import handling, site_p
-from ._site import Site, checkpoint_name_params, describe
-
-Key = tuple[str, str, str, str]  # (kind, collection, name, part)
-
-
-def site_params(eqn) -> dict[str, Any] | None:
-    """The params of the site `eqn` is, if it is one: a `checkpoint_name` as
-    a tag (see `checkpoint_name_params`)."""
-    if eqn.primitive is site_p:
-        return eqn.params
-    name = _compat.checkpoint_name_of(eqn)
-    return None if name is None else checkpoint_name_params(name)
-
-
-def site_of(eqn, shards=()) -> Site:
-    """The site `eqn`, a site's equation, is."""
-    params = site_params(eqn)
-    assert params is not None
-    return Site.from_eqn(params, [v.aval for v in eqn.invars], shards)
-
-
-class Region(NamedTuple):
-    """A higher-order equation around a site, and which of its jaxprs holds it:
-    `jaxpr`, the `which`-th `_jaxpr.sub_jaxprs` finds (a cond's branch index)."""
-
-    eqn: Any
-    which: int
-    jaxpr: Any
-
-    @property
-    def name(self) -> str:
-        """The primitive as users know it: `scan`, `cond`, `jit`..."""
-        return _compat.primitive_name(self.eqn)
-
-
-class Located(NamedTuple):
-    """A site's equation and the regions around it, outermost first."""
-
-    eqn: Any
-    path: tuple[Region, ...]
-
-    @property
-    def key(self) -> Key:
-        p = site_params(self.eqn)
-        assert p is not None
-        return p["kind"], p["collection"], p["name"], p.get("part", "value")
-
-    @property
-    def recomputed(self) -> bool:
-        """Whether this is the backward pass's copy of a site (see `recomputes`),
-        not a site of its own. (A derivative site is its own, wherever it is:
-        the backward pass computes each cotangent once.)"""
-        if self.key[3] != "value":
-            return False
-        return bool(self.eqn.params.get("recompute")) or any(
-            recomputes(r.eqn) for r in self.path
-        )
-
-
-class _Walk(NamedTuple):
-    sites: tuple[Located, ...]  # program order
-    keys: frozenset[Key]
-    per_eqn: tuple[frozenset[Key], ...]  # the sites each equation is or holds
-    forward: bool  # a site marked `forward` (see `recomputes`)
-    primitives: frozenset  # of every equation, in sub-jaxprs too
-
-
-_walks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def walk(jaxpr) -> _Walk:
-    """The sites of an open `jaxpr` and its sub-jaxprs."""
-    found = _walks.get(jaxpr)
-    if found is not None:
-        return found
-    sites, per_eqn, primitives = [], [], set()
-    for eqn in jaxpr.eqns:
-        primitives.add(eqn.primitive)
-        if site_params(eqn) is not None:
-            sites.append(Located(eqn, ()))
-            per_eqn.append(frozenset([sites[-1].key]))
-            continue
-        mine = frozenset()
-        for i, sub in enumerate(_jaxpr.sub_jaxprs(eqn) if eqn.params else ()):
-            inner = walk(sub)
-            region = (Region(eqn, i, sub),)
-            sites += [Located(s.eqn, region + s.path) for s in inner.sites]
-            mine |= inner.keys
-            primitives |= inner.primitives
-        per_eqn.append(mine)
-    found = _walks[jaxpr] = _Walk(
-        tuple(sites),
-        frozenset().union(*per_eqn),
-        tuple(per_eqn),
-        any(s.eqn.params.get("forward") for s in sites),
-        frozenset(primitives),
-    )
-    return found
-
-
-def sites_in(jaxpr) -> frozenset[Key]:
-    """(kind, collection, name, part) of every site in `jaxpr` and its
-    sub-jaxprs."""
-    return walk(jaxpr).keys
-
-
-def recomputes(eqn) -> bool:
-    """Whether `eqn` is the backward pass's recomputation of a `jax.checkpoint`
-    region: the sites in it are executions of the forward pass's, computed
-    again, not executions of their own (see `_rules._call_rule`). JAX marks
-    it `differentiated`, but also the forward part of a checkpoint in a scan in
-    another checkpoint, which holds the tags that JAX's partial evaluation
-    kept where they execute, marked `forward` (see
-    `_primitives._site_partial_eval_custom`); the recomputation holds their
-    copies, and those of its loops JAX recomputes whole. A region holding only
-    `checkpoint_name`s has JAX's mark alone to go by: it is taken for a
-    recomputation."""
-    if eqn.primitive is not _compat.remat_p or not eqn.params.get("differentiated"):
-        return False
-    return not walk(eqn.params["jaxpr"]).forward
-
-
-def traced(fn, *args):
-    """The jaxpr of `fn(*args)` as `handle` sees it: traced with its sites
-    carrying their effect, so that none is dropped as unused."""
-    with handling(True):
-        return jax.make_jaxpr(fn)(*args).jaxpr
-
-
-#
-# fx.sites: the walk of a program, listed
-#
+from . import _nnx
+from ._site import describe
+from ._walk import Region, site_of, traced, walk
 
 
 @dataclasses.dataclass(frozen=True)
