@@ -45,6 +45,7 @@ SCRIPTS = [
     "bench_first_result.py",
     "bench_gpt.py",
     "bench_derivatives.py",
+    "bench_sites.py",
 ]
 
 TITLE = (

@@ -772,7 +772,14 @@ def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:
     def rewritten(*flat):
         handlers = _combine(config.static, config.treedef, flat[: len(h_leaves)])
         scope = _scope(handlers)
-        outs = run(traced.jaxpr, (), flat[len(h_leaves) :], scope)
+        try:
+            outs = run(traced.jaxpr, (), flat[len(h_leaves) :], scope)
+        except Exception:
+            # (after a site found unbatched, what fails may be what follows
+            # from it: traced again with it batched first)
+            scope.rewrite.check_batched()
+            raise
+        scope.rewrite.check_batched()
         info["dropped"] = scope.rewrite.dropped
         found = _report(scope, handlers, traced.sites)
         leaves, info["tree"] = jax.tree.flatten(found)
@@ -858,7 +865,8 @@ def _program(
             return program
     # The sites whose values a vmap inside `fn` batches although they do not
     # depend on the example: those the handlers give values per execution, and
-    # those a handler turns out to change per example (each traces again).
+    # those a handler turns out to change per example (all found in one rewrite:
+    # one trace more).
     batched, handlers, unbatched = config.batched, config.handlers, None
     while True:
         try:
@@ -878,9 +886,9 @@ def _program(
         try:
             program = _rewrite(traced, config, h_leaves, _name(fn))
         except Unbatched as e:
-            if e.name in batched:
+            if e.names <= batched:
                 raise
-            batched, unbatched = batched | {e.name}, e
+            batched, unbatched = batched | e.names, e
             continue
         break
     if key is not None and not any(map(_is_tracer, [*program.consts, *traced.consts])):

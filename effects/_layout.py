@@ -161,6 +161,25 @@ class Boundary:
         axis = self._axis(axes)
         return jax.tree.map(lambda x: jnp.moveaxis(x, 0, axis), value)
 
+    def repeated(self, tree):
+        """`tree`, whole in every shard: repeated along a new leading axis, one
+        per shard."""
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (self.size, *x.shape)), tree)
+
+    def repeated_init(self, init, axes: Axes):
+        """An accumulator made by `init` whole in every shard, in the layout
+        above, where its leading axes are `axes` inside."""
+        return self.from_inside(self.repeated(init()), axes)
+
+    def without(self, types, axes: Axes):
+        """The types of an accumulator whose leading axes `axes` hold this
+        shard_map's, one shard's: without that axis."""
+        i = axes.index(self.marker)
+        return jax.tree.map(
+            lambda t: jax.ShapeDtypeStruct(t.shape[:i] + t.shape[i + 1 :], t.dtype),
+            types,
+        )
+
     # Flat values crossing the boundary --------------------------------------
 
     def input_aval(self, aval):

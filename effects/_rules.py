@@ -142,9 +142,9 @@ def discover(
     A region is discovered once per state entering it in one rewrite: the
     rules of the regions around it, discovering and then tracing, meet it
     again in the same state."""
-    # The region starts from the accumulators entering it (a reduction may grow
-    # one there, by vmap batch axes).
-    entering = {k: types_of(v) for k, v in scope.accs.items()}
+    # One plan per state entering the region: the accumulators it touches (a
+    # reduction may grow one by vmap batch axes there), known once it is
+    # discovered, so a plan is looked for among those of the same region.
     key = (
         id(jaxpr),
         tuple(map(id, consts)),
@@ -153,21 +153,16 @@ def discover(
         loop,
         scope.custom,
         scope.shards,
-        tuple((k, *types_key(t), scope.acc_batch[k]) for k, t in entering.items()),
     )
-    hit = scope.rewrite.plans.get(key)
-    if hit is not None and hit[0] is jaxpr:
-        return hit[1]
+    for kept, plan, entered in scope.rewrite.plans.get(key, ()):
+        if kept is jaxpr and all(_entering(scope, k) == t for k, t in entered.items()):
+            return plan
     plans = []
 
     def fn(*args):
         sub = scope.inner(
             discovering=True,
-            accs={
-                k: jax.tree.map(_compat.vary_over_manual_axes, zeros(t))
-                for k, t in entering.items()
-            },
-            acc_batch=scope.acc_batch,
+            outside=scope,
             shards=scope.shards + shards,
             scans=scope.scans + (loop == "lax.scan"),
             index=scope.index + ((jnp.int32(0),) if loop else ()),
@@ -192,9 +187,18 @@ def discover(
         return outs
 
     _jaxpr.trace(fn, in_avals)
+    plan = plans[0]
+    entered = {k: _entering(scope, k) for k in plan.acc_avals}
     # (the jaxpr kept: its id stays its own)
-    scope.rewrite.plans[key] = (jaxpr, plans[0])
-    return plans[0]
+    scope.rewrite.plans.setdefault(key, []).append((jaxpr, plan, entered))
+    return plan
+
+
+def _entering(scope: Scope, key: Key):
+    """What a region's plan depends on of the accumulator `key` it starts from
+    in `scope` (see `Scope.entering`)."""
+    found = scope.entering(key)
+    return None if found is None else (types_key(found[0]), found[1])
 
 
 def _flat(trees) -> list[Any]:
@@ -241,7 +245,7 @@ class Region:
         for key, site in plan.sites.items():  # known in order of first execution
             scope.sites.setdefault(key, site)
         # The executions before the region's, and after them.
-        self.calls = dict(scope.calls)
+        self.calls = {key: scope.calls.get(key, 0) for key in plan.calls}
         for key, n in plan.calls.items():
             scope.calls[key] = scope.calls.get(key, 0) + n
         scope.wants_index |= plan.index
@@ -685,11 +689,13 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
     # run in a loop, or another over the same axes) enters split along it; any
     # other enters whole in every shard.
     m = b.marker
+    if scope.discovering:  # (every accumulator it may split, made here)
+        scope.enter_all()
     split = {k for k in scope.accs if m in scope.acc_batch[k]}
     local = scope.inner()
     for k, v in scope.accs.items():
         axes, types = scope.acc_batch[k], types_of(v)
-        local.accs[k] = _without_axis(types, axes.index(m)) if k in split else types
+        local.accs[k] = b.without(types, axes) if k in split else types
         local.acc_batch[k] = tuple(a for a in axes if a != m)
     body = p["jaxpr"]
     in_avals = [v.aval for v in body.invars]
@@ -705,11 +711,11 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
             scope.touched[key] = None
             value = b.to_inside(scope.accs[key], inside)
         else:
-            value = _stacked(plan.acc(scope, key), b.size)
+            value = b.repeated(plan.acc(scope, key))
         accs += jax.tree.leaves(value)
     region = Region(scope, plan, b, accs)
     if scope.discovering:
-        stacked = [_stacked(zeros(a), b.size) for a in _flat(plan.acc_avals.values())]
+        stacked = [b.repeated(zeros(a)) for a in _flat(plan.acc_avals.values())]
         region.set_accs(stacked)
         for key, inside in plan.acc_batch.items():
             # What it starts as, stacked: one first made here, or one made
@@ -718,7 +724,7 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
             if init is None and key not in split and key in scope.acc_inits:
                 init = scope.acc_inits[key]
             if init is not None:
-                scope.acc_inits[key] = functools.partial(_stacked_init, init, b, inside)
+                scope.acc_inits[key] = functools.partial(b.repeated_init, init, inside)
         return region.discovered(eqn, invals)
     with _compat.shard_map_body(p):
         new_body, hoisted = region.trace(body, (), in_avals)
@@ -735,22 +741,6 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
     outs = _bind(eqn, [*hoisted, *invals, *accs, *region.inputs], **params)
     region.leave(outs[n_out:])
     return outs[:n_out]
-
-
-def _stacked(tree, size: int):
-    """`tree` repeated along a new leading axis of `size`."""
-    return jax.tree.map(lambda x: jnp.broadcast_to(x, (size, *x.shape)), tree)
-
-
-def _stacked_init(init, b: Boundary, axes: Axes):
-    return b.from_inside(_stacked(init(), b.size), axes)
-
-
-def _without_axis(types, axis: int):
-    return jax.tree.map(
-        lambda t: jax.ShapeDtypeStruct(t.shape[:axis] + t.shape[axis + 1 :], t.dtype),
-        types,
-    )
 
 
 rules[_compat.shard_map_p] = _shard_map_rule

@@ -109,6 +109,16 @@ class Rewrite:
     # Whether a derivative site was dropped (no handler, no `handle` around):
     # then what the program kept for it is dead code (`_handle._rewrite`).
     dropped: bool = False
+    # Per site name: a handler changes it per example where a vmap does not
+    # batch it (see `Unbatched`).
+    unbatched: dict = dataclasses.field(default_factory=dict)
+
+    def check_batched(self) -> None:
+        """Raises `Unbatched` for every site found so, at once."""
+        if self.unbatched:
+            first = next(iter(self.unbatched.values()))
+            first.names = frozenset(self.unbatched)
+            raise first
 
 
 class Scope:
@@ -127,6 +137,7 @@ class Scope:
         calls: dict | None = None,
         index: tuple = (),
         scans: int = 0,
+        outside: Scope | None = None,
     ):
         if not isinstance(handlers, Handlers):
             handlers = Handlers(handlers)
@@ -145,6 +156,11 @@ class Scope:
         self.replaying = replaying
         self.entries: dict[Key, list[tuple[Any, Axes]]] = {}
         self.accs: dict[Key, Any] = dict(accs or {})
+        # While discovering: the scope the region is in, whose accumulators (and
+        # those of the scopes it is in) the region starts from. Each is made
+        # here only when the region first touches it (see `entering`): a region
+        # touches a few of the many accumulators a program may have.
+        self.outside = outside
         self.given = inputs or {}
         self.inputs: dict[Key, list[Any]] = {k: list(v) for k, v in self.given.items()}
         # Filled while discovering, for the rule that threads this region.
@@ -216,7 +232,7 @@ class Scope:
     def acc(self, key: Key, init, batch: Axes):
         """The key's accumulator: made by `init` (a thunk) if there is none yet,
         grown by the vmap batch axes `batch` has and it lacks."""
-        if key not in self.accs:
+        if key not in self.accs and not self._enter(key):
             self.acc_inits[key] = init
             self.accs[key], self.acc_batch[key] = init(), batch
         self.touched[key] = None
@@ -232,6 +248,37 @@ class Scope:
                     _BATCH_MISMATCH.format(where=self.where(key), a=have, b=batch)
                 )
         return self.accs[key]
+
+    def entering(self, key: Key) -> tuple[Any, Axes] | None:
+        """The types and batch axes of the accumulator `key` a region in this
+        scope starts from: this scope's, or while discovering, one a scope
+        outside has; None where there is none (the region makes it)."""
+        scope = self
+        while scope is not None and key not in scope.accs:
+            scope = scope.outside
+        if scope is None:
+            return None
+        return types_of(scope.accs[key]), scope.acc_batch[key]
+
+    def _enter(self, key: Key) -> bool:
+        """Makes here, as zeros, the accumulator `key` the region would start
+        from; False where it has none."""
+        entering = self.entering(key)
+        if entering is None:
+            return False
+        types, self.acc_batch[key] = entering
+        self.accs[key] = jax.tree.map(_compat.vary_over_manual_axes, zeros(types))
+        return True
+
+    def enter_all(self) -> None:
+        """Makes here, untouched, every accumulator the region would start
+        from (for a rule that must see them all: a shard_map's)."""
+        scope = self.outside
+        while scope is not None:
+            for key in scope.accs:
+                if key not in self.accs:
+                    self._enter(key)
+            scope = scope.outside
 
     def fold(self, key: Key, reduce, acc, value, extra: int):
         """`reduce.fn(acc, value)` for one example, where `acc` may have
@@ -362,8 +409,9 @@ _CHANGED_IN_CUSTOM = (
 class Unbatched(ValueError):
     """A handler changes per example a value a vmap inside the handled function
     does not batch: `handle` traces the function again with the vmap batching
-    the site `name` (see `_primitives.batched_sites`). Raised only once that is
-    done, it is an error."""
+    the sites `names` (see `_primitives.batched_sites`), every such site found
+    in one rewrite (`Rewrite.unbatched`), so once. Raised for a site that is
+    batched already, it is an error."""
 
     def __init__(self, handler, site: Site):
         super().__init__(
@@ -372,7 +420,7 @@ class Unbatched(ValueError):
             "example. Move the handler inside the vmap "
             "(`jax.vmap(fx.handle(f, ...))`)."
         )
-        self.name = site.name
+        self.names = frozenset([site.name])
 
 
 _BAD_VALUE = (
@@ -471,8 +519,10 @@ def _counted(scope: Scope, index: int, site: Site, key: Key, within: str | None)
     backward = "cotangent" in (site.part, within)
     call = scope.calls.get(key, 0)
     replay = scope.replaying and site.part == "value" and within is None
-    if not replay:  # (a recomputation has no call number of its own)
-        scope.calls[key] = call + 1
+    # (A recomputation has no call number of its own; its key is known to
+    # the region all the same: see `_rules.Region`.)
+    scope.calls[key] = call + (not replay)
+    if not replay:
         if within is None and site.pair is not None:
             scope.rewrite.pairs[index, site.pair] = call
 
@@ -508,7 +558,9 @@ def _into_program(scope: Scope, handler, site: Site, leaves, same, changed) -> l
             continue
         x = next(it)
         if any(a is None for a, _ in entries):
-            raise Unbatched(handler, site)
+            # (the rewrite goes on with the leaf as it was, to find the others)
+            scope.rewrite.unbatched.setdefault(site.name, Unbatched(handler, site))
+            continue
         x = to_program(x, entries)
         if site.shards:
             x = site.vary_like(x, site.avals[j], _name(handler))

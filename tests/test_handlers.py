@@ -683,6 +683,32 @@ def test_any_handler_may_change_an_unbatched_value_per_example():
     assert bad is not None and bad.name == "pos"
 
 
+def test_every_unbatched_site_a_handler_changes_is_batched_in_one_more_trace():
+    # Three values the vmap leaves unbatched, each changed per example: all are
+    # found in one rewrite, so the function is traced twice, not once per site.
+    calls = []
+
+    def loss(x):  # x: (B, 3)
+        calls.append(None)
+
+        def one(xi):
+            out = xi
+            for i in range(3):
+                out = out * fx.tag(jnp.cos(jnp.arange(3.0) + i), f"pos{i}")
+            return jnp.sum(out)
+
+        return jnp.mean(jax.vmap(one)(x))
+
+    x = _rng(36, (B, 3))
+    values = {f"pos{i}": _rng(37 + i, (B, 3)) for i in range(3)}
+    out, _ = fx.handle(loss, fx.Substitute(values))(x)
+    assert len(calls) == 2
+    by_hand = jnp.mean(
+        jax.vmap(lambda xi, a, b, c: jnp.sum(xi * a * b * c))(x, *values.values())
+    )
+    assert_trees_close(out, by_hand)
+
+
 def test_values_per_execution_leave_other_programs_alone():
     # Only the names a handler gives values per execution are batched: under
     # Tag(), `pos` stays one value, broadcast where it meets the batch.
