@@ -148,7 +148,7 @@ def _nameless_debug_info(fn, named_after=None):
             pass
     # One of ours (a region's body, a rewritten program): its source line, the
     # debug info `debug_info` would make without reading its signature, which
-    # was a fifth of the time of tracing a small region (jax 0.7-0.12).
+    # was about 15% of the time of tracing small regions (jax 0.7-0.12).
     return _core.DebugInfo(
         "effects", _fun_sourceinfo(fn), None, _lu.initial_result_paths
     )
