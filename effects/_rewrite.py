@@ -2,9 +2,8 @@
 what they emit (appended entries, accumulators, per-execution inputs) through
 every higher-order primitive. One rule per primitive, shared by all handlers.
 
-Rules for loops and branches work in two passes, like `jax.experimental.checkify`:
-a discovery pass traces the body to learn what the handlers emit inside it (a
-`Plan`), then the body is traced again with that state threaded in and out.
+Calls are traced once, on the scope they are in; loops and branches as
+`jax.experimental.checkify` traces them (see `_rules`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """The rules for higher-order primitives (jit, checkpoint, scan, while_loop,
 cond, custom_jvp/custom_vjp, shard_map): each threads what the handlers emit in
-its sub-jaxprs through a `Region`, and keeps only its binder order and params.
+its sub-jaxprs, and keeps only its binder order and params.
 
-A region is traced twice, as `jax.experimental.checkify` does: discovery traces
-it abstractly to learn what the handlers emit inside (a `Plan`: accumulators,
-entries, per-execution inputs, with their types), then the real pass traces it
-with that state as extra inputs and outputs. A region met while discovering an
-enclosing one is not traced again: its plan says what it emits.
+A call (jit, checkpoint, custom_jvp/custom_vjp) is traced once, on the scope
+it is in (`Scope.traced`). A loop, a cond's branches and a shard_map's body
+(a `Region`) are traced as `jax.experimental.checkify` traces them: once
+threading nothing, which is the one trace where the handlers in them only
+append; where that trace touches an accumulator, takes per-execution inputs or
+reads the loop's iteration, it has learnt which (a `Plan`), and the region is
+traced again with that state as extra inputs and outputs.
 """
 
 from __future__ import annotations
@@ -33,16 +35,54 @@ from ._walk import recomputes, sites_in
 
 @dataclasses.dataclass
 class Plan:
-    """What the handlers emit inside one region, learnt by discovery."""
+    """What the handlers emit inside one region, as a trace of it found."""
 
-    accs: dict[Key, Any]  # key -> init thunk, for those first made inside
-    acc_avals: dict[Key, Any]  # key -> avals tree
-    acc_batch: dict[Key, Axes]  # key -> its per-example axes
-    entries: dict[Key, list[tuple[Any, Axes]]]  # key -> [(avals tree, lead)]
-    inputs: dict[Key, list[tuple[Any, Axes]]]
-    sites: dict[Key, Site]
+    # key -> init thunk, for those first made inside
+    accs: dict[Key, Any] = dataclasses.field(default_factory=dict)
+    acc_avals: dict[Key, Any] = dataclasses.field(default_factory=dict)
+    acc_batch: dict[Key, Axes] = dataclasses.field(default_factory=dict)
+    # key -> [(avals tree, lead)]
+    entries: dict[Key, list[tuple[Any, Axes]]] = dataclasses.field(default_factory=dict)
+    # key -> [(avals tree, lead)], of the inputs the trace was not given
+    inputs: dict[Key, list[tuple[Any, Axes]]] = dataclasses.field(default_factory=dict)
+    sites: dict[Key, Site] = dataclasses.field(default_factory=dict)
     calls: dict[Key, int] = dataclasses.field(default_factory=dict)  # per run
     index: bool = False  # whether a handler reads the loops' iterations
+
+    @classmethod
+    def of(cls, sub: Scope) -> Plan:
+        """What the trace of a region in the scope `sub` found: types only
+        (nothing may keep the trace's tracers alive)."""
+        outside = sub.outside
+        return cls(
+            accs=dict(sub.acc_inits),
+            acc_avals={k: types_of(sub.accs[k]) for k in sub.touched},
+            acc_batch={k: sub.acc_batch[k] for k in sub.touched},
+            entries={
+                k: [(types_of(v), lead) for v, lead in vs]
+                for k, vs in sub.entries.items()
+            },
+            inputs=dict(sub.input_avals),
+            sites=dict(sub.sites),
+            calls={
+                k: n - (0 if outside is None else outside.count(k))
+                for k, n in sub.calls.items()
+            },
+            index=sub.wants_index,
+        )
+
+    def covers(self, found: Plan) -> bool:
+        """Whether a trace threading this plan was given all that the trace
+        found it needs: the accumulators it touched (as they leave it), the
+        per-execution inputs it took and the loops' iterations."""
+        if found.inputs or (found.index and not self.index):
+            return False
+        return all(
+            key in self.acc_avals
+            and self.acc_batch[key] == found.acc_batch[key]
+            and types_key(self.acc_avals[key]) == types_key(avals)
+            for key, avals in found.acc_avals.items()
+        )
 
     def acc(self, scope: Scope, key: Key):
         """One accumulator's value entering the region (made, or grown by the
@@ -75,9 +115,9 @@ class Plan:
 
     @classmethod
     def merged(cls, plans: list[Plan]) -> Plan:
-        """One plan for the branches of a cond: every branch threads what any
-        of them emits."""
-        merged = cls({}, {}, {}, {}, {}, {})
+        """One plan for several: the branches of a cond (every branch threads
+        what any of them emits), or a plan and what a trace found."""
+        merged = cls()
         for plan in plans:
             merged.sites.update(plan.sites)
             merged.accs.update(plan.accs)
@@ -133,67 +173,6 @@ _BRANCHES_DIFFER = (
 )
 
 
-def discover(
-    jaxpr, consts, in_avals, scope: Scope, shards=(), loop: str | None = None
-) -> Plan:
-    """Traces `jaxpr` once, abstractly, to learn what the handlers emit in it
-    (`shards`: the shard_map the region is the body of, see `Site.shards`;
-    `loop`: whether it is a loop's body).
-    A region is discovered once per state entering it in one rewrite: the
-    rules of the regions around it, discovering and then tracing, meet it
-    again in the same state."""
-    # One plan per state entering the region: the accumulators it touches (a
-    # reduction may grow one by vmap batch axes there), known once it is
-    # discovered, so a plan is looked for among those of the same region.
-    key = (
-        id(jaxpr),
-        tuple(map(id, consts)),
-        tuple(in_avals),
-        shards,
-        loop,
-        scope.custom,
-        scope.shards,
-    )
-    for kept, plan, entered in scope.rewrite.plans.get(key, ()):
-        if kept is jaxpr and all(_entering(scope, k) == t for k, t in entered.items()):
-            return plan
-    plans = []
-
-    def fn(*args):
-        sub = scope.inner(
-            discovering=True,
-            outside=scope,
-            shards=scope.shards + shards,
-            scans=scope.scans + (loop == "lax.scan"),
-            index=scope.index + ((jnp.int32(0),) if loop else ()),
-        )
-        outs = run(jaxpr, consts, args, sub)
-        # Only types leave the trace: nothing may keep its tracers alive.
-        plans.append(
-            Plan(
-                accs=dict(sub.acc_inits),
-                acc_avals={k: types_of(sub.accs[k]) for k in sub.touched},
-                acc_batch={k: sub.acc_batch[k] for k in sub.touched},
-                entries={
-                    k: [(types_of(v), lead) for v, lead in vs]
-                    for k, vs in sub.entries.items()
-                },
-                inputs=dict(sub.input_avals),
-                sites=dict(sub.sites),
-                calls=dict(sub.calls),
-                index=sub.wants_index,
-            )
-        )
-        return outs
-
-    _jaxpr.trace(fn, in_avals)
-    plan = plans[0]
-    entered = {k: _entering(scope, k) for k in plan.acc_avals}
-    # (the jaxpr kept: its id stays its own)
-    scope.rewrite.plans.setdefault(key, []).append((jaxpr, plan, entered))
-    return plan
-
-
 def _entering(scope: Scope, key: Key):
     """What a region's plan depends on of the accumulator `key` it starts from
     in `scope` (see `Scope.entering`)."""
@@ -216,17 +195,14 @@ def _unflat(trees, leaves) -> list[Any]:
 
 
 class Region:
-    """A sub-jaxpr (a called function, a loop body, a branch, a shard_map's
-    body) with what the handlers emit in it threaded through. Made, it has
-    taken from the enclosing scope the accumulators entering the region
-    (`accs`) and its per-execution inputs (`inputs`), flat; `trace` traces the
-    body with those as extra inputs and outputs, and `leave` gives what came out
-    back to the scope. A rule reads:
+    """Sub-jaxprs (a loop body, a cond's branches, a shard_map's body) with
+    what the handlers emit in them threaded through, as a plan says. Made, it
+    has taken from the enclosing scope the accumulators entering the region
+    (`accs`) and its per-execution inputs (`inputs`), flat; `trace` traces a
+    body with those as extra inputs and outputs, and `leave` gives what came
+    out back to the scope. A rule reads:
 
-        region = Region.of(scope, jaxpr, consts, in_avals)
-        if scope.discovering:
-            return region.discovered(eqn, invals)
-        body, hoisted = region.trace(jaxpr, consts, in_avals)
+        region, [(body, hoisted)] = Region.traced(scope, [(jaxpr, consts)], in_avals)
         # body: (*hoisted, *args, *accs, *inputs) -> (*outs, *accs, *entries)
         outs = _bind(eqn, [*hoisted, *invals, *region.accs, *region.inputs], ...)
         region.leave(outs[n_out:])
@@ -240,23 +216,19 @@ class Region:
         boundary: Boundary = WHOLE,
         accs=None,
         loop: str | None = None,
+        outside: Scope | None = None,
     ):
-        self.scope, self.plan, self.boundary = scope, plan, boundary
-        for key, site in plan.sites.items():  # known in order of first execution
-            scope.sites.setdefault(key, site)
-        # The executions before the region's, and after them.
-        self.calls = {key: scope.calls.get(key, 0) for key in plan.calls}
-        for key, n in plan.calls.items():
-            scope.calls[key] = scope.calls.get(key, 0) + n
-        scope.wants_index |= plan.index
+        self.scope, self.plan, self.boundary, self.loop = scope, plan, boundary, loop
+        # The scope a trace starts from, for what the plan does not thread.
+        self.outside = scope if outside is None else outside
         if accs is None:
             accs = _flat(plan.acc(scope, key) for key in plan.acc_avals)
         self.accs, self.inputs = accs, []
         for key, specs in plan.inputs.items():
-            outside = [
+            outside_specs = [
                 (boundary.stacked(a, lead), boundary.after(lead)) for a, lead in specs
             ]
-            values = scope.take_inputs(key, outside, plan.sites[key])
+            values = scope.take_inputs(key, outside_specs, plan.sites[key])
             for value, (_, lead) in zip(values, specs):
                 self.inputs += jax.tree.leaves(boundary.to_inside(value, lead))
         # A loop's iteration, where a handler reads it (`Context.at`): a scan's
@@ -267,13 +239,76 @@ class Region:
             self.inputs.append(jnp.arange(boundary.size, dtype=jnp.int32))
         if self.counter:
             self.accs = [*self.accs, jnp.int32(0)]
+        # Whether this region's traces are first traces, traced again.
+        self.provisional = scope.provisional
+        # Per trace: what it found, and the entries it returns.
+        self.found: list[Plan] = []
+        self.out: list[dict[Key, list[tuple[Any, Axes]]]] = []
 
     @classmethod
-    def of(cls, scope, jaxpr, consts, in_avals, boundary=WHOLE, loop=None) -> Region:
-        plan = discover(jaxpr, consts, in_avals, scope, loop=loop)
-        if loop is not None:
-            plan.forbid(loop, scope)
-        return cls(scope, plan, boundary, loop=loop)
+    def traced(
+        cls,
+        scope: Scope,
+        bodies: list[tuple[Any, Any]],
+        in_avals,
+        boundary: Boundary = WHOLE,
+        loop: str | None = None,
+        enter=None,
+        outside: Scope | None = None,
+    ):
+        """The region of `bodies` (`(jaxpr, consts)`: a body, or a cond's
+        branches), and each body traced, `(open jaxpr, its constants)`.
+        `enter(plan)`: the accumulators entering, flat (by default as
+        `Plan.acc` makes them); `outside`: the scope a first trace starts from.
+
+        A first trace threads nothing. Where the handlers in the bodies only
+        append (`Tag()`) it is the only one. Where they touch an accumulator,
+        take per-execution inputs or read the loop's iteration, it has learnt
+        which, and the bodies are traced again threading them. That plan is kept
+        for the rest of the rewrite, found again by what it depends on (each
+        body, and the types of the accumulators it starts from): a region met
+        again, in the second trace of a region around it, is traced once."""
+        outside = scope if outside is None else outside
+        shards = boundary.marker if boundary.stack == "shard" else None
+        keys = [
+            (id(j), tuple(map(id, c)), tuple(in_avals), shards, loop, scope.custom)
+            + (scope.shards, scope.replaying)
+            for j, c in bodies
+        ]
+        known = [_known(outside, key, j) for key, (j, _) in zip(keys, bodies)]
+        plans = [plan for plan in known if plan is not None]
+        if len(plans) < len(bodies):
+            first = cls(scope, Plan(), boundary, [], loop, outside)
+            first.provisional = True
+            traced = [first.trace(j, c, in_avals) for j, c in bodies]
+            plans = first.found
+            plan = Plan.merged(plans)
+            if loop is not None:
+                plan.forbid(loop, scope)
+            entries = list(plan.entries.items())
+            complete = all(map(Plan().covers, plans))
+            if all(list(out.items()) == entries for out in first.out) and (
+                complete or scope.provisional
+            ):
+                if not complete:
+                    # In a first trace, itself traced again: the scope learns
+                    # what the region needs (a region that takes it is made),
+                    # and the region stays as traced here.
+                    cls(scope, plan, boundary, enter and enter(plan), loop, outside)
+                return first, traced
+            for key, (j, _), found in zip(keys, bodies, plans):
+                entered = {k: _entering(outside, k) for k in found.acc_avals}
+                # (the jaxpr kept: its id stays its own)
+                scope.rewrite.plans.setdefault(key, []).append((j, found, entered))
+        plan = Plan.merged(plans)
+        accs = None if enter is None else enter(plan)
+        region = cls(scope, plan, boundary, accs, loop, outside)
+        traced = [
+            region.trace(j, c, in_avals, own if len(bodies) > 1 else None)
+            for (j, c), own in zip(bodies, plans)
+        ]
+        assert all(map(plan.covers, region.found)), (plan, region.found)
+        return region, traced
 
     def trace(self, jaxpr, consts, in_avals, own: Plan | None = None):
         """Traces the region `(*args, *accs, *inputs) -> (*outs, *accs,
@@ -294,6 +329,7 @@ class Region:
             args, flat = flat[:n_args], [b.enter(x) for x in flat[n_args:]]
             accs = _unflat(acc_trees, flat[:n_acc])
             given = iter(_unflat(input_trees, flat[n_acc + self.counter :][:n_in]))
+            index = () if self.loop is None else (jnp.int32(0),)  # (a stand-in)
             sub = scope.inner(
                 accs=dict(zip(plan.acc_avals, accs)),
                 acc_batch=plan.acc_batch,
@@ -303,18 +339,23 @@ class Region:
                 },
                 shards=scope.shards + ((b.marker,) if b.stack == "shard" else ()),
                 scans=scope.scans + (b.stack == "scan"),
-                calls=self.calls,
-                index=scope.index + (() if at is None else (flat[at],)),
+                index=scope.index + (index if at is None else (flat[at],)),
+                outside=self.outside,
+                provisional=self.provisional,
             )
             outs = run(jaxpr, consts, args, sub)
+            found = Plan.of(sub)
+            out = Plan.merged([Plan(entries=plan.entries), found]).entries
+            self.found.append(found)
+            self.out.append(out)
             entries = []
-            for key, specs in plan.entries.items():
+            for key, specs in out.items():
                 got = [value for value, _ in sub.entries.get(key, [])]
                 # A run with fewer executions (a branch) lacks the last ones:
                 # zeros after its own, or before them in a backward pass,
                 # which runs the executions last first.
                 fill = [zeros(avals) for avals, _ in specs[len(got) :]]
-                if plan.sites[key].part == "cotangent":
+                if (found.sites.get(key) or plan.sites[key]).part == "cotangent":
                     got, fill = fill, got
                 entries += got + fill
             accs = [sub.accs[k] for k in plan.acc_avals]
@@ -326,16 +367,26 @@ class Region:
             *(b.acc_aval(jax.typeof(x)) for x in self.accs),
             *(b.input_aval(jax.typeof(x)) for x in self.inputs),
         ]
-        return _jaxpr.trace(fn, avals)
+        if b.stack != "shard":
+            return _jaxpr.trace(fn, avals)
+        with _compat.shard_map_body(b.params):
+            return _jaxpr.trace(fn, avals)
 
     def leave(self, leaves) -> None:
         """Gives the enclosing scope what the region returned after its own
         outputs: the accumulators, then the entries (stacked along their first
-        axis by a scan or shard_map)."""
-        plan, scope, b = self.plan, self.scope, self.boundary
+        axis by a scan or shard_map), and what it did (its sites, their
+        executions, whether a handler read the loops' iterations)."""
+        scope, b = self.scope, self.boundary
+        done = Plan.merged(self.found)
+        for key, site in done.sites.items():  # known in order of first execution
+            scope.sites.setdefault(key, site)
+        for key, n in done.calls.items():
+            scope.calls[key] = scope.count(key) + n
+        scope.wants_index |= done.index
         n_acc = len(self.accs) - self.counter
         self.set_accs(leaves[:n_acc])
-        specs = [(k, *spec) for k, specs in plan.entries.items() for spec in specs]
+        specs = [(k, *spec) for k, specs in self.out[0].items() for spec in specs]
         entries = leaves[n_acc : len(leaves) - self.counter]
         values = _unflat([avals for _, avals, _ in specs], entries)
         for (key, _, lead), value in zip(specs, values):
@@ -353,16 +404,15 @@ class Region:
                 scope.accs[key] = b.from_inside(value, axes)
                 scope.acc_batch[key] = b.after(axes)
 
-    def discovered(self, eqn, invals) -> list[Any]:
-        """The region, met while discovering an enclosing one: what it emits is
-        known from its plan, so it is not traced again (that would make
-        discovery cost grow exponentially with nesting depth). The equation
-        gives the outputs' types; entries are zeros of their types outside."""
-        b = self.boundary
-        for key, specs in self.plan.entries.items():
-            for avals, lead in specs:
-                self.scope.add_entry(key, zeros(b.stacked(avals, lead)), b.after(lead))
-        return _bind(eqn, invals)
+
+def _known(outside: Scope, key, jaxpr) -> Plan | None:
+    """The plan learnt for the region `key` in this rewrite, where the
+    accumulators it touched start as they did then."""
+    for kept, plan, entered in outside.rewrite.plans.get(key, ()):
+        same = (_entering(outside, k) == e for k, e in entered.items())
+        if kept is jaxpr and all(same):
+            return plan
+    return None
 
 
 #
@@ -381,17 +431,17 @@ def _call_rule(eqn, invals, scope: Scope, name: str) -> list[Any]:
     closed = isinstance(jaxpr, _compat.ClosedJaxpr)
     jaxpr, consts = (jaxpr.jaxpr, jaxpr.consts) if closed else (jaxpr, ())
     in_avals = [v.aval for v in eqn.invars]
-    region = Region.of(scope, jaxpr, consts, in_avals)
-    if scope.discovering:
-        return region.discovered(eqn, invals)
-    body, hoisted = region.trace(jaxpr, consts, in_avals)
+    # One trace: what the handlers emit leaves as more outputs.
+    body, hoisted, leave = scope.traced(
+        lambda *args: run(jaxpr, consts, args, scope), in_avals
+    )
     params = {name: _compat.ClosedJaxpr(body, ()) if closed else body}
-    n_out, n_in = len(eqn.outvars), len(region.accs) + len(region.inputs)
+    n_out = len(eqn.outvars)
     if eqn.primitive is _compat.pjit_p:
         n_extra_out = len(body.outvars) - n_out
-        params |= _jit_params(eqn.params, len(hoisted), n_in, n_extra_out)
-    outs = _bind(eqn, [*hoisted, *invals, *region.accs, *region.inputs], **params)
-    region.leave(outs[n_out:])
+        params |= _jit_params(eqn.params, len(hoisted), 0, n_extra_out)
+    outs = _bind(eqn, [*hoisted, *invals], **params)
+    leave(outs[n_out:])
     return outs[:n_out]
 
 
@@ -428,12 +478,9 @@ def _scan_rule(eqn, invals, scope: Scope) -> list[Any]:
     n_xs, n_ys = len(invals) - n_consts - n_carry, len(eqn.outvars) - n_carry
     in_avals = closed.in_avals
     boundary = Boundary("scan", length)
-    region = Region.of(
-        scope, closed.jaxpr, closed.consts, in_avals, boundary, "lax.scan"
+    region, [(body, hoisted)] = Region.traced(
+        scope, [(closed.jaxpr, closed.consts)], in_avals, boundary, "lax.scan"
     )
-    if scope.discovering:
-        return region.discovered(eqn, invals)
-    body, hoisted = region.trace(closed.jaxpr, closed.consts, in_avals)
     # The region is (hoisted, consts, carry, xs, accs, inputs) -> (carry, ys, accs,
     # entries); scan wants the accumulators in the carry: (hoisted, consts, carry,
     # accs, xs, inputs) -> (carry, accs, ys, entries).
@@ -482,12 +529,9 @@ def _while_rule(eqn, invals, scope: Scope) -> list[Any]:
             "cond_fun of a lax.while_loop, which handlers cannot collect from. "
             "Tag the value in body_fun instead."
         )
-    region = Region.of(
-        scope, body.jaxpr, body.consts, body.in_avals, loop="lax.while_loop"
+    region, [(new_body, hoisted)] = Region.traced(
+        scope, [(body.jaxpr, body.consts)], body.in_avals, loop="lax.while_loop"
     )
-    if scope.discovering:
-        return region.discovered(eqn, invals)
-    new_body, hoisted = region.trace(body.jaxpr, body.consts, body.in_avals)
     # (hoisted, body_consts, carry, accs) -> (carry, accs): the accumulators
     # extend the carry; cond_fun ignores them.
     new_cond = _jaxpr.insert_invars(
@@ -515,17 +559,10 @@ rules[_compat.while_p] = _while_rule
 def _cond_rule(eqn, invals, scope: Scope) -> list[Any]:
     branches = eqn.params["branches"]
     in_avals = branches[0].in_avals
-    plans = [discover(b.jaxpr, b.consts, in_avals, scope) for b in branches]
-    plan = Plan.merged(plans)
     # Inside a shard_map, one branch's entry may vary over the mesh where another
     # branch's (or a zeros fill) does not; cond needs them alike.
-    region = Region(scope, plan, Boundary(vary=True))
-    if scope.discovering:
-        return region.discovered(eqn, invals)
-    traced = [
-        region.trace(b.jaxpr, b.consts, in_avals, own)
-        for b, own in zip(branches, plans)
-    ]
+    bodies = [(b.jaxpr, b.consts) for b in branches]
+    region, traced = Region.traced(scope, bodies, in_avals, Boundary(vary=True))
     hoisted_avals = [[jax.typeof(c) for c in h] for _, h in traced]
     new_branches = []
     for i, (body, hoisted) in enumerate(traced):
@@ -563,10 +600,6 @@ def _custom_rule(eqn, invals, scope: Scope) -> list[Any]:
 
 def _custom(eqn, invals, scope: Scope) -> list[Any]:
     closed = eqn.params["call_jaxpr"]
-    if scope.discovering:
-        outs = _bind(eqn, invals)
-        run(closed.jaxpr, closed.consts, invals, scope)  # types only: nothing runs
-        return outs
     # The equation with its sites re-bound (dropping the effect they carried
     # while `handle` traced): its custom rule differentiates the function.
     stripped, consts = _compat.trace_closed(
@@ -583,12 +616,13 @@ def _custom(eqn, invals, scope: Scope) -> list[Any]:
     # own rule, and collects by running the region once more. What is collected
     # inside carries no gradient: the custom rule defines none for it.
     in_avals = [v.aval for v in eqn.invars]
-    region = Region.of(scope, closed.jaxpr, closed.consts, in_avals)
-    body, hoisted = region.trace(closed.jaxpr, closed.consts, in_avals)
+    body, hoisted, leave = scope.traced(
+        lambda *args: run(closed.jaxpr, closed.consts, args, scope), in_avals
+    )
     traced = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(body, ()))
 
-    def collecting(hoisted, args, accs):
-        return traced(*hoisted, *args, *accs)
+    def collecting(hoisted, args):
+        return traced(*hoisted, *args)
 
     def original(*args):
         return _bind(eqn, args, call_jaxpr=call_jaxpr)
@@ -598,18 +632,18 @@ def _custom(eqn, invals, scope: Scope) -> list[Any]:
         collecting = _collecting_custom_vjp(original, collecting, n_out)
     else:
         collecting = _collecting_custom_jvp(original, collecting, n_out)
-    outs = collecting(hoisted, invals, region.accs)
-    region.leave(outs[n_out:])
+    outs = collecting(hoisted, invals)
+    leave(outs[n_out:])
     return outs[:n_out]
 
 
 def _collecting_custom_vjp(original, region, n_out):
     collecting = jax.custom_vjp(region)
 
-    def fwd(hoisted, args, accs):
+    def fwd(hoisted, args):
         # Only the inputs JAX perturbs are differentiated, as the equation's
         # own forward rule expects (Equinox's asserts it).
-        hoisted, values, accs = ([p.value for p in t] for t in (hoisted, args, accs))
+        hoisted, values = ([p.value for p in t] for t in (hoisted, args))
         perturbed = tuple(i for i, a in enumerate(args) if a.perturbed)
 
         def of_perturbed(*xs):
@@ -619,7 +653,7 @@ def _collecting_custom_vjp(original, region, n_out):
             return original(*full)
 
         outs, vjp = jax.vjp(of_perturbed, *(values[i] for i in perturbed))
-        extra = region(hoisted, values, accs)[n_out:]
+        extra = region(hoisted, values)[n_out:]
         # (the perturbed positions travel as a residual with no leaves)
         where = jax.tree_util.Partial(
             functools.partial(_positions, perturbed, len(args))
@@ -630,7 +664,7 @@ def _collecting_custom_vjp(original, region, n_out):
         vjp, where = residual
         cts = [_zero_tangent(c) if isinstance(c, _Zero) else c for c in cts[:n_out]]
         grads = iter(vjp(cts))
-        return None, [next(grads) if p else None for p in where()], None
+        return None, [next(grads) if p else None for p in where()]
 
     collecting.defvjp(fwd, bwd, symbolic_zeros=True)
     return collecting
@@ -687,47 +721,36 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
     b = Boundary.shard_map(p)
     # An accumulator with this shard axis already (from this shard_map's previous
     # run in a loop, or another over the same axes) enters split along it; any
-    # other enters whole in every shard.
+    # other enters whole in every shard. A first trace starts from them as one
+    # shard sees them (`local`).
     m = b.marker
-    if scope.discovering:  # (every accumulator it may split, made here)
-        scope.enter_all()
-    split = {k for k in scope.accs if m in scope.acc_batch[k]}
+    visible = scope.visible()
+    split = {k for k, (_, axes) in visible.items() if m in axes}
     local = scope.inner()
-    for k, v in scope.accs.items():
-        axes, types = scope.acc_batch[k], types_of(v)
+    for k, (types, axes) in visible.items():
         local.accs[k] = b.without(types, axes) if k in split else types
         local.acc_batch[k] = tuple(a for a in axes if a != m)
+
+    def enter(plan):
+        accs = []
+        for key, inside in plan.acc_batch.items():
+            if key in split:
+                have = visible[key][1]
+                if have != b.after(inside):
+                    raise ValueError(
+                        _ACC_GROWS_IN_SHARD_MAP.format(where=plan.sites[key].where())
+                    )
+                value = b.to_inside(scope.acc(key, None, have), inside)
+            else:
+                value = b.repeated(plan.acc(scope, key))
+            accs += jax.tree.leaves(value)
+        return accs
+
     body = p["jaxpr"]
     in_avals = [v.aval for v in body.invars]
-    with _compat.shard_map_body(p):
-        plan = discover(body, (), in_avals, local, (m,))
-    accs = []
-    for key, inside in plan.acc_batch.items():
-        if key in split:
-            if scope.acc_batch[key] != b.after(inside):
-                raise ValueError(
-                    _ACC_GROWS_IN_SHARD_MAP.format(where=plan.sites[key].where())
-                )
-            scope.touched[key] = None
-            value = b.to_inside(scope.accs[key], inside)
-        else:
-            value = b.repeated(plan.acc(scope, key))
-        accs += jax.tree.leaves(value)
-    region = Region(scope, plan, b, accs)
-    if scope.discovering:
-        stacked = [b.repeated(zeros(a)) for a in _flat(plan.acc_avals.values())]
-        region.set_accs(stacked)
-        for key, inside in plan.acc_batch.items():
-            # What it starts as, stacked: one first made here, or one made
-            # before in this region that entered whole and leaves split.
-            init = plan.accs.get(key)
-            if init is None and key not in split and key in scope.acc_inits:
-                init = scope.acc_inits[key]
-            if init is not None:
-                scope.acc_inits[key] = functools.partial(b.repeated_init, init, inside)
-        return region.discovered(eqn, invals)
-    with _compat.shard_map_body(p):
-        new_body, hoisted = region.trace(body, (), in_avals)
+    region, [(new_body, hoisted)] = Region.traced(
+        scope, [(body, ())], in_avals, b, enter=enter, outside=local
+    )
     # The hoisted constants enter whole in every shard; the region's own inputs
     # and outputs are stacked over the shards.
     n_out, replicated = len(eqn.outvars), jax.sharding.PartitionSpec()
@@ -735,11 +758,20 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
         jaxpr=new_body,
         in_specs=(replicated,) * len(hoisted)
         + tuple(p["in_specs"])
-        + (b.spec,) * (len(accs) + len(region.inputs)),
+        + (b.spec,) * (len(region.accs) + len(region.inputs)),
         out_specs=tuple(p["out_specs"]) + (b.spec,) * (len(new_body.outvars) - n_out),
     )
-    outs = _bind(eqn, [*hoisted, *invals, *accs, *region.inputs], **params)
+    outs = _bind(eqn, [*hoisted, *invals, *region.accs, *region.inputs], **params)
     region.leave(outs[n_out:])
+    for key, inside in region.plan.acc_batch.items():
+        # What it starts as, stacked, for a region around that threads it: one
+        # first made here, or one made before in that region that entered
+        # whole and leaves split.
+        init = region.plan.accs.get(key)
+        if init is None and key not in split:
+            init = scope.acc_inits.get(key)
+        if init is not None:
+            scope.acc_inits[key] = functools.partial(b.repeated_init, init, inside)
     return outs[:n_out]
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _compat
+from . import _compat, _jaxpr
 from ._handlers import NO_INPUT, Context, Handler, mode_of
 from ._layout import Axes, grow, to_program
 from ._site import Site, describe, shape_dtype, strong
@@ -97,7 +97,7 @@ class Handlers(tuple):
 class Rewrite:
     """What every scope of one rewrite shares."""
 
-    # The plans of the regions met (see `_rules.discover`).
+    # The plans learnt of the regions met (see `_rules.Region.traced`).
     plans: dict = dataclasses.field(default_factory=dict)
     # Per (handler index, `Site.pair`): the call number of the value's
     # execution that a derivative site belongs to.
@@ -129,12 +129,11 @@ class Scope:
         accs=None,
         acc_batch=None,
         inputs=None,
-        discovering: bool = False,
         replaying: bool = False,
+        provisional: bool = False,
         custom: str | None = None,
         shards: tuple = (),
         rewrite: Rewrite | None = None,
-        calls: dict | None = None,
         index: tuple = (),
         scans: int = 0,
         outside: Scope | None = None,
@@ -150,22 +149,31 @@ class Scope:
         self.shards = shards
         # How many `lax.scan`s around this region stack what it appends.
         self.scans = scans
-        self.discovering = discovering
         # The backward pass's recomputation of a `jax.checkpoint` region (see
         # `replay`): per-execution inputs are refused here.
         self.replaying = replaying
+        # In a region's first trace that is traced again (`_rules.Region.traced`).
+        self.provisional = provisional
         self.entries: dict[Key, list[tuple[Any, Axes]]] = {}
         self.accs: dict[Key, Any] = dict(accs or {})
-        # While discovering: the scope the region is in, whose accumulators (and
-        # those of the scopes it is in) the region starts from. Each is made
-        # here only when the region first touches it (see `entering`): a region
-        # touches a few of the many accumulators a program may have.
+        # The scope this region is in. A region's first trace (see
+        # `_rules.Region.traced`) starts from its accumulators (and those of
+        # the scopes it is in): each made here only when the region first
+        # touches it (see `entering`), as a region touches a few of the many
+        # accumulators a program may have. Its call counts likewise (`count`).
         self.outside = outside
         self.given = inputs or {}
         self.inputs: dict[Key, list[Any]] = {k: list(v) for k, v in self.given.items()}
-        # Filled while discovering, for the rule that threads this region.
+        # What a first trace learns, for the rule that threads this region: how
+        # the accumulators first made here start, and the per-execution inputs
+        # taken here that the region was not given.
         self.acc_inits: dict[Key, Any] = {}
         self.touched: dict[Key, None] = {}  # accumulators updated here, in order
+        # What `traced` lifts out of a trace: the accumulators made or updated
+        # there (`touched`, and those `_enter` makes) and, per key appended to,
+        # how many entries it had before.
+        self.entered: dict[Key, None] = {}
+        self.appended: dict[Key, int] = {}
         # Per accumulator: the sizes of the vmap batch axes it has, outermost
         # first (leading, in the layout handlers see).
         self.acc_batch: dict[Key, Axes] = dict(acc_batch or {})
@@ -173,11 +181,11 @@ class Scope:
         self.sites: dict[Key, Site] = {}
         self.rewrite = Rewrite() if rewrite is None else rewrite
         # Per key, its executions so far in program order (the index of the
-        # next one's entry in the layout `Tag()` reports); while discovering,
-        # those in this region alone.
-        self.calls: dict[Key, int] = dict(calls or {})
+        # next one's entry in the layout `Tag()` reports), once one is here:
+        # before, the scope outside counts them (`count`).
+        self.calls: dict[Key, int] = {}
         # The iteration of each loop around this region, outermost first (int32
-        # scalars; while discovering, stand-ins), and whether a handler read them
+        # scalars; in a first trace, stand-ins), and whether a handler read them
         # (`Context.at`): a loop threads its index only then.
         self.index = index
         self._wants_index = [False]  # (shared with `replay`'s view)
@@ -192,6 +200,8 @@ class Scope:
             rewrite=self.rewrite,
             index=self.index,
             replaying=self.replaying,
+            provisional=self.provisional,
+            outside=self,
         )
         return Scope(self.handlers, **(same | fields))
 
@@ -212,6 +222,15 @@ class Scope:
         replay.replaying = True
         return replay
 
+    def count(self, key: Key) -> int:
+        """The executions of `key` so far, in program order."""
+        scope = self
+        while key not in scope.calls:
+            scope = scope.outside
+            if scope is None:
+                return 0
+        return scope.calls[key]
+
     def where(self, key: Key) -> str:
         return self.sites[key].where()
 
@@ -220,6 +239,7 @@ class Scope:
     def add_entry(self, key: Key, value, axes: Axes) -> None:
         # (the key's site is known: its first execution, or a region's plan)
         entries = self.entries.setdefault(key, [])
+        self.appended.setdefault(key, len(entries))
         entries.append((_strong_tree(value), axes))
         mode = self.handlers.modes[key[0]]
         if len(entries) > 1 and mode.single:
@@ -251,8 +271,8 @@ class Scope:
 
     def entering(self, key: Key) -> tuple[Any, Axes] | None:
         """The types and batch axes of the accumulator `key` a region in this
-        scope starts from: this scope's, or while discovering, one a scope
-        outside has; None where there is none (the region makes it)."""
+        scope starts from: this scope's, or one a scope outside has; None
+        where there is none (the region makes it)."""
         scope = self
         while scope is not None and key not in scope.accs:
             scope = scope.outside
@@ -267,18 +287,68 @@ class Scope:
         if entering is None:
             return False
         types, self.acc_batch[key] = entering
+        self.entered[key] = None
         self.accs[key] = jax.tree.map(_compat.vary_over_manual_axes, zeros(types))
         return True
 
-    def enter_all(self) -> None:
-        """Makes here, untouched, every accumulator the region would start
-        from (for a rule that must see them all: a shard_map's)."""
-        scope = self.outside
+    def visible(self) -> dict[Key, tuple[Any, Axes]]:
+        """`entering` of every accumulator a region in this scope may start
+        from."""
+        found, scope = {}, self
         while scope is not None:
-            for key in scope.accs:
-                if key not in self.accs:
-                    self._enter(key)
+            for key, value in scope.accs.items():
+                if key not in found:
+                    found[key] = types_of(value), scope.acc_batch[key]
             scope = scope.outside
+        return found
+
+    def traced(self, body, in_avals):
+        """Traces `body(*args) -> outs`, a region the handlers act in with this
+        scope, as a jaxpr of its own, once. What the scope holds enters it by
+        closure (the hoisted constants); the accumulators the region makes or
+        updates and the entries it appends leave as outputs after `outs`.
+        Returns the open jaxpr, taking the hoisted constants first, those
+        constants, and `leave`, which puts what the bound jaxpr returned after
+        its own outputs back in the scope."""
+        journals = self.touched, self.entered, self.appended
+        self.touched, self.entered, self.appended = {}, {}, {}
+        accs: list[Key] = []
+        added: list[tuple[Key, int]] = []
+        shape: list[Any] = []
+
+        def fn(*args):
+            outs = body(*args)
+            accs[:] = dict.fromkeys([*self.touched, *self.entered])
+            added[:] = self.appended.items()
+            new = [self.entries[k][n:] for k, n in added]
+            values = [[self.accs[k] for k in accs], [v for e in new for v, _ in e]]
+            # No tracer of this trace stays in the scope: `leave` puts back
+            # what the bound jaxpr returns.
+            self.accs.update(dict.fromkeys(accs))
+            for k, n in added:
+                del self.entries[k][n:]
+            leaves, tree = jax.tree.flatten(values)
+            shape[:] = [tree, [[a for _, a in e] for e in new]]
+            return [*outs, *leaves]
+
+        try:
+            jaxpr, hoisted = _jaxpr.trace(fn, in_avals)
+        finally:
+            for journal, inner in zip(journals, (self.touched, self.entered)):
+                journal.update(inner)
+            for k, n in self.appended.items():
+                journals[2].setdefault(k, n)
+            self.touched, self.entered, self.appended = journals
+
+        def leave(leaves) -> None:
+            tree, axes = shape
+            out_accs, new = jax.tree.unflatten(tree, leaves)
+            self.accs.update(zip(accs, out_accs))
+            it = iter(new)
+            for (k, _), a in zip(added, axes):
+                self.entries[k] += [(next(it), x) for x in a]
+
+        return jaxpr, hoisted, leave
 
     def fold(self, key: Key, reduce, acc, value, extra: int):
         """`reduce.fn(acc, value)` for one example, where `acc` may have
@@ -317,7 +387,12 @@ class Scope:
     ):
         """Takes one input entry per `(avals, lead)` in `expected`: for one
         execution of a site, or for all executions in a region inside this one."""
-        if self.discovering:
+        remaining = self.inputs.get(key)
+        if remaining is None and key[:2] in self.given:
+            # a handler of the value, at a derivative site: the value's entries
+            remaining = list(self.given[key[:2]])
+        if remaining is None and self.outside is not None:
+            # (a region's first trace: the inputs it takes are learnt here)
             self.input_avals.setdefault(key, []).extend(expected)
             if placeholders is not None:
                 return placeholders
@@ -328,9 +403,7 @@ class Scope:
         owner = _name(self.handlers[key[0]])
         if self.replaying:
             raise ValueError(_INPUT_IN_REPLAY.format(owner=owner, where=site.where()))
-        remaining = self.inputs.get(key)
-        if remaining is None:  # a handler of the value, at a derivative site
-            remaining = list(self.given.get(key[:2], []))
+        remaining = [] if remaining is None else remaining
         if len(remaining) < len(expected):
             raise ValueError(_MISSING_INPUT.format(owner=owner, where=site.where()))
         n = len(expected)
@@ -517,7 +590,7 @@ def _counted(scope: Scope, index: int, site: Site, key: Key, within: str | None)
     loops around it. A recomputation, and a handler of the value differentiated
     at a derivative site (`within`), have the number of the value's execution."""
     backward = "cotangent" in (site.part, within)
-    call = scope.calls.get(key, 0)
+    call = scope.count(key)
     replay = scope.replaying and site.part == "value" and within is None
     # (A recomputation has no call number of its own; its key is known to
     # the region all the same: see `_rules.Region`.)
