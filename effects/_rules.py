@@ -285,8 +285,13 @@ class Region:
             plan = Plan.merged(plans)
             if loop is not None:
                 plan.forbid(loop, scope)
-            entries = list(plan.entries.items())
             complete = all(map(Plan().covers, plans))
+            for key, (j, _), found in zip(keys, bodies, plans):
+                if not complete:
+                    entered = {k: _entering(outside, k) for k in found.acc_avals}
+                    # (the jaxpr kept: its id stays its own)
+                    scope.rewrite.plans.setdefault(key, []).append((j, found, entered))
+            entries = list(plan.entries.items())
             if all(list(out.items()) == entries for out in first.out) and (
                 complete or scope.provisional
             ):
@@ -296,10 +301,6 @@ class Region:
                     # and the region stays as traced here.
                     cls(scope, plan, boundary, enter and enter(plan), loop, outside)
                 return first, traced
-            for key, (j, _), found in zip(keys, bodies, plans):
-                entered = {k: _entering(outside, k) for k in found.acc_avals}
-                # (the jaxpr kept: its id stays its own)
-                scope.rewrite.plans.setdefault(key, []).append((j, found, entered))
         plan = Plan.merged(plans)
         accs = None if enter is None else enter(plan)
         region = cls(scope, plan, boundary, accs, loop, outside)
@@ -406,11 +407,16 @@ class Region:
 
 
 def _known(outside: Scope, key, jaxpr) -> Plan | None:
-    """The plan learnt for the region `key` in this rewrite, where the
-    accumulators it touched start as they did then."""
+    """The plan learnt for the region `key` in this rewrite, where each
+    accumulator it touches starts as it did then, or as the plan threads it
+    (the region learnt it in the first trace of a region around it, where it
+    was first made, and meets it threaded in the second)."""
     for kept, plan, entered in outside.rewrite.plans.get(key, ()):
-        same = (_entering(outside, k) == e for k, e in entered.items())
-        if kept is jaxpr and all(same):
+        if kept is jaxpr and all(
+            _entering(outside, k)
+            in (e, (types_key(plan.acc_avals[k]), plan.acc_batch[k]))
+            for k, e in entered.items()
+        ):
             return plan
     return None
 

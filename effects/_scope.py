@@ -169,10 +169,8 @@ class Scope:
         # taken here that the region was not given.
         self.acc_inits: dict[Key, Any] = {}
         self.touched: dict[Key, None] = {}  # accumulators updated here, in order
-        # What `traced` lifts out of a trace: the accumulators made or updated
-        # there (`touched`, and those `_enter` makes) and, per key appended to,
-        # how many entries it had before.
-        self.entered: dict[Key, None] = {}
+        # Per key appended to, how many entries it had before (with `touched`,
+        # what `traced` lifts out of a trace).
         self.appended: dict[Key, int] = {}
         # Per accumulator: the sizes of the vmap batch axes it has, outermost
         # first (leading, in the layout handlers see).
@@ -287,7 +285,6 @@ class Scope:
         if entering is None:
             return False
         types, self.acc_batch[key] = entering
-        self.entered[key] = None
         self.accs[key] = jax.tree.map(_compat.vary_over_manual_axes, zeros(types))
         return True
 
@@ -310,15 +307,15 @@ class Scope:
         Returns the open jaxpr, taking the hoisted constants first, those
         constants, and `leave`, which puts what the bound jaxpr returned after
         its own outputs back in the scope."""
-        journals = self.touched, self.entered, self.appended
-        self.touched, self.entered, self.appended = {}, {}, {}
+        journals = self.touched, self.appended
+        self.touched, self.appended = {}, {}
         accs: list[Key] = []
         added: list[tuple[Key, int]] = []
         shape: list[Any] = []
 
         def fn(*args):
             outs = body(*args)
-            accs[:] = dict.fromkeys([*self.touched, *self.entered])
+            accs[:] = self.touched
             added[:] = self.appended.items()
             new = [self.entries[k][n:] for k, n in added]
             values = [[self.accs[k] for k in accs], [v for e in new for v, _ in e]]
@@ -334,11 +331,10 @@ class Scope:
         try:
             jaxpr, hoisted = _jaxpr.trace(fn, in_avals)
         finally:
-            for journal, inner in zip(journals, (self.touched, self.entered)):
-                journal.update(inner)
+            journals[0].update(self.touched)
             for k, n in self.appended.items():
-                journals[2].setdefault(k, n)
-            self.touched, self.entered, self.appended = journals
+                journals[1].setdefault(k, n)
+            self.touched, self.appended = journals
 
         def leave(leaves) -> None:
             tree, axes = shape

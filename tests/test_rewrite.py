@@ -1215,6 +1215,55 @@ def test_site_free_regions_are_not_interpreted_again(monkeypatch):
     assert interpreted == []
 
 
+def _nested_regions(x, ws):
+    helper = jax.jit(lambda h, w: fx.tag(jnp.tanh(h @ w), "h"))
+
+    def layer(h, w):
+        h = helper(h, w)
+        h = lax.cond(
+            h.sum() > 0,
+            lambda h: fx.tag(h * 2.0, "b"),
+            lambda h: fx.tag(h - 1.0, "b"),
+            h,
+        )
+        return h, None
+
+    return lax.scan(layer, x, ws)[0]
+
+
+@pytest.mark.parametrize("mode", ["append", "sum"])
+def test_each_region_is_traced_once_where_its_handlers_only_append(monkeypatch, mode):
+    # A jitted helper and a cond's branches in a scan body. Under Tag() every
+    # region is traced once; under a sum a loop or branch body is traced once
+    # more, threading its accumulators, and what is inside it with it.
+    from effects import _rules
+
+    traced: dict = {}
+    original = _rules.run
+
+    def counting_run(jaxpr, *args, **kwargs):
+        traced[jaxpr] = traced.get(jaxpr, 0) + 1
+        return original(jaxpr, *args, **kwargs)
+
+    monkeypatch.setattr(_rules, "run", counting_run)
+    x, ws = lin(-1.0, 1.0, 3), jnp.stack([jnp.eye(3) * s for s in (0.5, -1.0, 2.0)])
+    out, found = fx.handle(lambda x: _nested_regions(x, ws), fx.Tag(mode=mode))(x)
+    h, hs, bs = x, [], []
+    for w in ws:
+        h = jnp.tanh(h @ w)
+        hs.append(h)
+        h = h * 2.0 if h.sum() > 0 else h - 1.0
+        bs.append(h)
+    if mode == "append":
+        want = found_of(h=(jnp.stack(hs),), b=(jnp.stack(bs),))
+    else:
+        want = found_of(h=sum(hs), b=sum(bs))
+    assert_trees_close((out, found), (h, want))
+    # the scan body, the helper and the two branches
+    assert len(traced) == 4
+    assert set(traced.values()) == {1 if mode == "append" else 2}
+
+
 def test_copied_equations_make_the_hand_written_program():
     # Where a jaxpr is being built, the rewritten program is inlined: the
     # jaxpr is the hand-written function's, equation for equation.
