@@ -292,14 +292,16 @@ class Region:
                     # (the jaxpr kept: its id stays its own)
                     scope.rewrite.plans.setdefault(key, []).append((j, found, entered))
             entries = list(plan.entries.items())
+            # In a first trace, itself traced again, the scope only learns what
+            # the region needs (a region that takes it is made), and the region
+            # stays as traced here: but for a shard_map's, whose accumulators
+            # leave it other than they enter.
+            shortcut = scope.provisional and boundary.stack != "shard"
             if all(list(out.items()) == entries for out in first.out) and (
-                complete or scope.provisional
+                complete or shortcut
             ):
                 if not complete:
-                    # In a first trace, itself traced again: the scope learns
-                    # what the region needs (a region that takes it is made),
-                    # and the region stays as traced here.
-                    cls(scope, plan, boundary, enter and enter(plan), loop, outside)
+                    cls(scope, plan, boundary, None, loop, outside)
                 return first, traced
         plan = Plan.merged(plans)
         accs = None if enter is None else enter(plan)
