@@ -332,7 +332,6 @@ class Region:
             args, flat = flat[:n_args], [b.enter(x) for x in flat[n_args:]]
             accs = _unflat(acc_trees, flat[:n_acc])
             given = iter(_unflat(input_trees, flat[n_acc + self.counter :][:n_in]))
-            index = () if self.loop is None else (jnp.int32(0),)  # (a stand-in)
             sub = scope.inner(
                 accs=dict(zip(plan.acc_avals, accs)),
                 acc_batch=plan.acc_batch,
@@ -342,7 +341,7 @@ class Region:
                 },
                 shards=scope.shards + ((b.marker,) if b.stack == "shard" else ()),
                 scans=scope.scans + (b.stack == "scan"),
-                index=scope.index + (index if at is None else (flat[at],)),
+                index=scope.index + _index(flat, at, self.loop),
                 outside=self.outside,
                 provisional=self.provisional,
             )
@@ -406,6 +405,14 @@ class Region:
                 axes = plan.acc_batch[key]
                 scope.accs[key] = b.from_inside(value, axes)
                 scope.acc_batch[key] = b.after(axes)
+
+
+def _index(flat, at: int | None, loop: str | None) -> tuple:
+    """A loop's iteration inside its region: threaded, or where it is not
+    (a first trace), None (see `_scope._counted`)."""
+    if at is not None:
+        return (flat[at],)
+    return () if loop is None else (None,)
 
 
 def _known(outside: Scope, key, jaxpr) -> Plan | None:

@@ -183,7 +183,7 @@ class Scope:
         # before, the scope outside counts them (`count`).
         self.calls: dict[Key, int] = {}
         # The iteration of each loop around this region, outermost first (int32
-        # scalars; in a first trace, stand-ins), and whether a handler read them
+        # scalars; None in a first trace), and whether a handler read them
         # (`Context.at`): a loop threads its index only then.
         self.index = index
         self._wants_index = [False]  # (shared with `replay`'s view)
@@ -605,7 +605,10 @@ def _counted(scope: Scope, index: int, site: Site, key: Key, within: str | None)
         if number is None or (backward and within is None):
             raise ValueError(_AT_BACKWARD.format(where=site.where()))
         scope.wants_index = True
-        return (jnp.int32(number), *scope.index)
+        # (a loop whose iteration is not threaded yet: a stand-in, and the
+        # region is traced again threading it)
+        loops = (jnp.int32(0) if i is None else i for i in scope.index)
+        return (jnp.int32(number), *loops)
 
     return at
 
