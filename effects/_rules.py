@@ -310,7 +310,7 @@ class Region:
             region.trace(j, c, in_avals, own if len(bodies) > 1 else None)
             for (j, c), own in zip(bodies, plans)
         ]
-        assert all(map(plan.covers, region.found)), (plan, region.found)
+        assert all(map(plan.covers, region.found)), "a second trace lacked state"
         return region, traced
 
     def trace(self, jaxpr, consts, in_avals, own: Plan | None = None):
