@@ -224,8 +224,6 @@ class Stats(Tag):
     ```
     """
 
-    per_example: bool = dataclasses.field(metadata={"static": True})  # pyright: ignore[reportIncompatibleVariableOverride]
-
     def __init__(
         self,
         collection: str = "intermediates",
@@ -234,8 +232,8 @@ class Stats(Tag):
         per_example: bool = True,
         of: str = "value",
     ):
-        super().__init__(collection, names=names, mode=_STATS, of=of)
-        object.__setattr__(self, "per_example", bool(per_example))  # (frozen)
+        mode = _STATS if per_example else _STATS_OF_BATCH
+        super().__init__(collection, names=names, mode=mode, of=of)
 
     def apply(self, site, value, ctx):
         def leaf(x):
@@ -247,6 +245,7 @@ class Stats(Tag):
 
 
 _STATS = Append(label="Stats()")
+_STATS_OF_BATCH = Append(label="Stats(per_example=False)", per_example=False)
 
 
 #

@@ -72,8 +72,9 @@ _CONSUMED_BEFORE = (
     "`fx.handle(fx.handle(f, {before_type}(...)), {handler}(...))`."
 )
 _TWO_REPORTERS = (
-    "{first} and {second} both report the {what} {name!r} into "
-    "found[{collection!r}]; {why}, and one report would overwrite the other. "
+    "{first} and {second} both report the checkpoint_name {name!r} into "
+    "found[{collection!r}]; a `checkpoint_name` is not consumed, so both see "
+    "it, and one report would overwrite the other. "
     "Narrow one's `names`, or handle in two steps, "
     "`fx.handle(fx.handle(f, {first}(...)), {second}(...))`, to have both."
 )
@@ -403,7 +404,8 @@ def _check_names(sites, handlers) -> None:
             if site.collection == CHECKPOINT_NAME:
                 return None
             before = enumerate(handlers[:i])
-            return next((j for j, g in before if g.consumes and g.matches(site)), None)
+            reporters = ((j, g) for j, g in before if mode_of(g) is not None)
+            return next((j for j, g in reporters if g.matches(site)), None)
 
         # Each name must exist, and a filter of glob patterns alone select a
         # site, so a pattern with a typo is not an empty `found`.
@@ -505,11 +507,19 @@ def _named(site: Site, name: str | tuple[str, ...]) -> bool:
 def _unknown_name(h, name: str | tuple[str, ...], probes, consumer) -> str:
     # The names the handler could have meant: those of its kind and collection
     # when it says which (Tag, Perturb, ...), else every name it sees.
-    kind = getattr(h, "kind", "tag")
     collection = getattr(h, "collection", None)
-    # The part it takes, as it would take a site of that name.
+    # The kind and part it takes, as it would take a site of that name.
     one = name if isinstance(name, str) else name[0]
     where = collection if isinstance(collection, str) else "intermediates"
+    kind = next(
+        (
+            k
+            for k in ("tag", "perturb")
+            for p in PARTS
+            if h.matches(Site.probe(k, where, one, p))
+        ),
+        "tag",
+    )
     part = next(
         (p for p in PARTS if acts_on(h, Site.probe(kind, where, one, p)) == p),
         "value",
@@ -541,41 +551,27 @@ def _unknown_name(h, name: str | tuple[str, ...], probes, consumer) -> str:
 
 
 def _check_reporters(sites, handlers) -> None:
-    """No two handlers report one site into the same place of `found`: each
-    handler that sees a site (every one up to the first that consumes it; a
-    `checkpoint_name` is never consumed) and has a mode reports it into
-    `found[collection][name]`, where one would overwrite the other."""
+    """No two handlers report one `checkpoint_name` into the same place of
+    `found`. Elsewhere the first handler that reports a site consumes it; a
+    `checkpoint_name` is never consumed, so every handler with a mode that
+    acts at it would report it, one report over the other."""
     if sum(mode_of(h) is not None for h in handlers) < 2:
         return
     for k, c, n, part in sites:  # at every call: no sorting, names only on error
-        probe, hits = Site.probe(k, c, n, part), []
-        for h in handlers:
-            if acts_on(h, probe) != part:
-                continue
-            if mode_of(h) is not None:
-                hits.append(h)
-            if h.consumes and c != CHECKPOINT_NAME:
-                break
+        if c != CHECKPOINT_NAME:
+            continue
+        probe = Site.probe(k, c, n, part)
+        hits = [
+            h for h in handlers if mode_of(h) is not None and acts_on(h, probe) == part
+        ]
         if len(hits) > 1:
             first, second = (type(h).__name__ for h in hits[:2])
             collection = c if part == "value" else f"{c}:{part}"
-            what = "checkpoint_name" if c == CHECKPOINT_NAME else _kind(k)
             raise ValueError(
                 _TWO_REPORTERS.format(
-                    first=first,
-                    second=second,
-                    what=what,
-                    name=n,
-                    collection=collection,
-                    why=_NOT_CONSUMED[c == CHECKPOINT_NAME].format(first),
+                    first=first, second=second, name=n, collection=collection
                 )
             )
-
-
-_NOT_CONSUMED = (
-    "{} does not consume it (it leaves the site to the handlers after it)",
-    "a `checkpoint_name` is not consumed, so both see it",
-)
 
 
 def _check_loop_invariant(traced: _Traced, handlers) -> None:
@@ -1129,12 +1125,13 @@ def handle(fn: Callable[P, R], *handlers: Handler) -> Callable[P, tuple[R, Found
     `jax.jit`, `jax.vmap` and `jax.grad`, inside or outside it.
 
     Handlers act in order, the first closest to the sites: `handle(fn, A, B)`
-    behaves as `handle(handle(fn, A), B)` but returns one merged `found`. A
-    collecting handler ([`Tag`][effects.Tag], [`Stats`][effects.Stats],
-    [`Perturb`][effects.Perturb]) consumes the sites it matches; the others
-    ([`Substitute`][effects.Substitute], [`Intervene`][effects.Intervene]) pass
-    the new value on as the same site, and sites no handler consumes stay
-    visible to a `handle` further out.
+    behaves as `handle(handle(fn, A), B)` but returns one merged `found`. One
+    site, one report: a handler that reports ([`Tag`][effects.Tag],
+    [`Stats`][effects.Stats], `Perturb()`) consumes the sites it matches; one
+    that reports nothing ([`Substitute`][effects.Substitute],
+    [`Intervene`][effects.Intervene], `Perturb(deltas)`) passes the new value
+    on as the same site, and sites no handler consumes stay visible to a
+    `handle` further out.
 
     **Compiled, also outside `jit`.** Called outside any JAX transformation,
     the handled call runs through a cached `jax.jit` of its own (compiled

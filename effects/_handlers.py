@@ -108,6 +108,10 @@ class Reduce:
       accumulator's shapes and dtypes.
     - `init`: `init(zeros) -> acc`, the accumulator before the first
       execution, from zeros shaped like one example's tagged value.
+    - `per_example`: `True` (the default) as above; `False` for a handler's
+      `apply` to run once per execution on the whole batch of the `jax.vmap`s
+      inside the handled function (batch axes first; `init` then gets zeros
+      shaped like that whole value), as [`Append`][effects.Append] says.
 
     **Returns:**
 
@@ -141,6 +145,7 @@ class Reduce:
 
     fn: Callable
     init: Callable
+    per_example: bool = True
 
     # The mode protocol the rewriter reads (see `Append`).
     reduces: ClassVar[bool] = True
@@ -155,7 +160,9 @@ class Reduce:
 
 
 # A pytree with no leaves: `fn` and `init` are part of its structure.
-jax.tree_util.register_dataclass(Reduce, data_fields=[], meta_fields=["fn", "init"])
+jax.tree_util.register_dataclass(
+    Reduce, data_fields=[], meta_fields=["fn", "init", "per_example"]
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +190,13 @@ class Append:
 
     - `single`: whether more than one execution is an error.
     - `label`: how error messages name the mode, such as `"MyHandler()"`.
+    - `per_example`: `True` (the default) for `apply` to run per example of
+      the `jax.vmap`s inside the handled function, reporting each example's
+      entry (batch axes first); `False` for it to run once per execution on
+      the whole batch, batch axes first as `Tag()` reports them, and report
+      one entry per execution (as `Stats(per_example=False)` does). The law
+      `handle(vmap(f), H) == vmap(handle(f, H))` is then not kept, by design:
+      a handler of the whole batch sees the vmaps inside `handle` only.
 
     **Returns:**
 
@@ -217,6 +231,7 @@ class Append:
 
     single: bool = False  # exactly one execution allowed
     label: str = "Tag(mode='append')"
+    per_example: bool = True
     reduces: ClassVar[bool] = False
 
 
@@ -254,8 +269,8 @@ def _add(acc, x):
 _MODES = {
     "append": Append(),
     "strict": Append(single=True, label="Tag(mode='strict')"),
-    "last": _BuiltinReduce(_last, _zeros, "last"),
-    "sum": _BuiltinReduce(_add, _sum_init, "sum"),
+    "last": _BuiltinReduce(_last, _zeros, name="last"),
+    "sum": _BuiltinReduce(_add, _sum_init, name="sum"),
 }
 SUM = _MODES["sum"]
 _BAD_MODE = (
@@ -359,17 +374,17 @@ class Handler:
       [site.name]`: `"append"` or [`fx.Append()`][effects.Append] (one entry
       per execution), `"strict"` (exactly one execution), `"last"`, `"sum"`
       or [`fx.Reduce(fn, init)`][effects.Reduce] (folded), or `None` (the
-      default) for a handler that reports nothing.
-    - `consumes`: whether a site it matches is hidden from handlers further
-      out (`Tag`, `Stats` and `Perturb` consume; `Substitute` and `Intervene`
-      pass the new value on as the same site). Default `False`.
-    - `per_example`: `True` (the default) for `apply` to run per example as
-      above; `False` for it to run once per execution on the whole batch of
-      the vmaps inside the handled function, in the layout `Tag()` reports
-      (batch axes first), and to report one value per execution (as
-      `Stats(per_example=False)` does). The law `handle(vmap(f), H) ==
-      vmap(handle(f, H))` is then not kept, by design: a handler of the
-      whole batch sees the vmaps inside `handle` only.
+      default) for a handler that reports nothing. `fx.Append(per_example=
+      False)` has `apply` run once on the whole batch of the vmaps inside the
+      handled function instead of per example.
+
+    **One site, one report.** A handler with a mode *consumes* the sites it
+    acts at: handlers after it in the same `handle`, and those of an
+    enclosing `handle`, do not see them (`Tag`, `Stats`, `Perturb()`). A
+    handler without a mode passes the value it returns on as the same site
+    (`Substitute`, `Intervene`, `Perturb(deltas)`), so that a `Tag` further
+    out collects the value the program goes on with. (A `checkpoint_name` is
+    never consumed: remat policies select by it.)
 
     Derivatives: under a `jax.jvp` or `jax.grad` inside
     [`handle`][effects.handle], a site has a tangent or cotangent part besides
@@ -436,8 +451,6 @@ class Handler:
     """
 
     mode: ClassVar[Any] = None
-    consumes: ClassVar[bool] = False
-    per_example: ClassVar[bool] = True
     # Whether the class or a base defines its own `__init__` (as `Tag` does, to
     # validate its arguments): it is then kept, and no dataclass one generated.
     _custom_init: ClassVar[bool] = False
@@ -745,7 +758,6 @@ class Tag(Handler):
     ```
     """
 
-    consumes: ClassVar[bool] = True
     collection: str = _static()
     names: Any = _static()
     mode: Any = _static()  # pyright: ignore[reportIncompatibleVariableOverride]
@@ -798,7 +810,9 @@ class Perturb(Handler):
     from. With `deltas`, it adds `deltas[name]` at each execution, so that
     `jax.grad` with respect to the deltas is the gradient with respect to the
     intermediate values. [`fx.intermediate_grads`][effects.intermediate_grads]
-    does both in one call. Either way it consumes the sites it acts at.
+    does both in one call. Without `deltas` it consumes the sites it acts
+    at; with them it passes the perturbed value on, as
+    [`Substitute`][effects.Substitute] does.
 
     **Arguments:**
 
@@ -853,7 +867,6 @@ class Perturb(Handler):
     """
 
     kind: str = _static()
-    consumes: ClassVar[bool] = True
     collection: str = _static()
     deltas: Any
     names: Any = _static()

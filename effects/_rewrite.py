@@ -126,8 +126,6 @@ def _all_kept(jaxpr, scope: Scope) -> bool:
             continue  # (gone: see `handle_site`)
         if handlers.modes[first] is None:
             return False
-        if not handlers.consumes[first]:
-            return False
     return True
 
 

@@ -87,9 +87,10 @@ class Handlers(tuple):
         self = super().__new__(cls, handlers)
         self.matches = tuple(type(h).matches for h in handlers)
         self.modes = tuple(mode_of(h) for h in handlers)
-        self.consumes = tuple(bool(h.consumes) for h in handlers)
+        # One site, one report: a handler that reports consumes what it acts at.
+        self.consumes = tuple(m is not None for m in self.modes)
         self.input_names = tuple(frozenset(h.per_call_inputs()) for h in handlers)
-        self.per_example = tuple(bool(h.per_example) for h in handlers)
+        self.per_example = tuple(m is None or m.per_example for m in self.modes)
         return self
 
 
@@ -514,7 +515,7 @@ def act(
     layout): the leaves the program goes on with. Under vmaps inside the
     handled function, `apply` runs under the same vmaps, on one example, so
     that every handler is the same inside and outside a vmap (unless the
-    handler asks for the whole batch: `per_example = False`).
+    handler's mode asks for the whole batch: `Append(per_example=False)`).
 
     At a derivative site, `primal` is the value's leaves (`ctx.primal`).
     `within` names the part ("tangent", "cotangent") of the derivative site at

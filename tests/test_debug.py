@@ -242,13 +242,14 @@ def test_stats_entries_know_their_leaf_and_are_pytrees():
 
 
 def test_a_user_handler_over_the_whole_batch():
-    # `per_example = False`: `apply` gets the batch, batch axes first, and may
-    # change it and report reductions of it.
+    # A mode of `per_example=False`: `apply` gets the batch, batch axes first,
+    # and may change it and report reductions of it.
     class Center(fx.Handler):
         """Subtracts the batch mean of every tag, and sums its norms."""
 
-        mode = fx.Reduce(lambda total, x: total + x, lambda zeros: jnp.float32(0))
-        per_example = False
+        mode = fx.Reduce(
+            lambda total, x: total + x, lambda zeros: jnp.float32(0), per_example=False
+        )
 
         def apply(self, site, value, ctx):
             ctx.emit(jnp.sqrt(jnp.sum(value**2)))

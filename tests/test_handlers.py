@@ -413,10 +413,11 @@ def test_perturb_absent_names_untouched():
     out, found = fx.handle(ploss, fx.Perturb({"h": (DH,)}))(X)
     assert_trees_close(out, expected)
     assert found == {}
-    # "c" is still a perturb site, visible further out.
+    # "c" is still a perturb site, visible further out; so is "h", which a
+    # Perturb with deltas (reporting nothing) passes on as Substitute does.
     out, found = fx.handle(ploss, fx.Perturb({"h": (DH,)}), fx.Perturb())(X)
     assert_trees_close(out, expected)
-    assert_trees_close(found, {"perturbations": {"c": (ZC,)}})
+    assert_trees_close(found, {"perturbations": {"h": (ZH,), "c": (ZC,)}})
 
 
 @pytest.mark.parametrize(
@@ -1434,11 +1435,10 @@ class Scale(fx.Handler):
 
 
 class Doubler(fx.Handler):
-    """A user's handler that reports every tag and consumes it, as `Tag` does,
-    but doubles the value of `name`."""
+    """A user's handler that reports every tag, and so consumes it as `Tag`
+    does, but doubles the value of `name`."""
 
     mode = "append"
-    consumes = True
     name: str = dataclasses.field(metadata={"static": True})
     collection: str = dataclasses.field(
         default="intermediates", metadata={"static": True}

@@ -2055,9 +2055,7 @@ class Clip(fx.Handler):
     clips every tag of its collection to [-0.5, 0.5] (of a floating dtype) and
     counts, per name, the elements it clipped, summed over executions (a count
     over the whole value, so not elementwise: under `handle(vmap(f))` it must
-    count per example). It does not consume the tags it reports: `handle(f,
-    Clip(), Tag())` is refused (both report one name), where
-    `handle(handle(f, Clip()), Tag())` has both reports."""
+    count per example). It reports, so it consumes the tags it acts at."""
 
     mode = "sum"
     collection: str = dataclasses.field(
@@ -2282,8 +2280,7 @@ def _handler_options(infos, data):
             return fx.Intervene({name: _times_two_plus_half}, collection=collection)
 
         options.append(intervene)
-    # Reporting handlers that do not consume what they report: before a
-    # `Tag` of the same name, `handle(f, A, B)` is refused (" both report ").
+    # Handlers written outside the package that report and change the value.
     options.append(Clip)
     shiftable = names_where(
         infos, collection="intermediates", custom=False, dtype="float32"
@@ -2338,24 +2335,25 @@ def _two_handlers(program, a, b) -> str:
     return "equal"
 
 
-def test_two_reporting_handlers_of_one_name_nest():
-    """`_handler_options` offers handlers that report without consuming (`Clip`,
-    `Shift`): before a `Tag` of the same name in one `handle`, both would
-    report it, which is refused; nested, both reports are there. (The property
-    above meets this case too, by chance.)"""
+def test_a_reporting_handler_consumes_what_it_reports():
+    """One site, one report: `_handler_options` offers handlers written outside
+    the package that report and change the value (`Clip`, `Shift`). Before a
+    `Tag` of the same name, each consumes the site: `handle(f, A, B)` equals
+    `handle(handle(f, A), B)`, and the `Tag` reports nothing of it. (A
+    `checkpoint_name`, never consumed, is `tests/test_checkpoint_name.py`'s.)"""
     program = Program(Seq((Site("tag", "t1", "intermediates"), Op("sin"))), (3,), 0)
     infos = analyse(program)
     options = _handler_options(infos, _Whole())
     reporters = [
-        h
-        for h in (option() for option in options)
-        if not h.consumes and h.mode is not None
+        h for h in (option() for option in options) if isinstance(h, (Clip, Shift))
     ]
     assert {type(h) for h in reporters} == {Clip, Shift}, reporters
-    assert _two_handlers(program, fx.Tag(), Clip()) == "equal"  # (Tag consumes)
+    f, x = program.function(), program.x()
     for h in reporters:
-        assert _two_handlers(program, h, fx.Tag()) == "both report", h
-        assert _two_handlers(program, h, fx.Tag(mode="sum")) == "both report", h
+        assert _two_handlers(program, h, fx.Tag()) == "equal", h
+        assert _two_handlers(program, h, fx.Tag(mode="sum")) == "equal", h
+        alone = fx.handle(f, h)(x)
+        assert_identical(fx.handle(f, h, fx.Tag())(x), alone, repr(h))
 
 
 class _Whole:
@@ -2617,8 +2615,8 @@ def test_the_generator_covers_every_construct():
     data and index predicates, every collection, checkpoint policies,
     checkpoint_names in every structure but a vmap, narrow tags (bool, int8,
     bfloat16) and loop-invariant tags (so the properties above reach them
-    all). `test_two_reporting_handlers_of_one_name_nest` checks that two
-    handlers can both report a name."""
+    all). `test_a_reporting_handler_consumes_what_it_reports` checks that a
+    reporting handler consumes a name before another."""
     seen: set = set()
 
     def visit(node, around=frozenset()):
