@@ -13,6 +13,7 @@ from typing import Any, ClassVar, TypeAlias, dataclass_transform
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import PyTree
 
 from . import _compat
@@ -258,12 +259,16 @@ def _sum_dtype(x):
     return dtype
 
 
+# (`lax` rather than `jnp`: these run at every execution of every summed site,
+# and `lax.add` of arrays of one shape traces in a quarter of the time.)
 def _sum_init(z):
-    return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), _sum_dtype(x)), z)
+    return jax.tree.map(lambda x: lax.convert_element_type(x, _sum_dtype(x)), z)
 
 
 def _add(acc, x):
-    return jax.tree.map(lambda a, b: a + jnp.asarray(b).astype(a.dtype), acc, x)
+    return jax.tree.map(
+        lambda a, b: lax.add(a, lax.convert_element_type(b, a.dtype)), acc, x
+    )
 
 
 _MODES = {
