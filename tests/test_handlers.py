@@ -420,6 +420,26 @@ def test_perturb_absent_names_untouched():
     assert_trees_close(found, {"perturbations": {"h": (ZH,), "c": (ZC,)}})
 
 
+def test_a_handler_without_a_mode_passes_the_value_it_returns_on():
+    # One site, one report: a Perturb with deltas reports nothing, so a Tag
+    # after it (in one `handle`, or an enclosing one) collects the perturbed
+    # value; a Perturb without deltas reports the zeros, and consumes the site.
+    def f(x):
+        return jnp.cos(fx.tag(jnp.sin(x), "h"))
+
+    h = np.sin(X) + DH
+    want = (np.cos(h), {"intermediates": {"h": (h,)}})
+    perturb = fx.Perturb({"h": (DH,)}, kind="tag", collection="intermediates")
+    assert_trees_close(fx.handle(f, perturb, fx.Tag())(X), want)
+    (out, inner), outer = fx.handle(fx.handle(f, perturb), fx.Tag())(X)
+    assert_trees_close((out, outer), want)
+    assert inner == {}
+    zeros = fx.Perturb(kind="tag", collection="intermediates")
+    out, found = fx.handle(f, zeros, fx.Tag())(X)
+    want_zeros = {"intermediates": {"h": (np.zeros_like(h),)}}
+    assert_trees_close((out, found), (np.cos(np.sin(X)), want_zeros))
+
+
 @pytest.mark.parametrize(
     "deltas, match",
     [
