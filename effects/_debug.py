@@ -12,7 +12,7 @@ import functools
 import html
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -586,7 +586,6 @@ class _Check(Handler):
     among its name's (counted here) in the message, at the tags in `keys` but
     those in `skip`."""
 
-    collection: ClassVar[str] = ""
     keys: tuple = dataclasses.field(metadata={"static": True})  # (collection, name)s
     backward: bool = dataclasses.field(default=False, metadata={"static": True})
     # With `backward`: a zero added to every tag, that differentiating with
