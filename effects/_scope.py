@@ -79,7 +79,7 @@ def zeros(avals):
 def broadcast_zero(shape, dtype):
     if dtype == jax.dtypes.float0:  # (the tangent type of an integer)
         return np.zeros(shape, dtype)
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # (a PRNG key's)
+    if jnp.issubdtype(dtype, jax.dtypes.extended):  # (a PRNG key's)
         return jnp.zeros(shape, dtype)
     return lax.broadcast_in_dim(np.zeros((), dtype), shape, ())
 
