@@ -260,7 +260,7 @@ def _sum_dtype(x):
 
 
 # (`lax` rather than `jnp`: these run at every execution of every summed site,
-# and `lax.add` of arrays of one shape traces in a quarter of the time.)
+# and `lax.add` traces in a quarter of the time `+` does.)
 def _sum_init(z):
     return jax.tree.map(lambda x: lax.convert_element_type(x, _sum_dtype(x)), z)
 
