@@ -5,12 +5,19 @@ select between the outputs of all its branches, each evaluated for every
 example; no `cond` is left in the program for a rewriter to see, nor anything
 that says which branch each example took. A handler outside that vmap would see
 every branch's tags, so `handle` refuses them (`vmap(handle(f))` sees each
-example's own branch). JAX's cond batching rule refuses JAX's IO effect in a
-branch, batched predicate or not; the check uses that: it traces the function
-again with the IO effect on the sites that may have lost their `cond`, and a
-refusal says one did. A site is known by its name and the call path of its
-`tag` (which its equation keeps through JAX's transformations), so a tag of the
-same name in a cond the vmap kept is not mistaken for it.
+example's own branch). Two checks find them:
+
+- A site bound where JAX's batching rule evaluates such a `cond`'s branches is
+  marked there (see `_primitives`): the sites directly in its branches, at any
+  depth of the `cond`s and loops a vmap keeps around it (`marked`).
+- Sites in what the branches call (a `jax.jit`, a `lax.scan`) are bound where
+  JAX traces that, in a jaxpr it caches, not in the rule: there, JAX's cond
+  batching rule refuses JAX's IO effect in a branch, batched predicate or not;
+  the check traces the function again with the IO effect on the sites that may
+  have lost their `cond`, and a refusal says one did (`suspects`, `mixed`). A
+  site is known by its name and the call path of its `tag` (which its equation
+  keeps through JAX's transformations), so a tag of the same name in a cond
+  the vmap kept is not mistaken for it.
 """
 
 from __future__ import annotations
@@ -41,11 +48,18 @@ def suspects(jaxpr) -> frozenset[Key]:
         any(s.eqn.params["batch"]) for s in tags
     ):
         return frozenset()
+    return frozenset(_key(s) for s in tags if not any(map(_keeps_branches, s.path)))
+
+
+def marked(jaxpr) -> frozenset[Key]:
+    """The sites bound where a vmap evaluated every branch of a `cond`."""
     return frozenset(
-        (*s.key[:3], _compat.call_path(s.eqn.source_info.traceback))
-        for s in tags
-        if not any(map(_keeps_branches, s.path))
+        _key(s) for s in walk(jaxpr).sites if s.eqn.params.get("every_branch")
     )
+
+
+def _key(located) -> Key:
+    return (*located.key[:3], _compat.call_path(located.eqn.source_info.traceback))
 
 
 def _keeps_branches(region: Region) -> bool:

@@ -52,6 +52,35 @@ def is_vmap_of_cond_refusal(e: BaseException) -> bool:
     return isinstance(e, NotImplementedError) and "vmap-of-cond" in str(e)
 
 
+# jax 0.7-0.12: JAX's batching rule of `cond` holds, in its frame, the batch
+# axis of the predicate (`index_dim`, None where the vmap does not batch it).
+# Where it is batched, the rule traces the branches batched (a jaxpr JAX
+# caches, which a cond it keeps may be given too), then evaluates them on the
+# current trace, for every example, and selects the outputs: the `cond` is
+# gone, and the sites directly in its branches are bound again in that frame
+# (JAX alone: tests/test_jax_facts.py::
+# test_a_batched_cond_evaluates_its_branches_in_its_batching_rule).
+from jax._src.lax.control_flow import conditionals as _conditionals  # noqa: E402
+
+_COND_BATCHING = (_conditionals.__file__, "_cond_batching_rule")
+_TRACING = (_pe.__file__, "trace_to_jaxpr_dynamic")
+
+
+def in_every_branch() -> bool:
+    """Whether the caller binds where a `cond` a vmap turns into a select
+    evaluates its branches: a frame of its batching rule, with no trace of a
+    jaxpr in between."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        where = frame.f_code.co_filename, frame.f_code.co_name
+        if where == _TRACING:
+            return False
+        if where == _COND_BATCHING:
+            return frame.f_locals["index_dim"] is not None
+        frame = frame.f_back
+    return False
+
+
 #
 # Where a site was bound
 #

@@ -293,9 +293,11 @@ class _Traced:
     out_tree: Any
     out_static: tuple  # the non-array outputs, by position
     sites: frozenset
-    # Sites that may sit in a cond branch a vmap inside `fn` ran for every
-    # example (see `_branches`), and per set of them that handlers matched,
-    # those that do (found by tracing `fn` again: see `_every_branch`).
+    # Sites in a cond branch a vmap inside `fn` ran for every example, marked
+    # where bound; those that may sit in one, and per set of them that
+    # handlers matched, those that do (found by tracing `fn` again: see
+    # `_every_branch`). (See `_branches`.)
+    marked: frozenset
     suspects: frozenset
     every_branch: _LRU = dataclasses.field(
         default_factory=lambda: _LRU(_SIZE), compare=False
@@ -339,6 +341,7 @@ def _trace(fn, static, treedef, dynamic, batched=frozenset()) -> _Traced:
         out_info["tree"],
         out_info["static"],
         sites_in(jaxpr),
+        _branches.marked(jaxpr),
         _branches.suspects(jaxpr),
         batched=batched,
     )
@@ -878,7 +881,7 @@ def _program(
         _check_loop_invariant(traced, handlers)
         _check_keys(traced, handlers)
         every_branch = _every_branch(traced, handlers, fn, static, treedef, dynamic)
-        _check_branches(every_branch, handlers)
+        _check_branches(traced.marked | every_branch, handlers)
         try:
             program = _rewrite(traced, config, h_leaves, _name(fn))
         except Unbatched as e:

@@ -76,6 +76,10 @@ class _SitePrimitive(Primitive):
             if key in probe[0] and (*key, _compat.current_call_path()) in probe[1]:
                 effect = "probe"
         params["effect"] = effect
+        # Bound where a vmap evaluates every branch of a `cond`: marked, as a
+        # param every later bind keeps (see `_branches.marked`).
+        if effect and "every_branch" not in params and _compat.in_every_branch():
+            params["every_branch"] = True
         return super().bind(*args, **params)
 
 

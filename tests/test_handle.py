@@ -652,6 +652,61 @@ def test_branch_check_traces_again_only_for_a_site_a_handler_matches():
     assert len(calls) == 2
 
 
+def test_a_tag_in_a_batched_cond_in_a_batched_while_loop_is_refused():
+    # JAX refuses the IO effect the probe uses in a while loop whose predicate
+    # a vmap batches: the tag is found by its mark (see `_branches`).
+    def f(x):
+        def body(c):
+            tagged = lambda y: fx.tag(y + 1.0, "c")  # noqa: E731
+            return jax.lax.cond(jnp.sum(c) > 5.0, tagged, lambda y: y + 2.0, c)
+
+        return jax.lax.while_loop(lambda c: jnp.sum(c) < 10.0, body, x)
+
+    xs = jnp.stack([X, -X])
+    with pytest.raises(ValueError, match="'c'.*inside the vmap"):
+        fx.handle(jax.vmap(f), fx.Tag(mode="last"))(xs)
+    # Each example's own, the other way around: the last execution of each.
+    out, found = jax.vmap(fx.handle(f, fx.Tag(mode="last")))(xs)
+    assert_trees_close(out, jax.vmap(f)(xs))
+    want = []
+    for x in np.asarray(xs):
+        c, last = x, np.zeros_like(x)
+        while c.sum() < 10.0:
+            if c.sum() > 5.0:
+                c = last = c + 1.0
+            else:
+                c = c + 2.0
+        want.append(last)
+    assert_trees_close(found, {"intermediates": {"c": np.stack(want)}})
+
+
+def _sin_branch(y):
+    return fx.tag(jnp.sin(y), "t")
+
+
+def _same_branch(y):
+    return y
+
+
+def test_a_kept_cond_given_the_branches_of_a_batched_one_is_not_refused():
+    # JAX gives a cond it keeps the branches it batched for a select, traced
+    # once (tests/test_jax_facts.py::
+    # test_a_batched_cond_evaluates_its_branches_in_its_batching_rule): the
+    # mark is made where they are evaluated, not where they are traced.
+    def batched(x, k):
+        return jax.lax.cond(jnp.sum(x) > 0, _sin_branch, _same_branch, x)
+
+    def kept(x, k):
+        return jax.lax.cond(k > 0, _sin_branch, _same_branch, x)
+
+    xs, k = jnp.stack([X, -X]), jnp.int32(1)
+    with pytest.raises(ValueError, match="'t'.*inside the vmap"):
+        fx.handle(jax.vmap(batched, in_axes=(0, None)), fx.Tag())(xs, k)
+    out, found = fx.handle(jax.vmap(kept, in_axes=(0, None)), fx.Tag())(xs, k)
+    assert_trees_close(out, jnp.sin(xs))
+    assert_trees_close(found, {"intermediates": {"t": (jnp.sin(xs),)}})
+
+
 def test_handle_returns_the_same_wrapper():
     f, _ = _counted()
     assert fx.handle(f, fx.Tag()) is fx.handle(f, fx.Tag())

@@ -4,6 +4,7 @@ code may be simplified or removed."""
 
 import functools
 import gc
+import sys
 import weakref
 
 import jax
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 from helpers import leak_checks
 from jax.experimental import io_callback
+from jax.interpreters import batching
 
 
 def test_custom_jvp_rule_is_traced_once_whatever_the_trace_context():
@@ -155,6 +157,76 @@ def _io_in_a_branch(p, x):
         return io_callback(lambda y: y, shape, x, ordered=False)
 
     return jax.lax.cond(p, with_io, lambda x: x, x)
+
+
+def _frames_at_bind():
+    """From a bind outwards: JAX's cond batching rule, with the batch axis of
+    the predicate, and jaxpr traces, as ("cond", index_dim) and ("trace",)."""
+    out, frame = [], sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_name
+        if name == "_cond_batching_rule":
+            out.append(("cond", frame.f_locals["index_dim"]))
+        elif name == "trace_to_jaxpr_dynamic":
+            out.append(("trace",))
+        frame = frame.f_back
+    return out
+
+
+class _Recording(jax.extend.core.Primitive):
+    def bind(self, *args, **params):
+        self.seen.append(_frames_at_bind())
+        return super().bind(*args, **params)
+
+
+_recording = _Recording("recording")
+_recording.seen = []
+_recording.def_impl(lambda x: x)
+_recording.def_abstract_eval(lambda x: x)
+batching.primitive_batchers[_recording] = lambda args, dims: (
+    _recording.bind(*args),
+    dims[0],
+)
+
+
+def _recorded_branch(y):
+    return _recording.bind(jnp.sin(y))
+
+
+def _binds(fn, *args, in_axes):
+    _recording.seen.clear()
+    jax.make_jaxpr(jax.vmap(fn, in_axes=in_axes))(*args)
+    return list(_recording.seen)
+
+
+def test_a_batched_cond_evaluates_its_branches_in_its_batching_rule():
+    # `effects/_compat.py`, `in_every_branch`: under `vmap`, JAX's batching rule
+    # of `cond` holds the predicate's batch axis as `index_dim`. Batched, the
+    # rule traces the branches batched, then evaluates them on the current
+    # trace: a bind there has the rule's frame nearer than any trace.
+    ps, xs = jnp.array([True, False]), jnp.ones((2, 3))
+    cond = lambda p, x: jax.lax.cond(p, _recorded_branch, lambda y: y, x)  # noqa: E731
+    nearest = [seen[0] for seen in _binds(cond, ps, xs, in_axes=(0, 0)) if seen]
+    assert ("cond", 0) in nearest
+    # Unbatched, the cond is kept: its rule only traces its branches, with
+    # `index_dim` None.
+    for seen in _binds(cond, True, xs, in_axes=(None, 0)):
+        assert seen[0] == ("trace",) and ("cond", None) in seen
+    # What the rule traces is cached, and a kept cond with the same branches
+    # is given the branch batched for a select: a mark made while tracing it
+    # there would be found in a cond that ran one branch per example.
+    def fresh(y):
+        return _recording.bind(jnp.sin(y))
+
+    cond = lambda p, x: jax.lax.cond(p, fresh, lambda y: y, x)  # noqa: E731
+    alone = len(_binds(cond, True, xs, in_axes=(None, 0)))
+
+    def shared(y):
+        return _recording.bind(jnp.sin(y))
+
+    cond = lambda p, x: jax.lax.cond(p, shared, lambda y: y, x)  # noqa: E731
+    _binds(cond, ps, xs, in_axes=(0, 0))
+    assert len(_binds(cond, True, xs, in_axes=(None, 0))) < alone
 
 
 def test_vmap_of_cond_refuses_io_effects_and_leaves_no_cond():
