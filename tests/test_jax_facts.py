@@ -212,6 +212,7 @@ def test_a_batched_cond_evaluates_its_branches_in_its_batching_rule():
     # `index_dim` None.
     for seen in _binds(cond, True, xs, in_axes=(None, 0)):
         assert seen[0] == ("trace",) and ("cond", None) in seen
+
     # What the rule traces is cached, and a kept cond with the same branches
     # is given the branch batched for a select: a mark made while tracing it
     # there would be found in a cond that ran one branch per example.
