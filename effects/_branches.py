@@ -39,9 +39,9 @@ def suspects(jaxpr) -> frozenset[Key]:
     every `cond` left in the program, when the program has a vmap of a site and
     a select (every such branch leaves one). Sites in a `while_loop` whose
     predicate a vmap batched are left out: the loop masks its carry per example,
-    so they are exact, and JAX refuses the IO effect in such a loop (so a cond
-    inside one goes unchecked; docs/semantics.md says so). A `checkpoint_name`
-    carries no IO effect, and is left out too."""
+    so they are exact, and JAX refuses the IO effect in such a loop (a cond
+    inside one is found by its mark). A `checkpoint_name` carries no IO effect,
+    and is left out too."""
     found = walk(jaxpr)
     tags = [s for s in found.sites if s.eqn.primitive is site_p]
     if jax.lax.select_n_p not in found.primitives or not any(
