@@ -4,6 +4,7 @@ in one place. Each entry names the JAX versions it was written against."""
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -64,14 +65,15 @@ from jax._src.lax.control_flow import conditionals as _conditionals  # noqa: E40
 
 _COND_BATCHING = (_conditionals.__file__, "_cond_batching_rule")
 _TRACING = (_pe.__file__, "trace_to_jaxpr_dynamic")
+_JAX_FILES = os.path.dirname(jax.__file__) + os.sep
 
 
 def in_every_branch() -> bool:
-    """Whether the caller binds where a `cond` a vmap turns into a select
-    evaluates its branches: a frame of its batching rule, with no trace of a
-    jaxpr in between."""
-    frame = sys._getframe(1)
-    while frame is not None:
+    """Whether the caller's caller binds where a `cond` a vmap turns into a
+    select evaluates its branches: called from JAX's code alone, up to a frame
+    of that cond's batching rule, with no trace of a jaxpr in between."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_JAX_FILES):
         where = frame.f_code.co_filename, frame.f_code.co_name
         if where == _TRACING:
             return False
