@@ -335,14 +335,15 @@ def _trace(fn, static, treedef, dynamic, batched=frozenset()) -> _Traced:
         # Rewritten programs run outside `handle` too: the custom rules in it
         # must not trace there for `handle` (see `_rewrite.per_state`).
         jaxpr = per_state(jaxpr)
+    marked = _branches.marked(jaxpr)
     return _Traced(
         jaxpr,
         consts,
         out_info["tree"],
         out_info["static"],
         sites_in(jaxpr),
-        _branches.marked(jaxpr),
-        _branches.suspects(jaxpr),
+        marked,
+        _branches.suspects(jaxpr) - marked,  # (a key marked anywhere is known)
         batched=batched,
     )
 

@@ -652,6 +652,21 @@ def test_branch_check_traces_again_only_for_a_site_a_handler_matches():
     assert len(calls) == 2
 
 
+def test_a_tag_in_a_batched_cond_is_refused_from_the_one_trace():
+    # Bound where the vmap evaluates the branches, the tag is marked there:
+    # no trace again to find it.
+    calls = []
+
+    def f(x):
+        calls.append(None)
+        tagged = lambda y: fx.tag(y * 2.0, "b")  # noqa: E731
+        return jax.lax.cond(jnp.sum(x) > 0, tagged, jnp.negative, x)
+
+    with pytest.raises(ValueError, match="'b'.*inside the vmap"):
+        fx.handle(jax.vmap(f), fx.Tag())(jnp.stack([X, -X]))
+    assert len(calls) == 1
+
+
 def test_a_tag_in_a_batched_cond_in_a_batched_while_loop_is_refused():
     # JAX refuses the IO effect the probe uses in a while loop whose predicate
     # a vmap batches: the tag is found by its mark (see `_branches`).
