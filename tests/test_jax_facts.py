@@ -230,6 +230,44 @@ def test_a_batched_cond_evaluates_its_branches_in_its_batching_rule():
     assert len(_binds(cond, True, xs, in_axes=(None, 0))) < alone
 
 
+@pytest.mark.parametrize("custom", ["custom_jvp", "custom_vjp"])
+def test_an_effect_in_a_custom_rule_in_a_while_loop_in_a_checkpoint_fails_under_grad(
+    custom,
+):
+    # `tests/test_properties.py`, `_allowed`: JAX's partial evaluation of a
+    # `while_loop` in a `jax.checkpoint` asserts that its body saves no
+    # residual, which a custom_jvp/custom_vjp function holding an effect does
+    # (here `jax.debug.print`; in `fx.handle(jax.grad(f))`, a tag's). The same
+    # effect directly in the loop body, or the checkpoint inside the loop, is
+    # differentiated. `jax.grad(fx.handle(f, ...))` works: no effect is left.
+    def printed(v):
+        jax.debug.print("{}", v)
+        return jnp.sin(v)
+
+    if custom == "custom_jvp":
+        fn = jax.custom_jvp(printed)
+        fn.defjvp(lambda p, t: (fn(p[0]), jnp.cos(p[0]) * t[0]))
+    else:
+        fn = jax.custom_vjp(printed)
+        fn.defvjp(lambda u: (jnp.sin(u), u), lambda u, ct: (jnp.cos(u) * ct,))
+
+    def looped(body):
+        def f(v):
+            step = lambda s: (s[0] + 1, body(s[1]))  # noqa: E731
+            init = (0, jax.lax.stop_gradient(v))
+            return v + jax.lax.while_loop(lambda s: s[0] < 0, step, init)[1]
+
+        return f
+
+    def grad_of(f):
+        return jax.grad(lambda x: jnp.sum(f(x)))(jnp.ones(3))
+
+    with pytest.raises(AssertionError):
+        grad_of(jax.checkpoint(looped(fn)))
+    assert grad_of(looped(jax.checkpoint(fn))).shape == (3,)
+    assert grad_of(jax.checkpoint(looped(printed))).shape == (3,)
+
+
 def test_vmap_of_cond_refuses_io_effects_and_leaves_no_cond():
     # `effects/_branches.py`, `mixed`: under `vmap` with a batched predicate a
     # `cond` becomes a `select_n` of every branch's outputs, so no `cond` is
