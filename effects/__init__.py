@@ -36,6 +36,9 @@ from ._handlers import (
     Reduce as Reduce,
 )
 from ._handlers import (
+    Select as Select,
+)
+from ._handlers import (
     Substitute as Substitute,
 )
 from ._handlers import (

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
-import re
 import threading
 import types
 from collections.abc import Callable
@@ -19,11 +18,11 @@ import jax
 
 from . import _branches, _compat, _jaxpr
 from ._handlers import (
-    PARTS,
     SUM,
     Handler,
     Names,
     Perturb,
+    Select,
     acts_on,
     found_key,
     mode_of,
@@ -397,8 +396,9 @@ def _check_names(sites, handlers) -> None:
     `checkpoint_name` is never consumed)."""
     probes = None  # built only where a handler requires names: one per site
     for i, h in enumerate(handlers):
-        names = h.required_names()
-        if not names:
+        select = h.matches
+        exact, globs = select.required() if isinstance(select, Select) else ((), ())
+        if not (exact or globs):
             continue
         if probes is None:
             probes = [Site.probe(*s) for s in sorted(sites)]
@@ -413,9 +413,7 @@ def _check_names(sites, handlers) -> None:
 
         # Each name must exist, and a filter of glob patterns alone select a
         # site, so a pattern with a typo is not an empty `found`.
-        exact = [n for n in names if not _GLOB.search(n)]
-        globs = tuple(n for n in names if _GLOB.search(n))
-        for name in exact or ([globs] if globs else []):
+        for name in exact or (globs,):
             mine = [p for p in probes if _named(p, name) and h.matches(p)]
             if not mine:
                 raise ValueError(_unknown_name(h, name, probes, consumer))
@@ -498,9 +496,6 @@ def _kind(kind: str) -> str:
     return "tag" if kind == "tag" else "perturb site"
 
 
-_GLOB = re.compile(r"[*?\[]")
-
-
 def _named(site: Site, name: str | tuple[str, ...]) -> bool:
     """Whether `site` is named `name`, or matches one of the glob patterns."""
     if isinstance(name, tuple):
@@ -509,25 +504,10 @@ def _named(site: Site, name: str | tuple[str, ...]) -> bool:
 
 
 def _unknown_name(h, name: str | tuple[str, ...], probes, consumer) -> str:
-    # The names the handler could have meant: those of its kind and collection
-    # when it says which (Tag, Perturb, ...), else every name it sees.
-    collection = getattr(h, "collection", None)
-    # The kind and part it takes, as it would take a site of that name.
-    one = name if isinstance(name, str) else name[0]
-    where = collection if isinstance(collection, str) else "intermediates"
-    kind = next(
-        (
-            k
-            for k in ("tag", "perturb")
-            for p in PARTS
-            if h.matches(Site.probe(k, where, one, p))
-        ),
-        "tag",
-    )
-    part = next(
-        (p for p in PARTS if acts_on(h, Site.probe(kind, where, one, p)) == p),
-        "value",
-    )
+    # The names the handler could have meant: those of its selection's kind,
+    # collection and part that no handler before it consumes.
+    select: Select = h.matches
+    kind, collection, part = select.kind, select.collection, select.part
     known = sorted(
         {
             p.name
@@ -535,10 +515,10 @@ def _unknown_name(h, name: str | tuple[str, ...], probes, consumer) -> str:
             if consumer(p) is None
             and p.kind == kind
             and p.part == part
-            and (collection is None or p.collection == collection)
+            and p.collection == collection
         }
     )
-    where = f" in collection {collection!r}" if isinstance(collection, str) else ""
+    where = f" in collection {collection!r}"
     what = _kind(kind) if part == "value" else f"{part} of a {_kind(kind)}"
     message = _UNKNOWN_NAME.format(
         handler=type(h).__name__,
@@ -722,7 +702,7 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-def _report(scope: Scope, handlers, sites) -> Found:
+def _report(scope: Scope, handlers) -> Found:
     """What the handlers found, once the whole function has run, each
     collection's names in the order the program first executed them."""
     for key, left in scope.inputs.items():
@@ -735,9 +715,8 @@ def _report(scope: Scope, handlers, sites) -> Found:
             )
     found = Found()
     modes = scope.handlers.modes
-    keys = sorted(sites)
     for h, mode in zip(handlers, modes):
-        key = None if mode is None else found_key(h, keys)
+        key = None if mode is None else found_key(h)
         if key is not None:
             found.setdefault(key, Found())
     for key, site in scope.sites.items():  # in order of first execution
@@ -781,7 +760,7 @@ def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:
             raise
         scope.rewrite.check_batched()
         info["dropped"] = scope.rewrite.dropped
-        found = _report(scope, handlers, traced.sites)
+        found = _report(scope, handlers)
         leaves, info["tree"] = jax.tree.flatten(found)
         return [*outs, *leaves]
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import inspect
 import operator
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeAlias, dataclass_transform
 
@@ -19,7 +21,9 @@ from jaxtyping import PyTree
 from . import _compat
 from ._site import Site
 
-Names: TypeAlias = None | str | list[str] | tuple[str, ...] | Callable[[str], bool]
+Names: TypeAlias = (
+    None | str | list[str] | tuple[str, ...] | frozenset[str] | Callable[[str], bool]
+)
 """Which names a handler acts on: the type of the `names=` argument of
 [`Tag`][effects.Tag], [`Perturb`][effects.Perturb] and [`Stats`][effects.Stats].
 
@@ -28,17 +32,18 @@ Names: TypeAlias = None | str | list[str] | tuple[str, ...] | Callable[[str], bo
   case-sensitively: `*` matches any characters (dots and slashes included),
   `?` one character, `[ab]` one of a set (`"layers.*"`, `"block?"`).
 - A list or tuple of such strings: the names any of them matches.
+- A set of names: exactly those (glob characters are part of a name there).
 - A predicate `fn(name) -> bool`.
 
-A string without glob characters (`*`, `?`, `[`), alone or in a list, names a
-site that must exist: a typo is a `ValueError` from [`handle`][effects.handle]
-listing the known names. A glob or a predicate may match nothing (the
-handler's entry in `found` is then empty).
+A string without glob characters (`*`, `?`, `[`), alone or in a list, and
+every name of a set, names a site that must exist: a typo is a `ValueError`
+from [`handle`][effects.handle] listing the known names. A glob or a
+predicate may match nothing (the handler's entry in `found` is then empty).
 
 **Raises:**
 
-- `TypeError`, from the handler's constructor, for anything else (a number, a
-  set, a list holding something other than strings).
+- `TypeError`, from the handler's constructor, for anything else (a number,
+  a list holding something other than strings).
 
 **Example:**
 
@@ -57,30 +62,118 @@ fx.Tag(names=lambda name: name.endswith(".0"))
 def _check_names(names, owner: str):
     if names is None or callable(names) or isinstance(names, str):
         return names
+    if isinstance(names, (set, frozenset)) and all(isinstance(n, str) for n in names):
+        return frozenset(names)
     if isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names):
         return tuple(names)
     raise TypeError(
-        f"{owner}: `names` must be None, a glob string, a list of globs or a "
-        f"predicate on the name, got {names!r}."
+        f"{owner}: `names` must be None, a glob string, a list of globs, a set "
+        f"of names or a predicate on the name, got {names!r}."
     )
 
 
-def filter_names(names) -> tuple[str, ...]:
-    """The names and glob patterns of a `names=` filter: each name must exist
-    and the patterns select a site, so a typo is an error (a predicate may
-    match nothing)."""
-    names = (names,) if isinstance(names, str) else names
-    return names if isinstance(names, tuple) else ()
+_GLOB = re.compile(r"[*?\[]")
+PARTS = ("value", "tangent", "cotangent")
 
 
-def _name_matches(names, name: str) -> bool:
-    if names is None:
-        return True
-    if isinstance(names, str):
-        return fnmatch.fnmatchcase(name, names)
-    if isinstance(names, tuple):
-        return any(fnmatch.fnmatchcase(name, n) for n in names)
-    return bool(names(name))
+@dataclasses.dataclass(frozen=True)
+class Select:
+    """Which sites a handler acts at, said declaratively: a handler's
+    `matches`, as a [`Handler`][effects.Handler] subclass's class attribute
+    (`matches = fx.Select(names="layers.*")`) or what a built-in's `matches`
+    is. Called on a [`Site`][effects.Site], it says whether it selects it.
+
+    Said this way rather than as a method, the selection tells
+    [`handle`][effects.handle] two things a method cannot: the names that
+    must exist (a typo is an error listing the known names, as for
+    [`Tag`][effects.Tag]) and the collection a handler with a `mode` reports
+    into (`found[collection]`, empty when nothing matched; for a derivative
+    part, `found[f"{collection}:{part}"]`). A handler whose `matches` is a
+    method reports each site under the site's own collection, and requires
+    no name.
+
+    **Arguments:**
+
+    - `names`: which names, see [`Names`][effects.Names]: a string without
+      glob characters, alone or in a list, and every name of a set, must be
+      the name of a site the handler sees; a glob must match one.
+    - `collection`: the sites' collection.
+    - `kind`: `"tag"` (sites of [`fx.tag`][effects.tag]) or `"perturb"`
+      ([`fx.perturb`][effects.perturb]).
+    - `part`: `"value"`, or the `"tangent"` or `"cotangent"` a `jax.jvp` or
+      `jax.grad` inside the handled function takes of the value (see
+      [Gradients and tangents](../guides/derivatives.md)).
+
+    **Raises:**
+
+    - `TypeError`: `names` is not a [`Names`][effects.Names] or
+      `collection` is not a string.
+    - `ValueError`: `kind` or `part` is none of the above.
+
+    **Example:**
+
+    ```python
+    class Double(fx.Handler):
+        matches = fx.Select(names="h")
+
+        def apply(self, site, value, ctx):
+            return 2 * value
+
+    out, _ = fx.handle(lambda x: fx.tag(x, "h") + 1, Double())(1.0)
+    print(out)
+    ```
+
+    ```text
+    3.0
+    ```
+    """
+
+    names: Names = None
+    collection: str = "intermediates"
+    kind: str = "tag"
+    part: str = "value"
+
+    def __post_init__(self):
+        object.__setattr__(self, "names", _check_names(self.names, "Select"))
+        if not isinstance(self.collection, str):
+            raise TypeError(
+                f"Select: collection must be a string, got {self.collection!r}."
+            )
+        if self.kind not in ("tag", "perturb"):
+            raise ValueError(f"Select: kind={self.kind!r}; use 'tag' or 'perturb'.")
+        if self.part not in PARTS:
+            raise ValueError(
+                f"Select: part={self.part!r}; use 'value', 'tangent' or 'cotangent'."
+            )
+
+    def __call__(self, site: Site) -> bool:
+        # (spelt out: this runs at every site)
+        if site.kind != self.kind or site.collection != self.collection:
+            return False
+        if site.part != self.part:
+            return False
+        names = self.names
+        if names is None:
+            return True
+        if isinstance(names, str):
+            return fnmatch.fnmatchcase(site.name, names)
+        if isinstance(names, frozenset):
+            return site.name in names
+        if isinstance(names, tuple):
+            return any(fnmatch.fnmatchcase(site.name, n) for n in names)
+        return bool(names(site.name))  # pyright: ignore[reportCallIssue] (a list is a tuple here)
+
+    def required(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The names that must exist, and the glob patterns one of which must
+        match a site (a predicate may match nothing)."""
+        names = self.names
+        if isinstance(names, frozenset):
+            return tuple(sorted(names)), ()
+        names = (names,) if isinstance(names, str) else names
+        if not isinstance(names, tuple):
+            return (), ()
+        exact = tuple(n for n in names if not _GLOB.search(n))
+        return exact, tuple(n for n in names if _GLOB.search(n))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,11 +454,17 @@ class Handler:
     are. [Writing a handler](../guides/writing-a-handler.md) builds one step
     by step.
 
-    **The protocol:**
+    **The protocol** (four members):
 
-    - `matches(site) -> bool`: whether to act at a [`Site`][effects.Site]
-      (`site.kind`, `site.collection`, `site.name`, `site.part`). Default:
-      the value of every tag of the collection `"intermediates"`.
+    - `matches`: which sites to act at, a [`Select`][effects.Select] (the
+      default, `Select()`, takes the value of every tag of the collection
+      `"intermediates"`), as a class attribute or a property built from the
+      handler's fields, or a method `matches(site) -> bool` on a
+      [`Site`][effects.Site] (`site.kind`, `site.collection`, `site.name`,
+      `site.part`). A `Select` also says which names must exist and where a
+      handler with a mode reports (`found[collection]`, empty when nothing
+      matched); with a method, a handler reports each site under its own
+      collection.
     - `apply(site, value, ctx) -> value`: one execution, the one method a
       subclass must define. `value` is the tagged value of **one example**:
       under a `jax.vmap` inside the handled function, `apply` runs under that
@@ -382,6 +481,8 @@ class Handler:
       default) for a handler that reports nothing. `fx.Append(per_example=
       False)` has `apply` run once on the whole batch of the vmaps inside the
       handled function instead of per example.
+    - `per_call_inputs() -> {name: (entry, ...)}`, optional: one entry per
+      execution in the layout `Tag()` reports, read by `ctx.next_input()`.
 
     **One site, one report.** A handler with a mode *consumes* the sites it
     acts at: handlers after it in the same `handle`, and those of an
@@ -403,14 +504,6 @@ class Handler:
     tangents](../guides/derivatives.md)). At an execution where `apply`
     returned the value it got (it only emits, as `Tag` and `Stats` do), its
     derivative is the identity and it is not run again.
-
-    Two optional methods: `per_call_inputs() -> {name: (entry, ...)}`, one
-    entry per execution in the layout `Tag()` reports, read by
-    `ctx.next_input()`; and `required_names() -> (name, ...)`, names that
-    must exist among the sites the handler sees, or glob patterns that must
-    match one between them (a typo is then an error listing the known
-    names). A handler with a `collection` attribute and a `mode` gets
-    `found[collection]`, empty when it matched nothing.
 
     **Arguments:**
 
@@ -455,6 +548,8 @@ class Handler:
     ```
     """
 
+    # A `Select`, or a method `matches(self, site) -> bool`.
+    matches: ClassVar[Callable[[Site], bool]] = Select()
     mode: ClassVar[Any] = None
     # Whether the class or a base defines its own `__init__` (as `Tag` does, to
     # validate its arguments): it is then kept, and no dataclass one generated.
@@ -483,21 +578,11 @@ class Handler:
     def __repr__(self):
         return eqx.tree_pformat(self)
 
-    def matches(self, site: Site) -> bool:
-        return (
-            site.kind == "tag"
-            and site.collection == "intermediates"
-            and site.part == "value"
-        )
-
     def apply(self, site: Site, value: PyTree, ctx: Context) -> PyTree:
         raise NotImplementedError(
             f"{type(self).__name__} matches {site.where()} but defines no "
             "`apply(site, value, ctx)`."
         )
-
-    def required_names(self) -> tuple[str, ...]:
-        return ()
 
     def per_call_inputs(self) -> Mapping[str, tuple]:
         return {}
@@ -625,19 +710,16 @@ class Context:
 
 
 NO_INPUT = object()
-PARTS = ("value", "tangent", "cotangent")
 
 
-def found_key(handler, sites) -> str | None:
-    """The key of `found` a handler reports under, given the keys of the
-    program's `sites`: its collection; for the tangents or cotangents of a
-    collection, `"collection:tangent"` and `"collection:cotangent"`, beside the
-    values (the part of the first site it acts on)."""
-    collection = getattr(handler, "collection", None)
-    if not isinstance(collection, str):
+def found_key(handler) -> str | None:
+    """The key of `found` a handler whose `matches` is a `Select` reports
+    under: its collection; for the tangents or cotangents of a collection,
+    `"collection:tangent"` and `"collection:cotangent"`, beside the values."""
+    select = handler.matches
+    if not isinstance(select, Select):
         return None
-    parts = (acts_on(handler, Site.probe(*s)) for s in sites)
-    part = next((p for p in parts if p is not None), "value")
+    collection, part = select.collection, select.part
     return collection if part == "value" else f"{collection}:{part}"
 
 
@@ -664,20 +746,6 @@ def mode_of(handler: Handler) -> Append | Reduce | None:
         f"{type(handler).__name__}: unknown mode {mode!r}; use None, 'append', "
         "'strict', 'last', 'sum', fx.Append(...) or fx.Reduce(fn, init)."
     )
-
-
-def matches_tag(handler, site, names=None, part="value") -> bool:
-    """Whether a handler with a `collection` field acts at `site`, a tag: one
-    named in `names` if given, else one its `names` field selects.
-    (Handler.matches, and the name filter, spelt out: this runs at every
-    site.)"""
-    if site.kind != "tag" or site.collection != handler.collection:
-        return False
-    if site.part != part:
-        return False
-    if names is not None:
-        return site.name in names
-    return handler.names is None or _name_matches(handler.names, site.name)
 
 
 class Tag(Handler):
@@ -795,11 +863,9 @@ class Tag(Handler):
             of=of,
         )
 
-    def matches(self, site):
-        return matches_tag(self, site, part=self.of)
-
-    def required_names(self):
-        return filter_names(self.names)
+    @functools.cached_property
+    def matches(self):  # pyright: ignore[reportIncompatibleMethodOverride]
+        return Select(self.names, collection=self.collection, part=self.of)
 
     def apply(self, site, value, ctx):
         ctx.emit(value)
@@ -893,12 +959,19 @@ class Perturb(Handler):
             raise ValueError(f"Perturb: kind must be 'perturb' or 'tag', got {kind!r}.")
         if collection is None:
             collection = "perturbations" if kind == "perturb" else "intermediates"
+        select = Select(names, collection=collection, kind=kind)
+        for name in () if deltas is None or names is None else deltas:
+            if not select(Site.probe(kind, collection, name)):
+                raise ValueError(
+                    f"Perturb: deltas for {name!r}, a name `names` does not "
+                    "select: leave it out of the deltas, or out of `names`."
+                )
         _set_fields(
             self,
             kind=kind,
             collection=collection,
             deltas=None if deltas is None else _per_call_dict(deltas, "Perturb"),
-            names=_check_names(names, "Perturb"),
+            names=select.names,
         )
 
     @property
@@ -906,15 +979,10 @@ class Perturb(Handler):
         # Without deltas: the zeros to start from, one entry per execution.
         return "append" if self.deltas is None else None
 
-    def matches(self, site):
-        if site.kind != self.kind or site.collection != self.collection:
-            return False
-        if site.part != "value" or not _name_matches(self.names, site.name):
-            return False
-        return self.deltas is None or site.name in self.deltas
-
-    def required_names(self):
-        return filter_names(self.names) if self.deltas is None else tuple(self.deltas)
+    @functools.cached_property
+    def matches(self):  # pyright: ignore[reportIncompatibleMethodOverride]
+        names = self.names if self.deltas is None else frozenset(self.deltas)
+        return Select(names, collection=self.collection, kind=self.kind)
 
     def per_call_inputs(self):
         return {} if self.deltas is None else self.deltas
@@ -1004,11 +1072,9 @@ class Substitute(Handler):
             values = {k: _as_arrays(v, "Substitute", k) for k, v in values.items()}
         _set_fields(self, collection=collection, values=values, per_call=per_call)
 
-    def matches(self, site):
-        return matches_tag(self, site, self.values)
-
-    def required_names(self):
-        return tuple(self.values)
+    @functools.cached_property
+    def matches(self):  # pyright: ignore[reportIncompatibleMethodOverride]
+        return Select(frozenset(self.values), collection=self.collection)
 
     def per_call_inputs(self):
         return self.values if self.per_call else {}
@@ -1119,11 +1185,9 @@ class Intervene(Handler):
         takes_at = frozenset(name for name, fn in fns.items() if _takes_at(fn))
         _set_fields(self, collection=collection, fns=fns, takes_at=takes_at)
 
-    def matches(self, site):
-        return matches_tag(self, site, self.fns)
-
-    def required_names(self):
-        return tuple(self.fns)
+    @functools.cached_property
+    def matches(self):  # pyright: ignore[reportIncompatibleMethodOverride]
+        return Select(frozenset(self.fns), collection=self.collection)
 
     def apply(self, site, value, ctx):
         fn = self.fns[site.name]

@@ -117,7 +117,7 @@ def _all_kept(jaxpr, scope: Scope) -> bool:
             return False
         site = Site.probe(*key)
         first = next(
-            (i for i, h in enumerate(handlers) if handlers.matches[i](h, site)),
+            (i for i, matches in enumerate(handlers.matches) if matches(site)),
             None,
         )
         if first is None:
@@ -302,11 +302,11 @@ def _derivative(site: Site, params, avals, invals, scope: Scope):
     sees_value, consumed = not params.get("value_consumed"), False
     consumable = site.collection != CHECKPOINT_NAME
     for i, (h, matches) in enumerate(zip(handlers, handlers.matches)):
-        if matches(h, value):  # a handler of the value: differentiated here
+        if matches(value):  # a handler of the value: differentiated here
             if sees_value and not scope.rewrite.kept.get((i, site.pair)):
                 steps.append((i, True))
             sees_value = sees_value and not (handlers.consumes[i] and consumable)
-        elif not (higher or consumed) and matches(h, site):
+        elif not (higher or consumed) and matches(site):
             steps.append((i, False))
             consumed = handlers.consumes[i] and consumable
     # An enclosing `handle` sees the site (a value no handler here consumed
@@ -365,7 +365,7 @@ def _act(site: Site, leaves: list[Any], scope: Scope) -> tuple[list[Any], bool]:
     consumable = site.collection != CHECKPOINT_NAME
     handlers = scope.handlers
     for i, (handler, matches) in enumerate(zip(handlers, handlers.matches)):
-        if matches(handler, site):
+        if matches(site):
             new = act(scope, i, site, leaves)
             if site.pair is not None:
                 kept = scope.rewrite.kept

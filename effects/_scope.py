@@ -86,7 +86,7 @@ def broadcast_zero(shape, dtype):
 
 class Handlers(tuple):
     """The handlers of one `handle`, with what the rewriter reads of each
-    read once: `matches` (unbound, the cheapest call at every site), the mode,
+    read once: `matches` (a `Select` or a bound method), the mode,
     whether it consumes, and the names it has per-call inputs for."""
 
     matches: tuple
@@ -97,7 +97,7 @@ class Handlers(tuple):
 
     def __new__(cls, handlers):
         self = super().__new__(cls, handlers)
-        self.matches = tuple(type(h).matches for h in handlers)
+        self.matches = tuple(h.matches for h in handlers)
         self.modes = tuple(mode_of(h) for h in handlers)
         # One site, one report: a handler that reports consumes what it acts at.
         self.consumes = tuple(m is not None for m in self.modes)

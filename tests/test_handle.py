@@ -996,7 +996,7 @@ def test_handle_with_a_non_handler_is_a_type_error(handler):
     [
         lambda: fx.Tag(names=3),
         lambda: fx.Tag(names=["h", 3]),
-        lambda: fx.Tag(names={"h"}),
+        lambda: fx.Tag(names={"h", 3}),
         lambda: fx.Tag(names=b"h"),
         lambda: fx.Perturb(names=3),
     ],

@@ -1509,3 +1509,144 @@ def test_handler_subclass_is_a_frozen_dataclass_and_pytree():
 
     s = np.float32(0.5)
     assert_trees_close(jax.jit(jax.grad(loss))(s), evaluate(jax.grad(loss_ref), s))
+
+
+#
+# `fx.Select`: a handler's `matches`, said declaratively
+#
+
+
+class Double(fx.Handler):
+    """A user's handler selecting its sites with an `fx.Select`."""
+
+    matches = fx.Select(names="enc/*")
+
+    def apply(self, site, value, ctx):
+        return 2 * value
+
+
+def test_a_select_is_a_handlers_matches():
+    # Double doubles enc/h and enc/g, where the tags are: what follows them
+    # sees the doubled values, computed here by hand.
+    out, found = fx.handle(named, Double(), fx.Tag())(X)
+    h = 2 * (X + f32(1.0))
+    g = 2 * (h * f32(2.0))
+    d = g - f32(3.0)
+    assert_trees_close(out, d**2)
+    assert_trees_close(
+        found, {"intermediates": {"enc/h": (h,), "enc/g": (g,), "dec/h": (d,)}}
+    )
+    site = fx.Site.probe("tag", "intermediates", "enc/x")
+    assert Double.matches(site) and not Double.matches(site.of("cotangent"))
+    assert not Double.matches(fx.Site.probe("perturb", "intermediates", "enc/x"))
+
+
+class Collect(fx.Handler):
+    """A user's reporting handler: its `matches`, a property, is a `Select`
+    built from its fields."""
+
+    mode = "append"
+    names: object = dataclasses.field(default=None, metadata={"static": True})
+    collection: str = dataclasses.field(
+        default="intermediates", metadata={"static": True}
+    )
+    part: str = dataclasses.field(default="value", metadata={"static": True})
+
+    @property
+    def matches(self):
+        return fx.Select(self.names, collection=self.collection, part=self.part)
+
+    def apply(self, site, value, ctx):
+        ctx.emit(value)
+        return value
+
+
+def test_a_select_says_where_a_handler_reports_and_which_names_must_exist():
+    _, values = named_ref(X)
+    _, found = fx.handle(named, Collect("dec/*"))(X)
+    assert_trees_close(found, {"intermediates": {"dec/h": (values["dec/h"],)}})
+    # Matching nothing: its collection, empty (as `Tag` reports).
+    _, found = fx.handle(named, Collect(lambda n: False, collection="other"))(X)
+    assert found == {"other": {}}
+    # A name without glob characters must exist, and a glob must match one:
+    # the error names the handler and lists the names it could have meant.
+    for names in ["enc/hh", "dec/x*"]:
+        with pytest.raises(ValueError, match=r"Collect: no tag .*'dec/h'"):
+            fx.handle(named, Collect(names))(X)
+
+
+def test_a_select_of_a_derivative_part_reports_beside_the_values():
+    def f(x):
+        return jnp.sum(jnp.sin(fx.tag(x * x, "h")))
+
+    (_, grad), found = fx.handle(jax.value_and_grad(f), Collect(part="cotangent"))(X)
+    assert_trees_close(grad, 2 * X * np.cos(X * X), rtol=1e-6)
+    assert_trees_close(
+        found, {"intermediates:cotangent": {"h": (np.cos(X * X),)}}, rtol=1e-6
+    )
+
+
+class Count(fx.Handler):
+    """A user's reporting handler with a `matches` method: it reports each
+    site under the site's own collection, and requires no name."""
+
+    mode = "sum"
+
+    def matches(self, site):
+        return site.kind == "tag" and site.name.endswith("h")
+
+    def apply(self, site, value, ctx):
+        ctx.emit(jnp.ones_like(value))
+        return value
+
+
+def test_a_handler_whose_matches_is_a_method_reports_under_each_sites_collection():
+    def f(x):
+        return fx.tag(fx.tag(x, "h", collection="a"), "gh", collection="b") + 1
+
+    out, found = fx.handle(f, Count())(X)
+    assert_trees_close(out, X + 1)
+    assert_trees_close(
+        found, {"a": {"h": np.ones(3, f32)}, "b": {"gh": np.ones(3, f32)}}
+    )
+    # (Count consumed both: the Tag after it finds nothing of its own)
+    _, again = fx.handle(f, Count(), fx.Tag(collection="b"))(X)
+    assert_trees_close(again, found)
+
+
+def test_a_set_of_names_selects_exactly_those_and_each_must_exist():
+    def f(x):
+        return fx.tag(x, "a[0]") + fx.tag(2 * x, "a0")
+
+    _, found = fx.handle(f, fx.Tag(names={"a[0]"}))(X)
+    assert_trees_close(found, {"intermediates": {"a[0]": (X,)}})
+    _, found = fx.handle(f, fx.Tag(names="a[0]"))(X)  # a glob: "a0"
+    assert_trees_close(found, {"intermediates": {"a0": (2 * X,)}})
+    with pytest.raises(
+        ValueError, match=r"no tag named 'b'.*Known names: 'a0', 'a\[0\]'"
+    ):
+        fx.handle(f, fx.Tag(names={"a[0]", "b"}))(X)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(names=3), TypeError, "Select: `names` must be"),
+        (dict(names={"a", 1}), TypeError, "Select: `names` must be"),
+        (dict(collection=None), TypeError, "Select: collection must be a string"),
+        (dict(kind="site"), ValueError, "Select: kind='site'"),
+        (dict(part="primal"), ValueError, "Select: part='primal'"),
+    ],
+)
+def test_a_bad_select_is_refused_when_made(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        fx.Select(**kwargs)
+
+
+def test_perturb_refuses_deltas_its_names_do_not_select():
+    deltas = {"enc/h": (jnp.zeros(3),)}
+    with pytest.raises(ValueError, match="Perturb: deltas for 'enc/h'"):
+        fx.Perturb(deltas, names="dec/*", kind="tag")
+    perturb = fx.Perturb(deltas, names="enc/*", kind="tag")
+    out, _ = fx.handle(named, perturb)(X)
+    assert_trees_close(out, named_ref(X)[0])

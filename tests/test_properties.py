@@ -2455,19 +2455,17 @@ class ScaleEach(fx.Handler):
 
 class Bend(fx.Handler):
     """A handler written outside the package that changes values nonlinearly:
-    `_bend` of the tags `names` of its collection. It reports nothing."""
+    `_bend` of the tags `names` of its collection, which it selects with an
+    `fx.Select` (so each name must exist). It reports nothing."""
 
     names: tuple = dataclasses.field(metadata={"static": True})
     collection: str = dataclasses.field(
         default="intermediates", metadata={"static": True}
     )
 
-    def matches(self, site):
-        return (
-            site.kind == "tag"
-            and site.collection == self.collection
-            and site.name in self.names
-        )
+    @property
+    def matches(self):
+        return fx.Select(frozenset(self.names), collection=self.collection)
 
     def apply(self, site, value, ctx):
         return jax.tree.map(_bend, value)
@@ -2581,7 +2579,7 @@ def test_value_handlers_commute_with_grad_and_jvp(program, data):
             for name, infos_ in names.items()
             if any(i.part == "value" for i in infos_)
         }
-        assert set(handler.required_names()) - present, error
+        assert set(handler.matches.required()[0]) - present, error
         assert _has(program.body, ShardMap) and _has(program.body, Scan), error
         event("JAX drops a discarded shard_map's effects in a scan under grad")
         return
