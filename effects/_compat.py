@@ -41,25 +41,15 @@ Var = jex_core.Var
 
 Effect = _effects.Effect
 
-# jax 0.7-0.12: the effect of `jax.experimental.io_callback(ordered=False)`.
-# JAX's cond batching rule refuses it in the branches of a vmapped `cond`, with
-# `NotImplementedError("IO effect not supported in vmap-of-cond.")`.
-from jax._src import callback as _callback  # noqa: E402
-
-io_effect = _callback._IOEffect
-
-
-def is_vmap_of_cond_refusal(e: BaseException) -> bool:
-    return isinstance(e, NotImplementedError) and "vmap-of-cond" in str(e)
-
-
 # jax 0.7-0.12: JAX's batching rule of `cond` holds, in its frame, the batch
 # axis of the predicate (`index_dim`, None where the vmap does not batch it).
 # Where it is batched, the rule traces the branches batched (a jaxpr JAX
 # caches, which a cond it keeps may be given too), then evaluates them on the
 # current trace, for every example, and selects the outputs: the `cond` is
-# gone, and the sites directly in its branches are bound again in that frame
-# (JAX alone: tests/test_jax_facts.py::
+# gone, and the sites directly in its branches are bound again in that frame,
+# those in what the branches call (a jit, a loop body, a cond the vmap keeps)
+# where the rule traces the branches, under that frame too (JAX alone:
+# tests/test_jax_facts.py::
 # test_a_batched_cond_evaluates_its_branches_in_its_batching_rule).
 from jax._src.lax.control_flow import conditionals as _conditionals  # noqa: E402
 
@@ -68,16 +58,21 @@ _TRACING = (_pe.__file__, "trace_to_jaxpr_dynamic")
 _JAX_FILES = os.path.dirname(jax.__file__) + os.sep
 
 
-def in_every_branch() -> bool:
+def in_every_branch(deep: bool = False) -> bool:
     """Whether the caller's caller binds where a `cond` a vmap turns into a
     select evaluates its branches: called from JAX's code alone, up to a frame
-    of that cond's batching rule, with no trace of a jaxpr in between."""
+    of that cond's batching rule, with no trace of a jaxpr in between. With
+    `deep`, anywhere in that rule's branches: through the traces of what they
+    call, and through the rules of the conds the vmap keeps there (right only
+    in a trace whose jaxprs no other trace shares: see `_branches`)."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_JAX_FILES):
         where = frame.f_code.co_filename, frame.f_code.co_name
-        if where == _TRACING:
+        if where == _TRACING and not deep:
             return False
-        if where == _COND_BATCHING:
+        if where == _COND_BATCHING and (
+            frame.f_locals["index_dim"] is not None or not deep
+        ):
             return frame.f_locals["index_dim"] is not None
         frame = frame.f_back
     return False
@@ -102,10 +97,6 @@ def call_path(traceback) -> tuple[tuple[str, int, int], ...]:
         for f in _source_info_util.user_frames(traceback)
         if not f.file_name.startswith(_OWN_FILES)
     )
-
-
-def current_call_path() -> tuple[tuple[str, int, int], ...]:
-    return call_path(_source_info_util.current().traceback)
 
 
 def dce(jaxpr):

@@ -293,14 +293,12 @@ class _Traced:
     out_static: tuple  # the non-array outputs, by position
     sites: frozenset
     # Sites in a cond branch a vmap inside `fn` ran for every example, marked
-    # where bound; those that may sit in one, and per set of them that
-    # handlers matched, those that do (found by tracing `fn` again: see
+    # where bound; those that may sit in one unmarked, and once a handler
+    # matches one of those, the sites marked in `fn` traced again (see
     # `_every_branch`). (See `_branches`.)
     marked: frozenset
     suspects: frozenset
-    every_branch: _LRU = dataclasses.field(
-        default_factory=lambda: _LRU(_SIZE), compare=False
-    )
+    retraced: list = dataclasses.field(default_factory=list, compare=False)
     batched: frozenset = frozenset()  # traced with these sites batched
 
 
@@ -348,28 +346,20 @@ def _trace(fn, static, treedef, dynamic, batched=frozenset()) -> _Traced:
 
 
 def _every_branch(traced: _Traced, handlers, fn, static, treedef, dynamic):
-    """The sites the handlers match that a vmap inside `fn` ran for every
-    branch of a cond. Finding them traces `fn` again (see `_branches`): done
-    only where a handler matches a suspect, once per set of those."""
-    matched = frozenset(
-        s
-        for s in traced.suspects
-        if any(h.matches(Site.probe(*s[:3])) for h in handlers)
-    )
-    if not matched:
+    """The sites a vmap inside `fn` ran for every branch of a cond, those
+    marked in the first trace too: found by tracing `fn` again in a trace
+    context of its own (see `_branches`), once, where a handler matches a
+    site that may sit in one unmarked."""
+    suspects = (Site.probe(*s[:3]) for s in traced.suspects)
+    if not any(h.matches(p) for p in suspects for h in handlers):
         return frozenset()
-    found = traced.every_branch.get(matched)
-    if found is None:
+    if not traced.retraced:
         avals = [aval(x) for x in dynamic]
         named_after = _named_after(fn, static, treedef, dynamic)
-
-        def retrace(keys):
-            with handling(True), probing(keys), batched_sites(traced.batched):
-                _jaxpr.trace(_flat(fn, static, treedef, {}), avals, named_after)
-
-        found = _branches.mixed(retrace, matched)
-        traced.every_branch.put(matched, found)
-    return found
+        with handling(True), probing(object()), batched_sites(traced.batched):
+            jaxpr, _ = _jaxpr.trace(_flat(fn, static, treedef, {}), avals, named_after)
+        traced.retraced.append(_branches.marked(jaxpr))
+    return traced.retraced[0]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,11 +28,11 @@ from ._site import CHECKPOINT_NAME
 handling = jax.make_user_context(False)
 
 
-# While `handle` checks a program for a vmap that ran every branch of a `cond`
-# (see `_branches`): the sites that then carry JAX's IO effect too, which JAX's
-# cond batching rule refuses, as `(names, keys)`: their (kind, collection,
-# name), and those with the call path of the `tag`. Part of the trace context,
-# so jitted functions are traced again for the check.
+# While `handle` traces a function again to find the sites a vmap inside it ran
+# for every branch of a `cond` (see `_branches`): a token of that trace alone.
+# Part of the trace context, and so of the key of every cache of traces JAX
+# keeps: the jaxprs of that trace are its own, and so are the marks made in
+# them.
 probing = jax.make_user_context(None)
 
 
@@ -69,17 +69,13 @@ class _SitePrimitive(Primitive):
     def bind(self, *args, **params):
         # A recomputation's copy of a site (see `_site_partial_eval_custom`)
         # never carries it: JAX may drop it, and a loop may hold it.
-        effect: bool | str = bool(handling.value) and not params.get("recompute")
-        probe = probing.value if effect else None
-        if probe:
-            key = (params["kind"], params["collection"], params["name"])
-            if key in probe[0] and (*key, _compat.current_call_path()) in probe[1]:
-                effect = "probe"
+        effect = bool(handling.value) and not params.get("recompute")
         params["effect"] = effect
         # Bound where a vmap evaluates every branch of a `cond`: marked, as a
         # param every later bind keeps (see `_branches.marked`).
-        if effect and "every_branch" not in params and _compat.in_every_branch():
-            params["every_branch"] = True
+        if effect and "every_branch" not in params:
+            if _compat.in_every_branch(deep=probing.value is not None):
+                params["every_branch"] = True
         return super().bind(*args, **params)
 
 
@@ -121,8 +117,6 @@ def _site_impl(*args, **params):
 @site_p.def_effectful_abstract_eval
 def _site_abstract_eval(*avals, effect, **params):
     avals = _derivative_leaves(avals, params)
-    if effect == "probe":
-        return avals, {site_effect, _compat.io_effect}
     return avals, {site_effect} if effect else set()
 
 

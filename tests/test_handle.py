@@ -626,11 +626,11 @@ def test_eager_calls_trace_once():
     assert len(calls) == 2
 
 
-def test_branch_check_traces_again_only_for_a_site_a_handler_matches():
-    # Under `handle(vmap(f))`, a tag outside every cond the vmap left, in a
-    # program holding a select (`jnp.where`), may be a branch the vmap turned
-    # into a select: `handle` checks by tracing `f` again, but only when a
-    # handler matches such a tag ("loose"), once per set of them.
+def test_branch_check_traces_again_once_and_only_for_a_site_a_handler_matches():
+    # Under `handle(vmap(f))`, in a program holding a select (`jnp.where`), a
+    # tag the vmap batches may sit unmarked in a branch the vmap turned into a
+    # select: `handle` checks by tracing `f` again, but only when a handler
+    # matches such a tag, and once.
     calls = []
 
     def f(x, s):
@@ -640,12 +640,15 @@ def test_branch_check_traces_again_only_for_a_site_a_handler_matches():
 
     vf = jax.vmap(f, in_axes=(0, None))
     s = jnp.float32(1.0)
-    out, found = fx.handle(vf, fx.Tag(names="kept"))(X, s)
+    out, found = fx.handle(vf, fx.Tag(names=lambda name: False))(X, s)
     assert len(calls) == 1
+    assert_trees_close(out, jnp.abs(X) + 1.0)
+    assert found == {"intermediates": {}}
+    out, found = fx.handle(vf, fx.Tag(names="kept"))(X, s)
+    assert len(calls) == 2
     assert_trees_close(out, jnp.abs(X) + 1.0)
     assert_trees_close(found, {"intermediates": {"kept": (jnp.abs(X) + 1.0,)}})
     out, found = fx.handle(vf, fx.Tag(names="loose"))(X, s)
-    assert len(calls) == 2
     assert_trees_close(out, jnp.abs(X) + 1.0)
     assert_trees_close(found, {"intermediates": {"loose": (jnp.abs(X),)}})
     fx.handle(vf, fx.Tag(names="loose", mode="sum"))(X, s)
@@ -668,8 +671,8 @@ def test_a_tag_in_a_batched_cond_is_refused_from_the_one_trace():
 
 
 def test_a_tag_in_a_batched_cond_in_a_batched_while_loop_is_refused():
-    # JAX refuses the IO effect the probe uses in a while loop whose predicate
-    # a vmap batches: the tag is found by its mark (see `_branches`).
+    # A cond in a while loop whose predicate a vmap batches (the loop masks its
+    # carry per example): the tag is found by its mark (see `_branches`).
     def f(x):
         def body(c):
             tagged = lambda y: fx.tag(y + 1.0, "c")  # noqa: E731

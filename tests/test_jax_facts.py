@@ -13,7 +13,6 @@ import jax.extend
 import jax.numpy as jnp
 import pytest
 from helpers import leak_checks
-from jax.experimental import io_callback
 from jax.interpreters import batching
 
 
@@ -151,14 +150,6 @@ def test_a_primitive_is_bound_again_with_the_params_its_equation_stored():
     assert binds == [(True, True), (True, False), (True, False)]
 
 
-def _io_in_a_branch(p, x):
-    def with_io(x):
-        shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
-        return io_callback(lambda y: y, shape, x, ordered=False)
-
-    return jax.lax.cond(p, with_io, lambda x: x, x)
-
-
 def _frames_at_bind():
     """From a bind outwards: JAX's cond batching rule, with the batch axis of
     the predicate, and jaxpr traces, as ("cond", index_dim) and ("trace",)."""
@@ -268,18 +259,38 @@ def test_an_effect_in_a_custom_rule_in_a_while_loop_in_a_checkpoint_fails_under_
     assert grad_of(jax.checkpoint(looped(printed))).shape == (3,)
 
 
-def test_vmap_of_cond_refuses_io_effects_and_leaves_no_cond():
-    # `effects/_branches.py`, `mixed`: under `vmap` with a batched predicate a
-    # `cond` becomes a `select_n` of every branch's outputs, so no `cond` is
-    # left to say that a site was in one; JAX refuses its IO effect in such a
-    # branch, with this error, which is how `handle` finds those sites.
+def test_vmap_of_a_cond_with_a_batched_predicate_leaves_no_cond():
+    # `effects/_branches.py`, `suspects`: under `vmap` with a batched predicate
+    # a `cond` becomes a `select_n` of every branch's outputs, so no `cond` is
+    # left to say that a site was in one.
     ps, xs = jnp.array([True, False]), jnp.ones(2)
     branchy = lambda p, x: jax.lax.cond(p, jnp.sin, jnp.cos, x)  # noqa: E731
     names = {e.primitive.name for e in jax.make_jaxpr(jax.vmap(branchy))(ps, xs).eqns}
     assert "select_n" in names and "cond" not in names
-    with pytest.raises(NotImplementedError, match="vmap-of-cond"):
-        jax.make_jaxpr(jax.vmap(_io_in_a_branch))(ps, xs)
-    # Also where the predicate is not batched and the cond stays: so `handle`
-    # probes only sites outside every cond left in the program.
-    with pytest.raises(NotImplementedError, match="vmap-of-cond"):
-        jax.make_jaxpr(jax.vmap(_io_in_a_branch, in_axes=(None, 0)))(True, xs)
+
+
+def test_what_a_batched_branch_calls_is_traced_under_the_rule_anew_per_context():
+    # `effects/_branches.py`: a bind in what a batched branch calls (here a
+    # cond the vmap keeps, on a loop's iteration, in a loop) is made where the
+    # batching rule of the batched cond traces its branches: under that rule's
+    # frame, through traces and the kept cond's rule. JAX caches those traces;
+    # a new value of a user context (part of every cache key of traces) traces
+    # them all again, so a mark made in a trace of its own stays in it.
+    token = jax.make_user_context(None)
+
+    def f(p, x):
+        def step(i, y):
+            return jax.lax.cond(i > 0, _recorded_branch, lambda z: z, y)
+
+        looped = lambda y: jax.lax.fori_loop(0, 2, step, y)  # noqa: E731
+        return jax.lax.cond(p, looped, lambda y: y, x)
+
+    ps, xs = jnp.array([True, False]), jnp.ones((2, 3))
+    binds = _binds(f, ps, xs, in_axes=(0, 0))
+    kept = [s for s in binds if ("cond", None) in s and ("cond", 0) in s]
+    assert kept and all(s[0] == ("trace",) for s in kept)
+    assert all(s.index(("cond", None)) < s.index(("cond", 0)) for s in kept)
+    again = len(_binds(f, ps, xs, in_axes=(0, 0)))
+    assert again < len(binds)  # (cached)
+    with token(object()):
+        assert len(_binds(f, ps, xs, in_axes=(0, 0))) == len(binds)

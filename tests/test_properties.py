@@ -1376,36 +1376,6 @@ def has_data_cond_with_sites(node, collections) -> bool:
     return any(has_data_cond_with_sites(c, collections) for c in _children(node))
 
 
-def has_unchecked_branch_site(node) -> bool:
-    """Whether a site in a cond with a data predicate (under an outer vmap, a
-    select of every branch) is found by neither of `handle`'s checks (see
-    effects/_branches.py): it sits in a jaxpr of its own inside that branch (a
-    loop body, a jit, a cond on the index), and a cond the vmap keeps (on the
-    index) holds it, at any depth. The gap docs/semantics.md names
-    (`test_a_cond_in_a_batched_cond_is_refused_under_vmap`)."""
-    return any(_unchecked(path) for path, _ in _site_paths(node))
-
-
-def _site_paths(node, path=()):
-    if isinstance(node, Site):
-        yield path, node
-    for child in _children(node):
-        yield from _site_paths(child, (*path, node))
-
-
-def _unchecked(path) -> bool:
-    data = [i for i, n in enumerate(path) if isinstance(n, Cond) and n.source == "data"]
-    if not data:
-        return False
-    inlined = (Seq, Fork, Discard, Vmap)
-    marked = all(
-        isinstance(n, inlined) or (isinstance(n, Cond) and n.source == "data")
-        for n in path[data[0] + 1 :]
-    )
-    probed = not any(isinstance(n, Cond) and n.source == "index" for n in path)
-    return not (marked or probed)
-
-
 # JAX's refusals when a vmap batches the predicate of a cond in a shard_map: a
 # select makes every operand vary over the mesh axes while the branches keep
 # the types they were traced with (JAX alone: test_rewrite.py::
@@ -1887,8 +1857,6 @@ def test_handle_of_vmap_equals_vmap_of_handle(program):
     assert_close(inside, want, what="vmap(handle(f))")
 
     tagged = ("intermediates", "loop", "perturbations", "custom_perturbations")
-    if has_unchecked_branch_site(program.body):
-        return  # the known gap (see `has_unchecked_branch_site`)
     if has_data_cond_with_sites(program.body, tagged):
         # A cond whose predicate the vmap batches becomes a select of every
         # branch before any handler sees it: handle(vmap(f)) refuses its tags
@@ -2032,13 +2000,6 @@ def test_grad_of_a_narrow_tag_in_a_custom_jvp_in_a_shard_map(dtype):
     assert_close(found, {"intermediates": {"t1": want}})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a gap docs/semantics.md names: handle(vmap(f)) does not refuse a tag "
-    "in a cond (kept: its predicate is unbatched) inside a cond whose predicate "
-    "the vmap batches; the tag is bound where JAX traces the branch, in a jaxpr "
-    "it caches (not marked), and in a cond the vmap keeps (not probed)",
-)
 def test_a_cond_in_a_batched_cond_is_refused_under_vmap():
     inner = Cond("index", False, 1.0, 0, (Seq((Site("tag", "t", TAGGED[0]),)), Seq(())))
     scan = Scan(Seq((inner,)), 2, False, False)
@@ -2144,7 +2105,7 @@ def test_a_user_handler_keeps_the_vmap_and_gradient_laws(program):
     if outside_error is not None:
         message = str(outside_error)
         assert "inside the vmap" in message or "custom derivative" in message, message
-    elif not has_unchecked_branch_site(program.body):  # (the known gap)
+    else:
         assert_close(outside, inside, rtol=1e-5, what="handle(vmap(f), Clip())")
 
     # The gradient through it: the reference's, with the tags clipped.
@@ -2299,8 +2260,7 @@ def test_a_user_handler_with_inputs_per_execution_equals_the_reference(program, 
         assert "inside the vmap" in str(outside_error), outside_error
         assert has_data_cond_with_sites(program.body, ("intermediates",))
         return
-    if not has_unchecked_branch_site(program.body):  # (the known gap)
-        assert_close(outside, inside, rtol=1e-5, what="handle(vmap(f), Shift)")
+    assert_close(outside, inside, rtol=1e-5, what="handle(vmap(f), Shift)")
 
 
 def _handler_options(infos, data):
