@@ -71,12 +71,12 @@ _CONSUMED_BEFORE = (
     "`fx.handle(fx.handle(f, {before_type}(...)), {handler}(...))`."
 )
 _TWO_REPORTERS = (
-    "{first} and {second} both report the checkpoint_name {name!r} into "
-    "found[{collection!r}]; a `checkpoint_name` is not consumed, so both see "
-    "it, and one report would overwrite the other. "
-    "Narrow one's `names`, or handle in two steps, "
+    "{first} and {second} both report the {where} into found[{collection!r}]: "
+    "{why}, so both see it, and one report would overwrite the other. Narrow "
+    "one's `names`, or handle in two steps, "
     "`fx.handle(fx.handle(f, {first}(...)), {second}(...))`, to have both."
 )
+_PASSED_ON = "{first}'s mode passes {name!r} on (`consumes=False`)"
 _EVERY_BRANCH = (
     "{handler}: the {kind} {names} (collection {collection!r}) sits in a "
     "`lax.cond` or `lax.switch` whose predicate a `jax.vmap` inside the handled "
@@ -398,8 +398,8 @@ def _check_names(sites, handlers) -> None:
             if site.collection == CHECKPOINT_NAME:
                 return None
             before = enumerate(handlers[:i])
-            reporters = ((j, g) for j, g in before if mode_of(g) is not None)
-            return next((j for j, g in reporters if g.matches(site)), None)
+            consumers = ((j, g) for j, g in before if _consumes(g))
+            return next((j for j, g in consumers if g.matches(site)), None)
 
         # Each name must exist, and a filter of glob patterns alone select a
         # site, so a pattern with a typo is not an empty `found`.
@@ -525,27 +525,42 @@ def _unknown_name(h, name: str | tuple[str, ...], probes, consumer) -> str:
 
 
 def _check_reporters(sites, handlers) -> None:
-    """No two handlers report one `checkpoint_name` into the same place of
-    `found`. Elsewhere the first handler that reports a site consumes it; a
-    `checkpoint_name` is never consumed, so every handler with a mode that
-    acts at it would report it, one report over the other."""
-    if sum(mode_of(h) is not None for h in handlers) < 2:
+    """No two handlers report one site into `found`, one report over the
+    other. The first handler that reports a site consumes it, unless its mode
+    passes it on (`consumes=False`) or the site is a `checkpoint_name`, which
+    is never consumed: then the next that reports it would report it too."""
+    modes = [mode_of(h) for h in handlers]
+    if sum(m is not None for m in modes) < 2:
         return
+    passes_on = any(m is not None and not m.consumes for m in modes)
     for k, c, n, part in sites:  # at every call: no sorting, names only on error
-        if c != CHECKPOINT_NAME:
+        if c != CHECKPOINT_NAME and not passes_on:
             continue
-        probe = Site.probe(k, c, n, part)
-        hits = [
-            h for h in handlers if mode_of(h) is not None and acts_on(h, probe) == part
-        ]
-        if len(hits) > 1:
-            first, second = (type(h).__name__ for h in hits[:2])
-            collection = c if part == "value" else f"{c}:{part}"
-            raise ValueError(
-                _TWO_REPORTERS.format(
-                    first=first, second=second, name=n, collection=collection
+        probe, first = Site.probe(k, c, n, part), None
+        for h, mode in zip(handlers, modes):
+            if mode is None or acts_on(h, probe) != part:
+                continue
+            if first is not None:
+                why = _PASSED_ON.format(first=type(first).__name__, name=n)
+                if c == CHECKPOINT_NAME:
+                    why = f"a `checkpoint_name` ({n!r}) is never consumed"
+                raise ValueError(
+                    _TWO_REPORTERS.format(
+                        first=type(first).__name__,
+                        second=type(h).__name__,
+                        where=probe.where(),
+                        collection=found_key(first) or c,
+                        why=why,
+                    )
                 )
-            )
+            if mode.consumes and c != CHECKPOINT_NAME:
+                break
+            first = h
+
+
+def _consumes(h) -> bool:
+    mode = mode_of(h)
+    return mode is not None and mode.consumes
 
 
 def _check_loop_invariant(traced: _Traced, handlers) -> None:

@@ -206,6 +206,10 @@ class Reduce:
       `apply` to run once per execution on the whole batch of the `jax.vmap`s
       inside the handled function (batch axes first; `init` then gets zeros
       shaped like that whole value), as [`Append`][effects.Append] says.
+    - `consumes`: `True` (the default) for a handler of this mode to consume
+      the sites it acts at; `False` to pass the value it returns on, as the
+      same site, to the handlers after it, as [`Append`][effects.Append]
+      says.
 
     **Returns:**
 
@@ -240,6 +244,7 @@ class Reduce:
     fn: Callable
     init: Callable
     per_example: bool = True
+    consumes: bool = True
 
     # The mode protocol the rewriter reads (see `Append`).
     reduces: ClassVar[bool] = True
@@ -255,7 +260,7 @@ class Reduce:
 
 # A pytree with no leaves: `fn` and `init` are part of its structure.
 jax.tree_util.register_dataclass(
-    Reduce, data_fields=[], meta_fields=["fn", "init", "per_example"]
+    Reduce, data_fields=[], meta_fields=["fn", "init", "per_example", "consumes"]
 )
 
 
@@ -291,6 +296,14 @@ class Append:
       one entry per execution (as `Stats(per_example=False)` does). The law
       `handle(vmap(f), H) == vmap(handle(f, H))` is then not kept, by design:
       a handler of the whole batch sees the vmaps inside `handle` only.
+    - `consumes`: `True` (the default) for a handler of this mode to consume
+      the sites it acts at: handlers after it, and those of an enclosing
+      `handle`, do not see them (one site, one report). `False` for it to
+      pass the value it returns on as the same site, so that a handler
+      further out reports it too: `fx.handle(fx.handle(f, A), fx.Tag())`
+      returns both reports, each in its own `found`. Two handlers reporting
+      one site in one `handle` (one `found`) is then an error that says to
+      nest them.
 
     **Returns:**
 
@@ -326,6 +339,7 @@ class Append:
     single: bool = False  # exactly one execution allowed
     label: str = "Tag(mode='append')"
     per_example: bool = True
+    consumes: bool = True
     reduces: ClassVar[bool] = False
 
 
@@ -489,8 +503,11 @@ class Handler:
     enclosing `handle`, do not see them (`Tag`, `Stats`, `Perturb()`). A
     handler without a mode passes the value it returns on as the same site
     (`Substitute`, `Intervene`, `Perturb(deltas)`), so that a `Tag` further
-    out collects the value the program goes on with. (A `checkpoint_name` is
-    never consumed: remat policies select by it.)
+    out collects the value the program goes on with; so does one whose mode
+    says `consumes=False` (`fx.Reduce(..., consumes=False)`,
+    `fx.Append(consumes=False)`), which reports too. (A `checkpoint_name` is
+    never consumed: remat policies select by it.) Two handlers reporting one
+    site into one `found` is an error that says to nest them.
 
     Derivatives: under a `jax.jvp` or `jax.grad` inside
     [`handle`][effects.handle], a site has a tangent or cotangent part besides

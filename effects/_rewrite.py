@@ -124,7 +124,7 @@ def _all_kept(jaxpr, scope: Scope) -> bool:
             if handling.value:  # (an enclosing `handle` sees it: bound again)
                 return False
             continue  # (gone: see `handle_site`)
-        if handlers.modes[first] is None:
+        if not handlers.consumes[first]:
             return False
     return True
 

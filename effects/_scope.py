@@ -99,8 +99,9 @@ class Handlers(tuple):
         self = super().__new__(cls, handlers)
         self.matches = tuple(h.matches for h in handlers)
         self.modes = tuple(mode_of(h) for h in handlers)
-        # One site, one report: a handler that reports consumes what it acts at.
-        self.consumes = tuple(m is not None for m in self.modes)
+        # One site, one report: a handler that reports consumes what it acts
+        # at, unless its mode passes it on.
+        self.consumes = tuple(m is not None and m.consumes for m in self.modes)
         self.input_names = tuple(frozenset(h.per_call_inputs()) for h in handlers)
         self.per_example = tuple(m is None or m.per_example for m in self.modes)
         return self

@@ -1650,3 +1650,72 @@ def test_perturb_refuses_deltas_its_names_do_not_select():
     perturb = fx.Perturb(deltas, names="enc/*", kind="tag")
     out, _ = fx.handle(named, perturb)(X)
     assert_trees_close(out, named_ref(X)[0])
+
+
+#
+# A mode that passes the site on (`consumes=False`)
+#
+
+
+class ClipCount(fx.Handler):
+    """The guide's `Clip`, passing the clipped value on: it reports how many
+    elements it clipped, and a handler further out sees the clipped value."""
+
+    mode = fx.Reduce(
+        lambda n, k: n + k, lambda value: jnp.zeros((), jnp.int32), consumes=False
+    )
+
+    def apply(self, site, value, ctx):
+        clipped = jnp.clip(value, -0.5, 0.5)
+        ctx.emit(jnp.sum(clipped != value, dtype=jnp.int32))
+        return clipped
+
+
+def _scanned(x):
+    step = lambda h, _: (fx.tag(2.0 * h, "h"), None)  # noqa: E731
+    return lax.scan(step, x, None, length=3)[0]
+
+
+def _scanned_ref(x):
+    rows, h = [], x
+    for _ in range(3):
+        h = np.clip(2.0 * h, -0.5, 0.5)
+        rows.append(h)
+    counts = sum(
+        int(np.sum(np.clip(2.0 * r, -0.5, 0.5) != 2.0 * r)) for r in [x, *rows[:2]]
+    )
+    return h, np.stack(rows), counts
+
+
+def test_a_mode_that_passes_the_site_on_lets_a_handler_further_out_report_it():
+    x = np.array([0.05, 0.3, -0.2], f32)
+    out_want, rows, count = _scanned_ref(x)
+    (out, inner), outer = fx.handle(fx.handle(_scanned, ClipCount()), fx.Tag())(x)
+    assert_trees_close(out, out_want)
+    assert int(inner["intermediates"]["h"]) == count == 5
+    assert_trees_close(outer, {"intermediates": {"h": (rows,)}})
+    # Consuming (the default), the outer Tag sees nothing.
+    consuming = fx.Tag(mode=fx.Append())
+    (_, inner), outer = fx.handle(fx.handle(_scanned, consuming), fx.Tag())(x)
+    assert outer == {"intermediates": {}}
+    passing = fx.Tag(mode=fx.Append(consumes=False))
+    (_, inner), outer = fx.handle(fx.handle(_scanned, passing), fx.Tag())(x)
+    assert_trees_close(inner, outer)
+
+
+def test_two_reports_of_one_site_in_one_handle_are_an_error_that_says_to_nest():
+    x = np.array([0.05, 0.3, -0.2], f32)
+    with pytest.raises(
+        ValueError,
+        match=r"ClipCount and Tag both report the tag 'h'.*ClipCount's mode passes "
+        r"'h' on \(`consumes=False`\).*two steps",
+    ):
+        fx.handle(_scanned, ClipCount(), fx.Tag())(x)
+    # A handler after it that reports other names, or none, is no clash.
+    out, found = fx.handle(_scanned, ClipCount(), fx.Tag(names=lambda n: False))(x)
+    assert int(found["intermediates"]["h"]) == 5
+    out, _ = fx.handle(_scanned, ClipCount(), fx.Intervene({"h": jnp.negative}))(x)
+    want = x
+    for _ in range(3):  # clipped, then negated
+        want = -np.clip(2.0 * want, -0.5, 0.5)
+    assert_trees_close(out, want)

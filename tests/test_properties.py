@@ -2279,6 +2279,8 @@ def _handler_options(infos, data):
     options = [
         lambda: fx.Tag(names=subset(tags)),
         lambda: fx.Tag(names=subset(tags), mode="sum"),
+        # (reports, and passes the sites on: a handler after it sees them too)
+        lambda: fx.Tag(names=subset(tags), mode=fx.Append(consumes=False)),
         lambda: fx.Tag("loop", names=subset(loop), mode="last"),
         lambda: fx.Perturb(),
         lambda: fx.Perturb(collection="custom_perturbations"),
