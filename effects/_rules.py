@@ -445,7 +445,10 @@ def _call_rule(eqn, invals, scope: Scope, name: str) -> list[Any]:
     jaxpr = eqn.params[name]  # closed, but for a checkpoint's
     closed = isinstance(jaxpr, _compat.ClosedJaxpr)
     jaxpr, consts = (jaxpr.jaxpr, jaxpr.consts) if closed else (jaxpr, ())
-    in_avals = [v.aval for v in eqn.invars]
+    # The body's own types: an equation may pass a value that varies over a
+    # shard_map's axes where its body was traced with one that does not (JAX's
+    # vmap of a cond in a shard_map makes every operand of a branch vary).
+    in_avals = [v.aval for v in jaxpr.invars]
     # One trace: what the handlers emit leaves as more outputs.
     body, hoisted, leave = scope.traced(
         lambda *args: run(jaxpr, consts, args, scope), in_avals
@@ -630,9 +633,8 @@ def _custom(eqn, invals, scope: Scope) -> list[Any]:
     # function runs once; differentiating it differentiates the equation, by its
     # own rule, and collects by running the region once more. What is collected
     # inside carries no gradient: the custom rule defines none for it.
-    in_avals = [v.aval for v in eqn.invars]
     body, hoisted, leave = scope.traced(
-        lambda *args: run(closed.jaxpr, closed.consts, args, scope), in_avals
+        lambda *args: run(closed.jaxpr, closed.consts, args, scope), closed.in_avals
     )
     traced = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(body, ()))
 

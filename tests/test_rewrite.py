@@ -1649,3 +1649,38 @@ def test_jax_refuses_a_vmap_of_a_cond_in_a_shard_map(use, row, refusal):
     assert_trees_close(f(x), x + table[row])
     with pytest.raises(ValueError, match=refusal):
         jax.jit(jax.vmap(f))(np.stack([x, -x]))
+
+
+@pytest.mark.parametrize("call", ["checkpoint", "jit"])
+def test_a_call_in_a_batched_cond_in_a_shard_map_is_rewritten_with_its_own_types(
+    call,
+):
+    # Found by a random run of 2,000 programs: JAX's vmap of a cond in a
+    # shard_map makes every operand of the branches vary over the mesh axes,
+    # so a call there (here its second argument, `c`, which the call marks
+    # varying itself) is passed a varying value where its body was traced with
+    # an invariant one. The call's body, rewritten (its tag carries the effect
+    # the rewrite drops), is traced with its own types, not the equation's:
+    # with the equation's, JAX refused the body's `pvary` of an argument
+    # already varying.
+    wrap = jax.checkpoint if call == "checkpoint" else jax.jit
+    mesh = Mesh(np.array(devices(2)), ("s",))
+
+    def f(x):
+        def body(v):
+            c = jnp.arange(3.0, dtype=jnp.float32)
+
+            def branch(u):
+                return wrap(lambda w, k: fx.tag(w + k, "inner"))(u, c)
+
+            v = lax.cond(jnp.sum(v) > 0, branch, lambda u: u, v)
+            return fx.tag(v * 2.0, "t")
+
+        return jax.shard_map(body, mesh=mesh, in_specs=P("s"), out_specs=P("s"))(x)
+
+    x = np.asarray([[1.0, 2.0, 3.0], [-4.0, 5.0, -6.0]], np.float32)
+    xs = np.stack([x, -x])
+    out, found = fx.handle(jax.vmap(f), fx.Tag(names="t"))(xs)
+    assert_trees_close(out, jax.vmap(f)(xs))
+    inside = jax.vmap(fx.handle(f, fx.Tag(names="t")))(xs)
+    assert_trees_close((out, found), inside)
