@@ -70,10 +70,10 @@ def in_every_branch(deep: bool = False) -> bool:
         where = frame.f_code.co_filename, frame.f_code.co_name
         if where == _TRACING and not deep:
             return False
-        if where == _COND_BATCHING and (
-            frame.f_locals["index_dim"] is not None or not deep
-        ):
-            return frame.f_locals["index_dim"] is not None
+        if where == _COND_BATCHING:
+            batched = frame.f_locals["index_dim"] is not None
+            if batched or not deep:
+                return batched
         frame = frame.f_back
     return False
 

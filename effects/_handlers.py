@@ -9,7 +9,7 @@ import functools
 import inspect
 import operator
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from typing import Any, ClassVar, TypeAlias, dataclass_transform
 
 import equinox as eqx
@@ -22,7 +22,7 @@ from . import _compat
 from ._site import Site
 
 Names: TypeAlias = (
-    None | str | list[str] | tuple[str, ...] | frozenset[str] | Callable[[str], bool]
+    None | str | list[str] | tuple[str, ...] | Set[str] | Callable[[str], bool]
 )
 """Which names a handler acts on: the type of the `names=` argument of
 [`Tag`][effects.Tag], [`Perturb`][effects.Perturb] and [`Stats`][effects.Stats].
@@ -59,7 +59,7 @@ fx.Tag(names=lambda name: name.endswith(".0"))
 #
 
 
-def _check_names(names, owner: str):
+def _check_names(names, owner: str) -> Any:
     if names is None or callable(names) or isinstance(names, str):
         return names
     if isinstance(names, (set, frozenset)) and all(isinstance(n, str) for n in names):
@@ -70,6 +70,11 @@ def _check_names(names, owner: str):
         f"{owner}: `names` must be None, a glob string, a list of globs, a set "
         f"of names or a predicate on the name, got {names!r}."
     )
+
+
+def _check_collection(collection, owner: str) -> None:
+    if not isinstance(collection, str):
+        raise TypeError(f"{owner}: collection must be a string, got {collection!r}.")
 
 
 _GLOB = re.compile(r"[*?\[]")
@@ -135,10 +140,7 @@ class Select:
 
     def __post_init__(self):
         object.__setattr__(self, "names", _check_names(self.names, "Select"))
-        if not isinstance(self.collection, str):
-            raise TypeError(
-                f"Select: collection must be a string, got {self.collection!r}."
-            )
+        _check_collection(self.collection, "Select")
         if self.kind not in ("tag", "perturb"):
             raise ValueError(f"Select: kind={self.kind!r}; use 'tag' or 'perturb'.")
         if self.part not in PARTS:
@@ -862,10 +864,7 @@ class Tag(Handler):
         of: str = "value",
     ):
         owner = type(self).__name__  # (a subclass's, `Stats`)
-        if not isinstance(collection, str):
-            raise TypeError(
-                f"{owner}: collection must be a string, got {collection!r}."
-            )
+        _check_collection(collection, owner)
         if not (isinstance(mode, (Reduce, Append)) or mode in _MODES):
             raise ValueError(_BAD_MODE.format(mode=mode))
         if of not in PARTS:
@@ -976,6 +975,8 @@ class Perturb(Handler):
             raise ValueError(f"Perturb: kind must be 'perturb' or 'tag', got {kind!r}.")
         if collection is None:
             collection = "perturbations" if kind == "perturb" else "intermediates"
+        names = _check_names(names, "Perturb")
+        _check_collection(collection, "Perturb")
         select = Select(names, collection=collection, kind=kind)
         for name in () if deltas is None or names is None else deltas:
             if not select(Site.probe(kind, collection, name)):
@@ -1087,6 +1088,7 @@ class Substitute(Handler):
             values = _per_call_dict(values, "Substitute(per_call=True)")
         else:
             values = {k: _as_arrays(v, "Substitute", k) for k, v in values.items()}
+        _check_collection(collection, "Substitute")
         _set_fields(self, collection=collection, values=values, per_call=per_call)
 
     @functools.cached_property
@@ -1200,6 +1202,7 @@ class Intervene(Handler):
             raise TypeError("Intervene: fns must be a dict from name to a function.")
         fns = _FrozenDict(fns)
         takes_at = frozenset(name for name, fn in fns.items() if _takes_at(fn))
+        _check_collection(collection, "Intervene")
         _set_fields(self, collection=collection, fns=fns, takes_at=takes_at)
 
     @functools.cached_property

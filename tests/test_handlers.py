@@ -1719,3 +1719,18 @@ def test_two_reports_of_one_site_in_one_handle_are_an_error_that_says_to_nest():
     for _ in range(3):  # clipped, then negated
         want = -np.clip(2.0 * want, -0.5, 0.5)
     assert_trees_close(out, want)
+
+
+@pytest.mark.parametrize(
+    "make, owner",
+    [
+        (lambda: fx.Tag(3), "Tag"),
+        (lambda: fx.Perturb(collection=3), "Perturb"),
+        (lambda: fx.Substitute({}, collection=3), "Substitute"),
+        (lambda: fx.Intervene({}, collection=3), "Intervene"),
+        (lambda: fx.Perturb(names=3), "Perturb"),
+    ],
+)
+def test_a_handler_names_itself_when_its_selection_is_refused(make, owner):
+    with pytest.raises(TypeError, match=f"^{owner}: "):
+        make()
