@@ -401,6 +401,9 @@ class Scope:
         if remaining is None and key[:2] in self.given:
             # a handler of the value, at a derivative site: the value's entries
             remaining = list(self.given[key[:2]])
+        owner = _name(self.handlers[key[0]])
+        if self.replaying:  # (also in a first trace: the region would take them)
+            raise ValueError(_INPUT_IN_REPLAY.format(owner=owner, where=site.where()))
         if remaining is None and self.outside is not None:
             # (a region's first trace: the inputs it takes are learnt here)
             self.input_avals.setdefault(key, []).extend(expected)
@@ -410,9 +413,6 @@ class Scope:
                 jax.tree.map(_compat.vary_over_manual_axes, zeros(avals))
                 for avals, _ in expected
             ]
-        owner = _name(self.handlers[key[0]])
-        if self.replaying:
-            raise ValueError(_INPUT_IN_REPLAY.format(owner=owner, where=site.where()))
         remaining = [] if remaining is None else remaining
         if len(remaining) < len(expected):
             raise ValueError(_MISSING_INPUT.format(owner=owner, where=site.where()))

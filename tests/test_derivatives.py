@@ -837,3 +837,40 @@ def test_the_cotangent_of_a_tag_nothing_uses_is_zero(checkpointed):
         jax.grad(lambda x: jnp.sum(body(x))), fx.Tag(of="cotangent", names=["t2"])
     )(x)
     assert_trees_close(found["intermediates:cotangent"]["t2"], (jnp.zeros(3),))
+
+
+@pytest.mark.parametrize("body", ["direct", "scan"])
+def test_inputs_per_execution_in_a_checkpoint_in_a_cond_are_refused_under_grad(body):
+    # Found by a random run of 2,000 programs: under `fx.handle(jax.grad(f))`,
+    # the backward pass recomputes a checkpoint region in a cond branch, in a
+    # cond of its own. The recomputation took a handler's inputs in the
+    # branch's first trace, which then asked for more entries than the
+    # executions ("fewer entries"); it is refused as everywhere else.
+    def f(x):
+        def region(v):
+            if body == "direct":
+                return jnp.sin(fx.perturb(v * 0.5, "p"))
+            step = lambda c, _: (fx.perturb(jnp.sin(c * 0.5), "p"), None)  # noqa: E731
+            return lax.scan(step, v, None, length=2)[0]
+
+        return lax.cond(jnp.sum(x) > -100, jax.checkpoint(region), jnp.negative, x)
+
+    x = jnp.arange(3.0)
+    _, zeros = fx.handle(f, fx.Perturb())(x)
+    deltas = jax.tree.map(lambda z: z + 0.1, zeros["perturbations"])
+    loss = lambda x: jnp.sum(f(x))  # noqa: E731
+    with pytest.raises(
+        ValueError, match="Perturb takes one entry per execution.*recomputes"
+    ):
+        fx.handle(jax.grad(loss), fx.Perturb(deltas))(x)
+
+    # Differentiating the handled function is the way: checked against the
+    # function with the deltas (all 0.1) added by hand.
+    def by_hand(x):
+        c = x
+        for _ in range(1 if body == "direct" else 2):
+            c = jnp.sin(c * 0.5 + 0.1) if body == "direct" else jnp.sin(c * 0.5) + 0.1
+        return jnp.sum(c)
+
+    grad = jax.grad(lambda x: jnp.sum(fx.handle(f, fx.Perturb(deltas))(x)[0]))(x)
+    assert_trees_close(grad, jax.grad(by_hand)(x), rtol=1e-6)
