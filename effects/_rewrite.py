@@ -301,7 +301,7 @@ def _derivative(site: Site, params, avals, invals, scope: Scope):
     steps: list[tuple[int, bool]] = []
     sees_value, consumed = not params.get("value_consumed"), False
     consumable = site.collection != CHECKPOINT_NAME
-    for i, (h, matches) in enumerate(zip(handlers, handlers.matches)):
+    for i, matches in enumerate(handlers.matches):
         if matches(value):  # a handler of the value: differentiated here
             if sees_value and not scope.rewrite.kept.get((i, site.pair)):
                 steps.append((i, True))
@@ -364,7 +364,7 @@ def _act(site: Site, leaves: list[Any], scope: Scope) -> tuple[list[Any], bool]:
     is never consumed (see `_checkpoint_name_rule`): every handler sees it."""
     consumable = site.collection != CHECKPOINT_NAME
     handlers = scope.handlers
-    for i, (handler, matches) in enumerate(zip(handlers, handlers.matches)):
+    for i, matches in enumerate(handlers.matches):
         if matches(site):
             new = act(scope, i, site, leaves)
             if site.pair is not None:
