@@ -29,7 +29,7 @@ from ._handlers import (
 )
 from ._jaxpr import aval
 from ._primitives import batched_sites, handling, probing, site_p
-from ._rewrite import per_state, run
+from ._rewrite import per_state, trace_rewrite
 from ._scope import Scope, Unbatched
 from ._site import CHECKPOINT_NAME, Site
 from ._walk import sites_in, walk
@@ -753,11 +753,11 @@ def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:
     arrays, the function's constants and the arrays among its arguments."""
     info = {}
 
-    def rewritten(*flat):
-        handlers = _combine(config.static, config.treedef, flat[: len(h_leaves)])
+    def rewritten(front, run_in):
+        handlers = _combine(config.static, config.treedef, front)
         scope = _scope(handlers)
         try:
-            outs = run(traced.jaxpr, (), flat[len(h_leaves) :], scope)
+            outs = run_in(scope)
         except Exception:
             # (after a site found unbatched, what fails may be what follows
             # from it: traced again with it batched first)
@@ -769,8 +769,7 @@ def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:
         leaves, info["tree"] = jax.tree.flatten(found)
         return [*outs, *leaves]
 
-    in_avals = [*map(aval, h_leaves), *(v.aval for v in traced.jaxpr.invars)]
-    jaxpr, consts = _jaxpr.trace(rewritten, in_avals)
+    jaxpr, consts = trace_rewrite(traced.jaxpr, list(map(aval, h_leaves)), rewritten)
     if info["dropped"] and not handling.value:
         # What a dropped derivative site needed goes too (a value a forward loop
         # kept for the backward pass): the program of the hand-written function.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -65,51 +65,58 @@ def _plain_runs(jaxpr) -> dict[int, tuple[int, Any, list[Any]]]:
     return runs
 
 
-_one_copy_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_kept_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _without_sites(jaxpr):
-    """For a jaxpr whose sites are all `tag`/`perturb` equations at its top
-    level (none in a sub-jaxpr, none recomputed) and whose other equations
-    carry no effect: `(part, its inputs, the sites' indices)`, with `part` the
-    other equations as one jaxpr (see `equations_jaxpr`) in which a site's
-    outputs are read as its inputs. None for any other jaxpr."""
-    if jaxpr in _one_copy_cache:
-        return _one_copy_cache[jaxpr]
-    hit, subst, kept, indices = None, {}, [], []
-    for i, (eqn, sites) in enumerate(zip(jaxpr.eqns, _analyse(jaxpr)[1])):
-        if not sites:
+class _Kept(NamedTuple):
+    """A jaxpr whose sites are all `tag`/`perturb` equations at its top level
+    (none in a sub-jaxpr, none recomputed) and whose other equations carry no
+    effect, seen as if each site kept its value: `eqns`, the other equations,
+    reading a site's inputs where they read its outputs; `sites`, the sites'
+    equations, in order; `read(v)`, the variable they read in place of `v`."""
+
+    eqns: list[Any]
+    sites: list[Any]
+    read: Callable[[Any], Any]
+
+
+def _kept(jaxpr) -> _Kept | None:
+    """`jaxpr` as a `_Kept`, or None where it is not one."""
+    if jaxpr in _kept_cache:
+        return _kept_cache[jaxpr]
+    hit, subst, eqns, sites = None, {}, [], []
+    var = _compat.Var
+
+    def read(v):
+        return subst.get(v, v) if type(v) is var else v
+
+    for eqn, inside in zip(jaxpr.eqns, _analyse(jaxpr)[1]):
+        if not inside:
             if eqn.effects:
                 break
-            invars = [
-                subst.get(v, v) if type(v) is _compat.Var else v for v in eqn.invars
-            ]
-            changed = any(a is not b for a, b in zip(invars, eqn.invars))
-            kept.append(eqn.replace(invars=invars) if changed else eqn)
+            # (most equations read no site: left as they are)
+            if subst and any(type(v) is var and v in subst for v in eqn.invars):
+                eqn = eqn.replace(invars=list(map(read, eqn.invars)))
+            eqns.append(eqn)
         elif (
             eqn.primitive is site_p
             and not eqn.params.get("recompute")
             and "part" not in eqn.params
         ):
-            indices.append(i)
-            for o, v in zip(eqn.outvars, eqn.invars):
-                subst[o] = subst.get(v, v) if type(v) is _compat.Var else v
+            sites.append(eqn)
+            subst.update(zip(eqn.outvars, map(read, eqn.invars)))
         else:
             break
     else:
-        if indices:
-            part, part_in = _jaxpr.equations_jaxpr(
-                jaxpr.replace(eqns=kept), 0, len(kept)
-            )
-            hit = (part, part_in, indices)
-    _one_copy_cache[jaxpr] = hit
+        hit = _Kept(eqns, sites, read) if sites else None
+    _kept_cache[jaxpr] = hit
     return hit
 
 
 def _all_kept(jaxpr, scope: Scope) -> bool:
     """Whether the first handler to match each site of `jaxpr` reports and
     consumes it, as a handler that only looks does (it may still change the
-    value: `run` checks), or no handler matches it and no `handle` encloses
+    value: `_spliced` checks), or no handler matches it and no `handle` encloses
     this one (it is gone: see `handle_site`)."""
     handlers = scope.handlers
     for key in _analyse(jaxpr)[0]:
@@ -164,6 +171,89 @@ _UNDER_FLAG = (
 )
 
 
+def trace_rewrite(jaxpr, front_avals, fn) -> tuple[Any, list[Any]]:
+    """The jaxpr of `fn(front, run_in)`, traced on inputs of `front_avals`
+    then `jaxpr`'s, where `run_in(scope)` evaluates `jaxpr` on the latter
+    with the scope's handlers acting and returns its outputs. The jaxpr takes
+    the constants it closes over first; they are returned with it.
+
+    Where each site's handlers keep its value (see `_all_kept`), `jaxpr` is
+    not evaluated again: its other equations are taken as they are, and only
+    what the handlers do at its sites is traced, to be spliced in after them.
+    The rewrite then costs what the sites cost, not what the program does.
+    Should a handler change a value after all, `fn` is traced again, the
+    usual way: it makes its scope afresh at each call."""
+    n = len(front_avals)
+    spliced = _spliced(jaxpr, front_avals, fn)
+    if spliced is not None:
+        return spliced
+
+    def rewritten(*flat):
+        return fn(flat[:n], lambda scope: run(jaxpr, (), flat[n:], scope))
+
+    return _jaxpr.trace(rewritten, [*front_avals, *(v.aval for v in jaxpr.invars)])
+
+
+class _Changed(Exception):
+    """A handler changed a value where `_spliced` assumed it would not."""
+
+
+def _spliced(jaxpr, front_avals, fn):
+    """`trace_rewrite` by splicing, or None where it does not apply: the
+    sites handled in order, each value they read an input of the trace, and
+    `jaxpr`'s other equations (`_kept`) put before what that trace made."""
+    kept = _kept(jaxpr)
+    if kept is None:
+        return None
+    read, eqns = kept.read, kept.sites
+    reads = [read(v) for eqn in eqns for v in eqn.invars]
+    n = len(front_avals)
+
+    def sites_only(*flat):
+        def run_in(scope: Scope) -> list[Any]:
+            if not _all_kept(jaxpr, scope):
+                raise _Changed
+            values = iter(flat[n:])
+            for eqn in eqns:
+                invals = [next(values) for _ in eqn.invars]
+                outs = _site_rule(eqn, invals, scope)
+                if any(a is not b for a, b in zip(outs, invals)):
+                    raise _Changed
+            return []
+
+        return fn(flat[:n], run_in)
+
+    try:
+        sites, consts = _jaxpr.trace(
+            sites_only, [*front_avals, *(_jaxpr.aval(v) for v in reads)]
+        )
+    except _Changed:
+        return None
+    n_front = len(sites.invars) - len(reads)  # (its constants, then `front_avals`)
+    given = dict(zip(sites.invars[n_front:], reads))
+
+    def spliced(v):
+        return given.get(v, v) if type(v) is _compat.Var else v
+
+    new_eqns = [
+        e.replace(invars=list(map(spliced, e.invars)))
+        if any(v in given for v in e.invars if type(v) is _compat.Var)
+        else e
+        for e in sites.eqns
+    ]
+    new = _compat.Jaxpr(
+        [],
+        [*sites.invars[:n_front], *jaxpr.invars],
+        [*map(read, jaxpr.outvars), *map(spliced, sites.outvars)],
+        [*kept.eqns, *new_eqns],
+        sites.effects,  # (the other equations carry none)
+        sites.debug_info._replace(result_paths=None),
+        # (lowering expands hijax equations where the jaxpr says it holds some)
+        **({"is_high": True} if _compat.is_high(jaxpr) else {}),
+    )
+    return new, consts
+
+
 def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
     """Evaluates `jaxpr` on the current trace, with the scope's handlers acting."""
     env: dict[Any, Any] = {}
@@ -175,8 +265,7 @@ def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
     env.update(zip(jaxpr.invars, args))
     literal = _compat.Literal
     eqns, per_eqn = jaxpr.eqns, _analyse(jaxpr)[1]
-    i = _run_kept(jaxpr, scope, env, read)
-    runs = _plain_runs(jaxpr) if i < len(eqns) else {}
+    runs, i = _plain_runs(jaxpr), 0
     while i < len(eqns):
         run_of_plain = runs.get(i)
         if run_of_plain is not None:
@@ -192,30 +281,6 @@ def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
         invals = [v.val if type(v) is literal else env[v] for v in eqn.invars]
         env.update(zip(eqn.outvars, _run_eqn(eqn, sites, invals, scope)))
     return [read(v) for v in jaxpr.outvars]
-
-
-def _run_kept(jaxpr, scope: Scope, env: dict[Any, Any], read) -> int:
-    """Where the sites' handlers all keep their values (see `_all_kept`): every
-    other equation copied at once, then the sites handled in order, into `env`.
-    Should a handler change a value after all, the equations after its site run
-    again with the new value (the copies made of them are left unused). The
-    index of the first equation still to run: 0 where this does not apply."""
-    one_copy = _without_sites(jaxpr) if _all_kept(jaxpr, scope) else None
-    if one_copy is None:
-        return 0
-    part, part_in, indices = one_copy
-    outs = _jaxpr.copy_into_trace(part, [read(v) for v in part_in])
-    if outs is None:
-        return 0
-    env.update(zip(part.outvars, outs))
-    for index in indices:
-        eqn = jaxpr.eqns[index]
-        invals = [read(v) for v in eqn.invars]
-        outs = _site_rule(eqn, invals, scope)
-        env.update(zip(eqn.outvars, outs))
-        if any(a is not b for a, b in zip(outs, invals)):
-            return index + 1
-    return len(jaxpr.eqns)
 
 
 def _run_eqn(eqn, sites, invals, scope: Scope) -> list[Any]:

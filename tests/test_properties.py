@@ -657,6 +657,12 @@ class NameInfo:
     dead: bool = dataclasses.field(default=False, compare=False)
     # The site is a scan's loop-invariant tag (`Scan.invariant`).
     invariant: bool = dataclasses.field(default=False, compare=False)
+    # A checkpoint_name that `handle(jax.grad(f))` does not see: a known gap
+    # (docs/sharp-bits.md). Its innermost `jax.checkpoint` holds no tag, sits
+    # in a scan, and in another checkpoint: JAX marks the forward pass's copy
+    # of that region as it marks the backward pass's recomputation, and with
+    # no tag of ours in it to tell them apart, both are taken for the latter.
+    unseen_under_grad: bool = dataclasses.field(default=False, compare=False)
 
     @property
     def in_scan(self):
@@ -704,6 +710,9 @@ def counts(node) -> dict[str, int]:
 def analyse(program: Program) -> dict[str, NameInfo]:
     infos: dict[str, NameInfo] = {}
 
+    # The checkpoints and scans around the node, outermost first.
+    path: list = []
+
     def walk(node, shape, context, custom, looped, dead, invariant=False):
         if isinstance(node, Site):
             info = NameInfo(
@@ -714,7 +723,18 @@ def analyse(program: Program) -> dict[str, NameInfo]:
             assert old == info, (old, info)
             old.dead = old.dead or dead
             old.invariant = old.invariant or invariant
+            old.unseen_under_grad |= node.collection == CN and _unseen(path)
             return
+        if isinstance(node, (Checkpoint, Scan)):
+            path.append(node)
+            try:
+                _walk_children(node, shape, context, custom, looped, dead)
+            finally:
+                path.pop()
+            return
+        _walk_children(node, shape, context, custom, looped, dead)
+
+    def _walk_children(node, shape, context, custom, looped, dead):
         if isinstance(node, Vmap):
             size = shape[node.in_axis]
             inner = shape[: node.in_axis] + shape[node.in_axis + 1 :]
@@ -739,6 +759,24 @@ def analyse(program: Program) -> dict[str, NameInfo]:
     for name, n in counts(program.body).items():
         infos[name].count = n
     return infos
+
+
+def _unseen(path) -> bool:
+    """Whether a checkpoint_name with these checkpoints and scans around it
+    is one `handle(jax.grad(f))` does not see (`NameInfo.unseen_under_grad`)."""
+    inner = [i for i, node in enumerate(path) if isinstance(node, Checkpoint)]
+    if not inner or _has_tag(path[inner[-1]]):
+        return False
+    around = path[: inner[-1]]
+    return any(isinstance(n, Scan) for n in around) and any(
+        isinstance(n, Checkpoint) for n in around
+    )
+
+
+def _has_tag(node) -> bool:
+    if isinstance(node, Site):
+        return node.collection != CN
+    return any(_has_tag(child) for child in _children(node))
 
 
 def names_where(infos, **conditions) -> list[str]:
@@ -1529,14 +1567,16 @@ def collected(expected: Expected) -> dict:
 def kept_outside_grad(infos) -> dict:
     """The tags, by collection, reported by a handler outside `jax.grad`: not
     those under a custom derivative, which grad replaces by its rule; nor dead
-    checkpoint_names, which JAX may drop (having no effect, unlike tags); nor
-    the loop-invariant tags (`hoisted`), which a handler of their values
-    there is refused."""
+    checkpoint_names, which JAX may drop (having no effect, unlike tags), nor
+    those of the known gap `NameInfo.unseen_under_grad`; nor the
+    loop-invariant tags (`hoisted`), which a handler of their values there is
+    refused."""
     return {
         c: [
             n
             for n in names_where(infos, collection=c, custom=False)
-            if not (c == CN and infos[n].dead) and n not in hoisted(infos)
+            if not (c == CN and (infos[n].dead or infos[n].unseen_under_grad))
+            and n not in hoisted(infos)
         ]
         for c in (*TAGGED, CN)
     }
