@@ -1181,6 +1181,21 @@ def _hand_program(x):
     return jnp.sum(h**2), {"intermediates": {"h": (h,)}}
 
 
+def _interpreted(monkeypatch) -> list:
+    """The jaxprs the rewriter evaluates from now on, equation by equation."""
+    from effects import _rewrite
+
+    interpreted = []
+    original = _rewrite.run
+
+    def counting_run(jaxpr, *args, **kwargs):
+        interpreted.append(jaxpr)
+        return original(jaxpr, *args, **kwargs)
+
+    monkeypatch.setattr(_rewrite, "run", counting_run)
+    return interpreted
+
+
 class _Doubles(fx.Handler):
     # Reports, and so consumes, each site, and changes its value: the
     # rewriter cannot take the program as it is and splice the sites in.
@@ -1230,14 +1245,7 @@ def test_a_program_whose_handlers_keep_its_values_is_not_traced_again(
             jax.grad(lambda x: handled(x)[0])(x),
         )
 
-    interpreted = []
-    original = _rewrite.run
-
-    def counting_run(jaxpr, *args, **kwargs):
-        interpreted.append(jaxpr)
-        return original(jaxpr, *args, **kwargs)
-
-    monkeypatch.setattr(_rewrite, "run", counting_run)
+    interpreted = _interpreted(monkeypatch)
     with jax.enable_checks(True):
         spliced = results(lambda x: _kept_program(x))
         # (a value changed: the program is traced again after all)
@@ -1248,17 +1256,9 @@ def test_a_program_whose_handlers_keep_its_values_is_not_traced_again(
 
 
 def test_site_free_regions_are_not_interpreted_again(monkeypatch):
-    from effects import _rewrite
     from effects._walk import sites_in
 
-    interpreted = []
-    original = _rewrite.run
-
-    def counting_run(jaxpr, *args, **kwargs):
-        interpreted.append(jaxpr)
-        return original(jaxpr, *args, **kwargs)
-
-    monkeypatch.setattr(_rewrite, "run", counting_run)
+    interpreted = _interpreted(monkeypatch)
     x = lin(-1.0, 1.0, 3)
     # A function of this test's own: another test's handling of
     # `_tagged_program` may have cached its rewrite already.
