@@ -769,7 +769,9 @@ def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:
         leaves, info["tree"] = jax.tree.flatten(found)
         return [*outs, *leaves]
 
-    jaxpr, consts = trace_rewrite(traced.jaxpr, list(map(aval, h_leaves)), rewritten)
+    jaxpr, consts = trace_rewrite(
+        traced.jaxpr, config.handlers, list(map(aval, h_leaves)), rewritten
+    )
     if info["dropped"] and not handling.value:
         # What a dropped derivative site needed goes too (a value a forward loop
         # kept for the backward pass): the program of the hand-written function.

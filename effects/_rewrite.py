@@ -17,7 +17,7 @@ import jax
 from . import _compat, _jaxpr
 from ._handlers import Handler, acts_on
 from ._primitives import bind_site, handling, probing, site_effect, site_p
-from ._scope import Scope, act
+from ._scope import Handlers, Scope, act
 from ._site import (
     CHECKPOINT_NAME,
     Site,
@@ -113,12 +113,11 @@ def _kept(jaxpr) -> _Kept | None:
     return hit
 
 
-def _all_kept(jaxpr, scope: Scope) -> bool:
+def _all_kept(jaxpr, handlers: Handlers) -> bool:
     """Whether the first handler to match each site of `jaxpr` reports and
     consumes it, as a handler that only looks does (it may still change the
     value: `_spliced` checks), or no handler matches it and no `handle` encloses
     this one (it is gone: see `handle_site`)."""
-    handlers = scope.handlers
     for key in _analyse(jaxpr)[0]:
         if key[3] != "value":
             return False
@@ -171,20 +170,21 @@ _UNDER_FLAG = (
 )
 
 
-def trace_rewrite(jaxpr, front_avals, fn) -> tuple[Any, list[Any]]:
+def trace_rewrite(jaxpr, handlers, front_avals, fn) -> tuple[Any, list[Any]]:
     """The jaxpr of `fn(front, run_in)`, traced on inputs of `front_avals`
     then `jaxpr`'s, where `run_in(scope)` evaluates `jaxpr` on the latter
     with the scope's handlers acting and returns its outputs. The jaxpr takes
-    the constants it closes over first; they are returned with it.
+    the constants it closes over first; they are returned with it. `fn`
+    makes its scope with `handlers`, afresh at each call.
 
     Where each site's handlers keep its value (see `_all_kept`), `jaxpr` is
     not evaluated again: its other equations are taken as they are, and only
     what the handlers do at its sites is traced, to be spliced in after them.
     The rewrite then costs what the sites cost, not what the program does.
-    Should a handler change a value after all, `fn` is traced again, the
-    usual way: it makes its scope afresh at each call."""
+    Should a handler change a value after all, that trace is dropped, and
+    `fn` is traced again the usual way."""
     n = len(front_avals)
-    spliced = _spliced(jaxpr, front_avals, fn)
+    spliced = _spliced(jaxpr, handlers, front_avals, fn)
     if spliced is not None:
         return spliced
 
@@ -194,40 +194,38 @@ def trace_rewrite(jaxpr, front_avals, fn) -> tuple[Any, list[Any]]:
     return _jaxpr.trace(rewritten, [*front_avals, *(v.aval for v in jaxpr.invars)])
 
 
-class _Changed(Exception):
-    """A handler changed a value where `_spliced` assumed it would not."""
-
-
-def _spliced(jaxpr, front_avals, fn):
+def _spliced(jaxpr, handlers, front_avals, fn):
     """`trace_rewrite` by splicing, or None where it does not apply: the
     sites handled in order, each value they read an input of the trace, and
     `jaxpr`'s other equations (`_kept`) put before what that trace made."""
     kept = _kept(jaxpr)
-    if kept is None:
+    if kept is None or not _all_kept(jaxpr, Handlers(handlers)):
         return None
     read, eqns = kept.read, kept.sites
     reads = [read(v) for eqn in eqns for v in eqn.invars]
-    n = len(front_avals)
+    n, changed = len(front_avals), []
 
     def sites_only(*flat):
         def run_in(scope: Scope) -> list[Any]:
-            if not _all_kept(jaxpr, scope):
-                raise _Changed
             values = iter(flat[n:])
             for eqn in eqns:
                 invals = [next(values) for _ in eqn.invars]
                 outs = _site_rule(eqn, invals, scope)
+                # (the trace goes on to its end all the same: JAX keeps a
+                # trace an exception stops, and the values of enclosing
+                # traces a handler closed over, alive for good, as
+                # tests/test_jax_facts.py::test_a_trace_an_exception_stops_is_kept_alive
+                # shows)
                 if any(a is not b for a, b in zip(outs, invals)):
-                    raise _Changed
+                    changed.append(eqn.params["name"])
             return []
 
         return fn(flat[:n], run_in)
 
-    try:
-        sites, consts = _jaxpr.trace(
-            sites_only, [*front_avals, *(_jaxpr.aval(v) for v in reads)]
-        )
-    except _Changed:
+    sites, consts = _jaxpr.trace(
+        sites_only, [*front_avals, *(_jaxpr.aval(v) for v in reads)]
+    )
+    if changed:
         return None
     n_front = len(sites.invars) - len(reads)  # (its constants, then `front_avals`)
     given = dict(zip(sites.invars[n_front:], reads))

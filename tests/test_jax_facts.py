@@ -294,3 +294,36 @@ def test_what_a_batched_branch_calls_is_traced_under_the_rule_anew_per_context()
     assert again < len(binds)  # (cached)
     with token(object()):
         assert len(_binds(f, ps, xs, in_axes=(0, 0))) == len(binds)
+
+
+def test_a_trace_an_exception_stops_is_kept_alive():
+    # `effects/_rewrite.py`, `_spliced`: a trace that an exception stops, in
+    # which a value of an enclosing trace was used, stays alive with that
+    # value (its frame's tracers hold the trace through the finalizers JAX
+    # registers), which JAX's leak checker reports. A trace that is only
+    # abandoned is let run to its end.
+    class Stop(Exception):
+        pass
+
+    def stopped(x, s):
+        x * s
+        raise Stop
+
+    def finished(x, s):
+        return x * s
+
+    def outer(inner):
+        @jax.jit
+        def f(s):
+            try:
+                jax.make_jaxpr(lambda x: inner(x, s))(1.0)
+            except Stop:
+                pass
+            return s
+
+        return f
+
+    with leak_checks():
+        with pytest.raises(Exception, match="Leaked trace"):
+            outer(stopped)(1.0)
+        assert outer(finished)(1.0) == 1.0

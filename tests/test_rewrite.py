@@ -3,6 +3,7 @@ handler inside and outside jit, vmap and grad. Each collected value is checked
 against plain JAX code that computes the same intermediates without `effects`."""
 
 import functools
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -1253,6 +1254,35 @@ def test_a_program_whose_handlers_keep_its_values_is_not_traced_again(
         monkeypatch.setattr(_rewrite, "_kept", lambda jaxpr: None)
         traced_again = results(lambda x: _kept_program(x))
     assert_trees_close(spliced, traced_again)
+
+
+class _Maps(fx.Handler):
+    # Reports each site and changes its value by `fn`.
+    fn: Any
+    mode = "append"
+
+    def apply(self, site, value, ctx):
+        ctx.emit(value)
+        return jax.tree.map(self.fn, value)
+
+
+def test_a_reporting_handler_that_changes_a_value_may_close_over_a_tracer(
+    monkeypatch,
+):
+    # The splicing trace sees the value change and is dropped, run to its end:
+    # no tracer of the jit around it leaks (JAX's leak checker is on).
+    from effects import _rewrite
+
+    def scaled(x, s):
+        return fx.handle(_kept_program, _Maps(lambda v: v * s))(x)
+
+    x, s = lin(-1.0, 1.0, 3), np.float32(0.5)
+    with leak_checks():
+        interpreted = _interpreted(monkeypatch)
+        got = jax.jit(scaled)(x, s)
+        assert interpreted  # (traced again, equation by equation)
+    monkeypatch.setattr(_rewrite, "_kept", lambda jaxpr: None)
+    assert_trees_close(got, jax.jit(scaled)(x, s))
 
 
 def test_site_free_regions_are_not_interpreted_again(monkeypatch):
