@@ -34,23 +34,17 @@ rules: dict[Any, Rule] = {}
 #
 
 
-def _analyse(jaxpr) -> tuple[frozenset, tuple[frozenset, ...]]:
-    """The sites of `jaxpr` (see `sites_in`) and, per equation, the sites it is
-    or holds in its sub-jaxprs. An equation with none is plain: it is copied into
-    the caller's trace as it is, never traced again."""
-    found = walk(jaxpr)
-    return found.keys, found.per_eqn
-
-
 _runs_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _plain_runs(jaxpr) -> dict[int, tuple[int, Any, list[Any]]]:
-    """Each maximal run of equations holding no site, by its first equation:
-    `(index after it, the run as a jaxpr, the variables it reads)`."""
+    """Each maximal run of equations holding no site (itself or in its
+    sub-jaxprs: see `walk`), by its first equation: `(index after it, the run
+    as a jaxpr, the variables it reads)`. Such equations are copied into the
+    caller's trace as they are, never traced again."""
     runs = _runs_cache.get(jaxpr)
     if runs is None:
-        runs, per_eqn, i = {}, _analyse(jaxpr)[1], 0
+        runs, per_eqn, i = {}, walk(jaxpr).per_eqn, 0
         while i < len(per_eqn):
             if per_eqn[i]:
                 i += 1
@@ -90,7 +84,7 @@ def _kept(jaxpr) -> _Kept | None:
     def read(v):
         return subst.get(v, v) if type(v) is var else v
 
-    for eqn, inside in zip(jaxpr.eqns, _analyse(jaxpr)[1]):
+    for eqn, inside in zip(jaxpr.eqns, walk(jaxpr).per_eqn):
         if not inside:
             if eqn.effects:
                 break
@@ -118,7 +112,7 @@ def _all_kept(jaxpr, handlers: Handlers) -> bool:
     consumes it, as a handler that only looks does (it may still change the
     value: `_spliced` checks), or no handler matches it and no `handle` encloses
     this one (it is gone: see `handle_site`)."""
-    for key in _analyse(jaxpr)[0]:
+    for key in walk(jaxpr).keys:
         if key[3] != "value":
             return False
         site = Site.probe(*key)
@@ -262,7 +256,7 @@ def run(jaxpr, consts, args, scope: Scope) -> list[Any]:
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     literal = _compat.Literal
-    eqns, per_eqn = jaxpr.eqns, _analyse(jaxpr)[1]
+    eqns, per_eqn = jaxpr.eqns, walk(jaxpr).per_eqn
     runs, i = _plain_runs(jaxpr), 0
     while i < len(eqns):
         run_of_plain = runs.get(i)
