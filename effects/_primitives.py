@@ -13,7 +13,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
 from . import _compat
-from ._site import CHECKPOINT_NAME
+from ._site import CHECKPOINT_NAME, LEAF
 
 #
 # Handling state
@@ -318,7 +318,7 @@ def _bind_site(fn: str, value, name, collection, kind):
     if collection == CHECKPOINT_NAME:
         raise ValueError(_RESERVED.format(fn=fn, name=name, collection=collection))
     if type(value) in _ARRAY_TYPES:  # one array: the common case, made short
-        leaves, treedef = [value], _LEAF
+        leaves, treedef = [value], LEAF
     else:
         leaves, treedef = jax.tree.flatten(value)
         if not all(type(x) in _ARRAY_TYPES or _is_array(x) for x in leaves):
@@ -331,7 +331,7 @@ def _bind_site(fn: str, value, name, collection, kind):
         # Nothing handles it: the identity, with no equation in the program.
         # (JAX's caches of traces key on the handling state, a user context:
         # `handle` traces its own, with the site.)
-        return leaves[0] if treedef is _LEAF else jax.tree.unflatten(treedef, leaves)
+        return leaves[0] if treedef is LEAF else jax.tree.unflatten(treedef, leaves)
     params = dict(
         name=name,
         collection=collection,
@@ -340,10 +340,7 @@ def _bind_site(fn: str, value, name, collection, kind):
         batch=((),) * len(leaves),
     )
     outs = site_p.bind(*leaves, **params)
-    return outs[0] if treedef is _LEAF else jax.tree.unflatten(treedef, outs)
-
-
-_LEAF = jax.tree.structure(0)
+    return outs[0] if treedef is LEAF else jax.tree.unflatten(treedef, outs)
 
 
 def tag(value, name: str, *, collection: str = "intermediates"):

@@ -663,9 +663,9 @@ def _checked(new, value, site: Site, handler) -> tuple[list[bool], list[Any]]:
     """Which leaves of `value` (one example's, at `site`) a handler's `new`
     value keeps, and its leaves that differ, after checking its structure,
     shapes and dtypes (a weakly typed number takes the site's dtype)."""
-    want_leaves, want_tree = jax.tree.flatten(value)
     if new is value:  # kept whole, as a handler that only looks keeps it
-        return [True] * len(want_leaves), []
+        return [True] * len(site.avals), []
+    want_leaves, want_tree = jax.tree.flatten(value)
     leaves, tree = jax.tree.flatten(new)
     if tree == want_tree:
         out = []

@@ -34,7 +34,7 @@ def describe(tree) -> str:
 
 _SITE_PARAMS = operator.itemgetter("name", "collection", "kind", "treedef", "batch")
 CHECKPOINT_NAME = "checkpoint_name"
-_LEAF = jax.tree.structure(0)
+LEAF = jax.tree.structure(0)
 
 
 def checkpoint_name_params(name: str) -> dict[str, Any]:
@@ -43,7 +43,7 @@ def checkpoint_name_params(name: str) -> dict[str, Any]:
     `"checkpoint_name"`. JAX's batching rule for it keeps no record of vmap's
     axes, so its value is seen as the program holds it."""
     return dict(
-        name=name, collection=CHECKPOINT_NAME, kind="tag", treedef=_LEAF, batch=((),)
+        name=name, collection=CHECKPOINT_NAME, kind="tag", treedef=LEAF, batch=((),)
     )
 
 
@@ -142,6 +142,8 @@ class Site:
 
     def to_front(self, leaves):
         """Program layout -> the layout `found` has (see `_layout.to_found`)."""
+        if self.treedef is LEAF and not self.batch[0]:  # (most sites: as it is)
+            return leaves[0]
         return jax.tree.unflatten(self.treedef, list(map(to_found, leaves, self.batch)))
 
     def vary_like(self, x, aval, handler: str):
