@@ -30,7 +30,7 @@ from ._handlers import (
 from ._jaxpr import aval
 from ._primitives import batched_sites, handling, probing, site_p
 from ._rewrite import per_state, trace_rewrite
-from ._scope import Scope, Unbatched
+from ._scope import Rewrite, Scope, Unbatched
 from ._site import CHECKPOINT_NAME, Site
 from ._walk import sites_in, walk
 
@@ -649,13 +649,13 @@ def _check_branches(every_branch, handlers) -> None:
             )
 
 
-def _scope(handlers) -> Scope:
+def _scope(handlers, rewrite: Rewrite) -> Scope:
     inputs = {
         (i, name): list(entries)
         for i, h in enumerate(handlers)
         for name, entries in h.per_call_inputs().items()
     }
-    return Scope(handlers, inputs=inputs)
+    return Scope(handlers, inputs=inputs, rewrite=rewrite)
 
 
 class Found(dict):
@@ -750,29 +750,33 @@ def _report(scope: Scope, handlers) -> Found:
 
 def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:
     """`traced` rewritten by the handlers, as a program taking the handlers'
-    arrays, the function's constants and the arrays among its arguments."""
-    info = {}
+    arrays, the function's constants and the arrays among its arguments:
+    done again, splicing nothing, where a handler changed a value in a
+    region that was spliced (see `_rewrite.trace_rewrite`)."""
+    for splice in (True, False):
+        info, rewrite = {}, Rewrite(splice=splice)
 
-    def rewritten(front, run_in):
-        handlers = _combine(config.static, config.treedef, front)
-        scope = _scope(handlers)
-        try:
-            outs = run_in(scope)
-        except Exception:
-            # (after a site found unbatched, what fails may be what follows
-            # from it: traced again with it batched first)
-            scope.rewrite.check_batched()
-            raise
-        scope.rewrite.check_batched()
-        info["dropped"] = scope.rewrite.dropped
-        found = _report(scope, handlers)
-        leaves, info["tree"] = jax.tree.flatten(found)
-        return [*outs, *leaves]
+        def rewritten(front, run_in, rewrite=rewrite, info=info):
+            handlers = _combine(config.static, config.treedef, front)
+            scope = _scope(handlers, rewrite)
+            try:
+                outs = run_in(scope)
+            except Exception:
+                # (after a site found unbatched, what fails may be what follows
+                # from it: traced again with it batched first)
+                rewrite.check_batched()
+                raise
+            rewrite.check_batched()
+            leaves, info["tree"] = jax.tree.flatten(_report(scope, handlers))
+            return [*outs, *leaves]
 
-    jaxpr, consts = trace_rewrite(
-        traced.jaxpr, config.handlers, list(map(aval, h_leaves)), rewritten
-    )
-    if info["dropped"] and not handling.value:
+        like = Scope(config.handlers, rewrite=rewrite)  # (what `rewritten` makes)
+        jaxpr, consts = trace_rewrite(
+            traced.jaxpr, (), like, list(map(aval, h_leaves)), rewritten
+        )
+        if not rewrite.changed:
+            break
+    if rewrite.dropped and not handling.value:
         # What a dropped derivative site needed goes too (a value a forward loop
         # kept for the backward pass): the program of the hand-written function.
         # (Under an enclosing `handle`, whose handlers may see a name no value

@@ -164,40 +164,44 @@ _UNDER_FLAG = (
 )
 
 
-def trace_rewrite(jaxpr, handlers, front_avals, fn) -> tuple[Any, list[Any]]:
+def trace_rewrite(jaxpr, consts, scope, front_avals, fn) -> tuple[Any, list[Any]]:
     """The jaxpr of `fn(front, run_in)`, traced on inputs of `front_avals`
-    then `jaxpr`'s, where `run_in(scope)` evaluates `jaxpr` on the latter
-    with the scope's handlers acting and returns its outputs. The jaxpr takes
-    the constants it closes over first; they are returned with it. `fn`
-    makes its scope with `handlers`, afresh at each call.
+    then `jaxpr`'s, where `run_in(scope)` evaluates `jaxpr` (closing over
+    `consts`) on the latter with the scope's handlers acting and returns its
+    outputs. The jaxpr takes the constants it closes over first; they are
+    returned with it. `scope`: the scope `fn` acts with, or, where `fn`
+    makes its own, one with the same handlers and `Rewrite`.
 
-    Where each site's handlers keep its value (see `_all_kept`), `jaxpr` is
-    not evaluated again: its other equations are taken as they are, and only
-    what the handlers do at its sites is traced, to be spliced in after them.
-    The rewrite then costs what the sites cost, not what the program does.
-    Should a handler change a value after all, that trace is dropped, and
-    `fn` is traced again the usual way."""
+    Where the handlers keep the value of every site (see `_all_kept`),
+    `jaxpr` is not evaluated again: its other equations are taken as they
+    are, and only what the handlers do at its sites is traced, to be spliced
+    in after them. The rewrite then costs what the sites cost, not what the
+    program does. Should a handler change a value there after all, the
+    rewrite is marked (`Rewrite.changed`), and done again splicing nothing
+    (`_handle._rewrite`)."""
     n = len(front_avals)
-    spliced = _spliced(jaxpr, handlers, front_avals, fn)
+    spliced = _spliced(jaxpr, consts, scope, front_avals, fn)
     if spliced is not None:
         return spliced
 
     def rewritten(*flat):
-        return fn(flat[:n], lambda scope: run(jaxpr, (), flat[n:], scope))
+        return fn(flat[:n], lambda scope: run(jaxpr, consts, flat[n:], scope))
 
     return _jaxpr.trace(rewritten, [*front_avals, *(v.aval for v in jaxpr.invars)])
 
 
-def _spliced(jaxpr, handlers, front_avals, fn):
+def _spliced(jaxpr, consts, scope: Scope, front_avals, fn):
     """`trace_rewrite` by splicing, or None where it does not apply: the
     sites handled in order, each value they read an input of the trace, and
     `jaxpr`'s other equations (`_kept`) put before what that trace made."""
     kept = _kept(jaxpr)
-    if kept is None or not _all_kept(jaxpr, Handlers(handlers)):
+    if kept is None or not scope.rewrite.splice:
+        return None
+    if not _all_kept(jaxpr, scope.handlers):
         return None
     read, eqns = kept.read, kept.sites
     reads = [read(v) for eqn in eqns for v in eqn.invars]
-    n, changed = len(front_avals), []
+    n = len(front_avals)
 
     def sites_only(*flat):
         def run_in(scope: Scope) -> list[Any]:
@@ -205,23 +209,22 @@ def _spliced(jaxpr, handlers, front_avals, fn):
             for eqn in eqns:
                 invals = [next(values) for _ in eqn.invars]
                 outs = _site_rule(eqn, invals, scope)
-                # (the trace goes on to its end all the same: JAX keeps a
-                # trace an exception stops, and the values of enclosing
-                # traces a handler closed over, alive for good, as
+                # (the rewrite goes on, to be done again: a trace an exception
+                # stopped would be kept alive by JAX, with the values of
+                # enclosing traces a handler closed over, as
                 # tests/test_jax_facts.py::test_a_trace_an_exception_stops_is_kept_alive
                 # shows)
                 if any(a is not b for a, b in zip(outs, invals)):
-                    changed.append(eqn.params["name"])
+                    scope.rewrite.changed = True
             return []
 
         return fn(flat[:n], run_in)
 
-    sites, consts = _jaxpr.trace(
+    sites, hoisted = _jaxpr.trace(
         sites_only, [*front_avals, *(_jaxpr.aval(v) for v in reads)]
     )
-    if changed:
-        return None
-    n_front = len(sites.invars) - len(reads)  # (its constants, then `front_avals`)
+    n_hoisted = len(hoisted)
+    n_front = len(sites.invars) - len(reads)  # (the hoisted, then `front_avals`)
     given = dict(zip(sites.invars[n_front:], reads))
 
     def spliced(v):
@@ -235,7 +238,12 @@ def _spliced(jaxpr, handlers, front_avals, fn):
     ]
     new = _compat.Jaxpr(
         [],
-        [*sites.invars[:n_front], *jaxpr.invars],
+        [
+            *sites.invars[:n_hoisted],
+            *jaxpr.constvars,
+            *sites.invars[n_hoisted:n_front],
+            *jaxpr.invars,
+        ],
         [*map(read, jaxpr.outvars), *map(spliced, sites.outvars)],
         [*kept.eqns, *new_eqns],
         sites.effects,  # (the other equations carry none)
@@ -243,7 +251,7 @@ def _spliced(jaxpr, handlers, front_avals, fn):
         # (lowering expands hijax equations where the jaxpr says it holds some)
         **({"is_high": True} if _compat.is_high(jaxpr) else {}),
     )
-    return new, consts
+    return new, [*hoisted, *consts]
 
 
 def run(jaxpr, consts, args, scope: Scope) -> list[Any]:

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import _compat, _jaxpr
 from ._layout import WHOLE, Axes, Boundary
-from ._rewrite import _bind, _matched, rules, run
+from ._rewrite import _bind, _matched, rules, run, trace_rewrite
 from ._scope import Key, Scope, types_key, types_of, zeros
 from ._site import Site, describe
 from ._walk import recomputes, sites_in
@@ -445,13 +445,15 @@ def _call_rule(eqn, invals, scope: Scope, name: str) -> list[Any]:
     jaxpr = eqn.params[name]  # closed, but for a checkpoint's
     closed = isinstance(jaxpr, _compat.ClosedJaxpr)
     jaxpr, consts = (jaxpr.jaxpr, jaxpr.consts) if closed else (jaxpr, ())
-    # The body's own types: an equation may pass a value that varies over a
-    # shard_map's axes where its body was traced with one that does not (JAX's
-    # vmap of a cond in a shard_map makes every operand of a branch vary).
-    in_avals = [v.aval for v in jaxpr.invars]
-    # One trace: what the handlers emit leaves as more outputs.
+    # One trace (see `trace_rewrite`), on the body's own types: an equation may
+    # pass a value that varies over a shard_map's axes where its body was
+    # traced with one that does not (JAX's vmap of a cond in a shard_map makes
+    # every operand of a branch vary). What the handlers emit leaves as more
+    # outputs.
     body, hoisted, leave = scope.traced(
-        lambda *args: run(jaxpr, consts, args, scope), in_avals
+        lambda finish: trace_rewrite(
+            jaxpr, consts, scope, (), lambda _, run_in: finish(run_in(scope))
+        )
     )
     params = {name: _compat.ClosedJaxpr(body, ()) if closed else body}
     n_out = len(eqn.outvars)
@@ -634,7 +636,13 @@ def _custom(eqn, invals, scope: Scope) -> list[Any]:
     # own rule, and collects by running the region once more. What is collected
     # inside carries no gradient: the custom rule defines none for it.
     body, hoisted, leave = scope.traced(
-        lambda *args: run(closed.jaxpr, closed.consts, args, scope), closed.in_avals
+        lambda finish: trace_rewrite(
+            closed.jaxpr,
+            closed.consts,
+            scope,
+            (),
+            lambda _, run_in: finish(run_in(scope)),
+        )
     )
     traced = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(body, ()))
 

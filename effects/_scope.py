@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _compat, _jaxpr
+from . import _compat
 from ._handlers import NO_INPUT, Context, Handler, mode_of
 from ._layout import Axes, grow, to_program
 from ._site import Site, describe, shape_dtype, strong
@@ -126,6 +126,11 @@ class Rewrite:
     # Per site name: a handler changes it per example where a vmap does not
     # batch it (see `Unbatched`).
     unbatched: dict = dataclasses.field(default_factory=dict)
+    # Whether regions whose handlers keep every value are spliced (see
+    # `_rewrite.trace_rewrite`), and whether a handler changed one there after
+    # all: then the rewrite is done again, splicing nothing.
+    splice: bool = True
+    changed: bool = False
 
     def check_batched(self) -> None:
         """Raises `Unbatched` for every site found so, at once."""
@@ -313,22 +318,22 @@ class Scope:
             scope = scope.outside
         return found
 
-    def traced(self, body, in_avals):
-        """Traces `body(*args) -> outs`, a region the handlers act in with this
-        scope, as a jaxpr of its own, once. What the scope holds enters it by
+    def traced(self, trace):
+        """Traces a region the handlers act in with this scope, as a jaxpr of
+        its own, once: `trace(finish)` traces it, passing its outputs through
+        `finish`, and returns the open jaxpr, taking the constants it closes
+        over first, and those constants. What the scope holds enters by
         closure (the hoisted constants); the accumulators the region makes or
-        updates and the entries it appends leave as outputs after `outs`.
-        Returns the open jaxpr, taking the hoisted constants first, those
-        constants, and `leave`, which puts what the bound jaxpr returned after
-        its own outputs back in the scope."""
+        updates and the entries it appends leave as outputs after its own.
+        Returns that jaxpr, its constants, and `leave`, which puts what the
+        bound jaxpr returned after its own outputs back in the scope."""
         journals = self.touched, self.appended
         self.touched, self.appended = {}, {}
         accs: list[Key] = []
         added: list[tuple[Key, int]] = []
         shape: list[Any] = []
 
-        def fn(*args):
-            outs = body(*args)
+        def finish(outs):
             accs[:] = self.touched
             added[:] = self.appended.items()
             new = [self.entries[k][n:] for k, n in added]
@@ -343,7 +348,7 @@ class Scope:
             return [*outs, *leaves]
 
         try:
-            jaxpr, hoisted = _jaxpr.trace(fn, in_avals)
+            jaxpr, hoisted = trace(finish)
         finally:
             journals[0].update(self.touched)
             for k, n in self.appended.items():

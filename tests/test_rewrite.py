@@ -1214,6 +1214,15 @@ def _kept_program(x):
     return fx.tag(jnp.sum(pair["a"] * pair["b"]) + fx.tag(h, "h").sum(), "out")
 
 
+def _evaluates_a_site(interpreted) -> bool:
+    """Whether a jaxpr holding a site of its own was evaluated equation by
+    equation."""
+    from effects._primitives import site_p
+
+    return any(e.primitive is site_p for j in interpreted for e in j.eqns)
+
+
+@pytest.mark.parametrize("where", ["top", "jit", "checkpoint"])
 @pytest.mark.parametrize(
     "handlers",
     [
@@ -1226,19 +1235,24 @@ def _kept_program(x):
     ids=["tag", "stats", "sum", "tag-then-stats", "changes-the-value"],
 )
 def test_a_program_whose_handlers_keep_its_values_is_not_traced_again(
-    handlers, monkeypatch
+    handlers, where, monkeypatch
 ):
     # Every site consumed by a handler that keeps its value: only what the
-    # handlers do there is traced, and spliced into the program as it is.
-    # Against the same handlers rewriting the program traced again, equation
-    # by equation, under jit, vmap and grad, with JAX checking every jaxpr.
+    # handlers do there is traced, and spliced into the program (or the called
+    # function's body) as it is; where a handler changes a value after all,
+    # the rewrite is done again, splicing nothing. Against the same handlers
+    # rewriting the program equation by equation, under jit, vmap and grad,
+    # with JAX checking every jaxpr.
     from effects import _rewrite
 
     x = lin(-1.0, 1.0, 3)
     xs = jnp.stack([x, 2 * x])
+    body = {"top": _kept_program, "jit": jax.jit(_kept_program)}.get(
+        where, jax.checkpoint(_kept_program)
+    )
 
-    def results(fn):
-        handled = fx.handle(fn, *handlers)
+    def results():
+        handled = fx.handle(lambda x: body(x), *handlers)
         return (
             handled(x),
             jax.jit(handled)(x),
@@ -1248,11 +1262,10 @@ def test_a_program_whose_handlers_keep_its_values_is_not_traced_again(
 
     interpreted = _interpreted(monkeypatch)
     with jax.enable_checks(True):
-        spliced = results(lambda x: _kept_program(x))
-        # (a value changed: the program is traced again after all)
-        assert bool(interpreted) == isinstance(handlers[0], _Doubles)
+        spliced = results()
+        assert _evaluates_a_site(interpreted) == isinstance(handlers[0], _Doubles)
         monkeypatch.setattr(_rewrite, "_kept", lambda jaxpr: None)
-        traced_again = results(lambda x: _kept_program(x))
+        traced_again = results()
     assert_trees_close(spliced, traced_again)
 
 
@@ -1266,21 +1279,25 @@ class _Maps(fx.Handler):
         return jax.tree.map(self.fn, value)
 
 
+@pytest.mark.parametrize("where", ["top", "jit"])
 def test_a_reporting_handler_that_changes_a_value_may_close_over_a_tracer(
-    monkeypatch,
+    where, monkeypatch
 ):
-    # The splicing trace sees the value change and is dropped, run to its end:
-    # no tracer of the jit around it leaks (JAX's leak checker is on).
+    # The splicing trace sees the value change and runs to its end, and the
+    # rewrite is done again: no tracer of the jit around it leaks (JAX's leak
+    # checker is on).
     from effects import _rewrite
 
+    body = _kept_program if where == "top" else jax.jit(_kept_program)
+
     def scaled(x, s):
-        return fx.handle(_kept_program, _Maps(lambda v: v * s))(x)
+        return fx.handle(body, _Maps(lambda v: v * s))(x)
 
     x, s = lin(-1.0, 1.0, 3), np.float32(0.5)
     with leak_checks():
         interpreted = _interpreted(monkeypatch)
         got = jax.jit(scaled)(x, s)
-        assert interpreted  # (traced again, equation by equation)
+        assert _evaluates_a_site(interpreted)  # (done again, not spliced)
     monkeypatch.setattr(_rewrite, "_kept", lambda jaxpr: None)
     assert_trees_close(got, jax.jit(scaled)(x, s))
 
@@ -1334,17 +1351,24 @@ def _nested_regions(x, ws):
 def test_each_region_is_traced_once_where_its_handlers_only_append(monkeypatch, mode):
     # A jitted helper and a cond's branches in a scan body. Under Tag() every
     # region is traced once; under a sum a loop or branch body is traced once
-    # more, threading its accumulators, and what is inside it with it.
+    # more, threading its accumulators, and what is inside it with it. (The
+    # helper's body, whose handler keeps its value, is spliced: see
+    # `trace_rewrite`.)
     from effects import _rules
 
     traced: dict = {}
-    original = _rules.run
 
-    def counting_run(jaxpr, *args, **kwargs):
-        traced[jaxpr] = traced.get(jaxpr, 0) + 1
-        return original(jaxpr, *args, **kwargs)
+    def counting(name):
+        original = getattr(_rules, name)
 
-    monkeypatch.setattr(_rules, "run", counting_run)
+        def counted(jaxpr, *args, **kwargs):
+            traced[jaxpr] = traced.get(jaxpr, 0) + 1
+            return original(jaxpr, *args, **kwargs)
+
+        monkeypatch.setattr(_rules, name, counted)
+
+    counting("run")  # (a loop's or branch's body)
+    counting("trace_rewrite")  # (a called function's)
     x, ws = lin(-1.0, 1.0, 3), jnp.stack([jnp.eye(3) * s for s in (0.5, -1.0, 2.0)])
     out, found = fx.handle(lambda x: _nested_regions(x, ws), fx.Tag(mode=mode))(x)
     h, hs, bs = x, [], []
