@@ -11,8 +11,10 @@ import jax
 import jax.core
 import jax.extend
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from helpers import leak_checks
+from helpers import devices, leak_checks
+from jax import lax
 from jax.interpreters import batching
 
 
@@ -327,3 +329,44 @@ def test_a_trace_an_exception_stops_is_kept_alive():
         with pytest.raises(Exception, match="Leaked trace"):
             outer(stopped)(1.0)
         assert outer(finished)(1.0) == 1.0
+
+
+def test_an_empty_constant_added_in_a_shard_map_in_a_scan_fails_under_grad():
+    # `tests/test_properties.py`, `_render` of a scan of length 0: JAX (0.7 to
+    # 0.12) fails to compile the gradient of a scan whose body calls a
+    # shard_map whose body multiplies a value by an empty constant, adds
+    # another, and scans over the result (Shardy: "'func.call' op expected at
+    # least one operand of @xla.sdy.manual_computation_body to be produced by
+    # a xla.sdy.GlobalToLocalShape CustomCallOp"). Without the addition it
+    # compiles; the generated programs leave it out (a no-op there).
+    mesh = jax.sharding.Mesh(np.array(devices(2)), ("s",))
+    spec = jax.sharding.PartitionSpec("s")
+
+    def run(add: bool):
+        def f(x):
+            def step(c, xk):
+                v = jnp.sin(c * 0.5 + xk[0])
+
+                def body(w):
+                    def empty():
+                        return jnp.asarray([], jnp.float32).reshape((0, 1, 1))
+
+                    xs = w[None] * empty() + (empty() if add else 0.0)
+
+                    def inner(c, xk):
+                        u = c * 0.5 + xk[0]
+                        return u, u * 0.5
+
+                    return lax.scan(inner, w, (xs, jnp.arange(0)))[0]
+
+                out = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)(v)
+                return out, out * 0.5
+
+            c, ys = lax.scan(step, x, (x[None] * jnp.ones((2, 1, 1)), jnp.arange(2)))
+            return c + ys.sum(0)
+
+        return jax.jit(jax.grad(lambda x: jnp.sum(f(x) ** 2)))(jnp.ones((2, 3)))
+
+    run(add=False)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="GlobalToLocalShape"):
+        run(add=True)

@@ -504,10 +504,17 @@ def _render(w: _Writer, node, v: str, i, shape: tuple, fx_on: bool) -> str:
         w.indent -= 1
         scales, offsets = _scan_inputs(node.length, len(shape))
         bshape = (node.length,) + (1,) * len(shape)
+        # (no offsets to add to a scan of length 0: JAX fails to compile that
+        # addition under grad in a shard_map in a scan, see test_jax_facts.py::
+        # test_an_empty_constant_added_in_a_shard_map_in_a_scan_fails_under_grad)
+        plus = (
+            f" + jnp.asarray({offsets}, jnp.float32).reshape({bshape})"
+            if node.length
+            else ""
+        )
         xs = (
-            f"({v}[None] * jnp.asarray({scales}, jnp.float32).reshape({bshape}) + "
-            f"jnp.asarray({offsets}, jnp.float32).reshape({bshape}), "
-            f"jnp.arange({node.length}))"
+            f"({v}[None] * jnp.asarray({scales}, jnp.float32).reshape({bshape})"
+            f"{plus}, jnp.arange({node.length}))"
         )
         cf, ys = w.fresh("c"), w.fresh("ys")
         w.line(f"{cf}, {ys} = lax.scan({step}, {v}, {xs}, reverse={node.reverse})")
