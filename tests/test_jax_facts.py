@@ -332,13 +332,14 @@ def test_a_trace_an_exception_stops_is_kept_alive():
 
 
 def test_an_empty_constant_added_in_a_shard_map_in_a_scan_fails_under_grad():
-    # `tests/test_properties.py`, `_render` of a scan of length 0: JAX (0.7 to
+    # `tests/test_properties.py`, `jax_alone`: JAX (0.7 to
     # 0.12) fails to compile the gradient of a scan whose body calls a
     # shard_map whose body multiplies a value by an empty constant, adds
     # another, and scans over the result (Shardy: "'func.call' op expected at
     # least one operand of @xla.sdy.manual_computation_body to be produced by
     # a xla.sdy.GlobalToLocalShape CustomCallOp"). Without the addition it
-    # compiles; the generated programs leave it out (a no-op there).
+    # compiles. (Generated programs meet the same error in other shapes: a
+    # shard_map of two scans of length 0 under a loss linear in its output.)
     mesh = jax.sharding.Mesh(np.array(devices(2)), ("s",))
     spec = jax.sharding.PartitionSpec("s")
 

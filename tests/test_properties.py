@@ -133,7 +133,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import devices, leak_checks, no_leak_checks, plain
-from hypothesis import HealthCheck, assume, event, example, find, given, settings
+from hypothesis import (
+    HealthCheck,
+    assume,
+    event,
+    example,
+    find,
+    given,
+    reject,
+    settings,
+)
 from hypothesis import strategies as st
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
@@ -504,17 +513,10 @@ def _render(w: _Writer, node, v: str, i, shape: tuple, fx_on: bool) -> str:
         w.indent -= 1
         scales, offsets = _scan_inputs(node.length, len(shape))
         bshape = (node.length,) + (1,) * len(shape)
-        # (no offsets to add to a scan of length 0: JAX fails to compile that
-        # addition under grad in a shard_map in a scan, see test_jax_facts.py::
-        # test_an_empty_constant_added_in_a_shard_map_in_a_scan_fails_under_grad)
-        plus = (
-            f" + jnp.asarray({offsets}, jnp.float32).reshape({bshape})"
-            if node.length
-            else ""
-        )
         xs = (
-            f"({v}[None] * jnp.asarray({scales}, jnp.float32).reshape({bshape})"
-            f"{plus}, jnp.arange({node.length}))"
+            f"({v}[None] * jnp.asarray({scales}, jnp.float32).reshape({bshape}) + "
+            f"jnp.asarray({offsets}, jnp.float32).reshape({bshape}), "
+            f"jnp.arange({node.length}))"
         )
         cf, ys = w.fresh("c"), w.fresh("ys")
         w.line(f"{cf}, {ys} = lax.scan({step}, {v}, {xs}, reverse={node.reverse})")
@@ -631,6 +633,21 @@ def loss_weights(shape):
 def scalar_loss(f, shape):
     w = loss_weights(shape)
     return lambda x: jnp.sum(f(x) * w)
+
+
+def jax_alone(fn, *args):
+    """`fn(*args)`, where `fn` involves no handler: a program JAX itself fails
+    to compile (Shardy, jax 0.7 to 0.12, on some gradients through a
+    shard_map: see test_jax_facts.py::
+    test_an_empty_constant_added_in_a_shard_map_in_a_scan_fails_under_grad)
+    is left out, as there is nothing to compare with."""
+    try:
+        return fn(*args)
+    except jax.errors.JaxRuntimeError as e:
+        if "GlobalToLocalShape" not in str(e):
+            raise
+        event("JAX alone fails to compile the program")
+        reject()
 
 
 def scalar_handled_loss(f, handlers, shape):
@@ -1641,14 +1658,14 @@ def test_handled_output_and_gradient_equal_the_plain_ones(program):
     infos = analyse(program)
     f, x = program.function(), program.x()
     handlers = collecting(infos)
+    loss = scalar_loss(f, program.shape)
+    plain_grad = jax_alone(jax.jit(jax.grad(loss)), x)
+
     out, found = jax.jit(fx.handle(f, *handlers))(x)
     assert_as_plain(out, jax.jit(f)(x), "output")
 
-    loss = scalar_loss(f, program.shape)
-
     handled_loss = scalar_handled_loss(f, handlers, program.shape)
     grad, grad_found = jax.jit(jax.grad(handled_loss, has_aux=True))(x)
-    plain_grad = jax.jit(jax.grad(loss))(x)
     assert_as_plain(grad, plain_grad, "gradient")
     # Collected once under grad too (checkpoint, discarded tags, custom rules).
     assert_close(grad_found, found, rtol=1e-6, what="found under grad")
@@ -2090,6 +2107,7 @@ def test_rewriting_generated_programs_leaks_no_tracer(program):
     f, x = program.function(), program.x()
     handlers = collecting(infos)
     loss = scalar_loss(f, program.shape)
+    plain_grad = jax_alone(jax.jit(jax.grad(loss)), x)
 
     handled_loss = scalar_handled_loss(f, handlers, program.shape)
     with leak_checks():
@@ -2097,7 +2115,7 @@ def test_rewriting_generated_programs_leaks_no_tracer(program):
         grad, _ = jax.jit(jax.grad(handled_loss, has_aux=True))(x)
         batched, _ = jax.vmap(fx.handle(f, *handlers))(program.batch())
     assert_as_plain(out, jax.jit(f)(x), "output")
-    assert_as_plain(grad, jax.jit(jax.grad(loss))(x), "gradient")
+    assert_as_plain(grad, plain_grad, "gradient")
     assert_close(batched, jax.vmap(f)(program.batch()), rtol=1e-5, what="vmap")
 
 
@@ -2638,9 +2656,10 @@ def test_cotangents_and_tangents_of_tags_equal_the_reference(program):
     )
     f, x = program.function(), program.x()
     loss = scalar_loss(f, program.shape)
+    plain_grad = jax_alone(jax.jit(jax.grad(loss)), x)
     cotangents = fx.handle(jax.grad(loss), fx.Tag(of="cotangent", names=names))
     grad, found = jax.jit(cotangents)(x)
-    assert_as_plain(grad, jax.jit(jax.grad(loss))(x), "gradient")
+    assert_as_plain(grad, plain_grad, "gradient")
     _, want = reference_perturbation_grads(program, expected, names)
     assert_close(found, {"intermediates:cotangent": want}, what="cotangents")
     if not names_where(infos, collection="intermediates", custom=True):
