@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -126,3 +130,23 @@ class CountCompiles:
 
             unregister = monitoring._unregister_event_duration_listener_by_callback
         unregister(self)
+
+
+def run_fresh(script: str) -> subprocess.CompletedProcess:
+    """Run `script` in a new Python process on 8 host CPU devices (the
+    suite's), importing the `effects` this process imports; its output is
+    captured as text."""
+    import effects
+
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    root = str(Path(effects.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [root, env.get("PYTHONPATH")] if p)
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )

@@ -20,18 +20,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
-import os
-import subprocess
-import sys
 import threading
 import weakref
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_trees_close
+from helpers import assert_trees_close, run_fresh
 from jax import lax
 
 import effects as fx
@@ -559,30 +555,14 @@ assert len(found) == len(expected), "reported more than was patched"
 )
 
 
-def _run_fresh(script: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    # The subprocess imports the `effects` this process imports.
-    root = str(Path(fx.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [root, env.get("PYTHONPATH")] if p)
-    return subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 def test_the_snapshot_sees_patches_and_nothing_else():
-    result = _run_fresh(_DETECTOR_SCRIPT)
+    result = run_fresh(_DETECTOR_SCRIPT)
     if result.returncode != 0:
         pytest.fail(result.stdout + result.stderr, pytrace=False)
 
 
 def test_jax_stays_untouched():
-    result = _run_fresh(_EFFECTS_SCRIPT)
+    result = run_fresh(_EFFECTS_SCRIPT)
     if result.returncode != 0:
         pytest.fail(result.stderr, pytrace=False)
 
