@@ -124,6 +124,7 @@ programs through every transformation with it on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -633,6 +634,25 @@ def loss_weights(shape):
 def scalar_loss(f, shape):
     w = loss_weights(shape)
     return lambda x: jnp.sum(f(x) * w)
+
+
+@contextlib.contextmanager
+def unless_rounding_alone_misses(plain, want_out):
+    """Lets an `AssertionError` of the block through, unless the plain program
+    in float32 (`plain()`, no handler) itself misses the float64 reference's
+    output `want_out` by more than `assert_close` allows: a program that
+    amplifies float32 rounding that much (nested loops of gain 10 each, found
+    by a 2,000-program run) has nothing to compare with, and is left out. It
+    costs nothing where the block passes."""
+    try:
+        yield
+    except AssertionError:
+        try:
+            assert_close(plain(), want_out)
+        except AssertionError:
+            event("float32 rounding alone misses the reference")
+            reject()
+        raise
 
 
 def jax_alone(fn, *args):
@@ -1741,8 +1761,9 @@ def test_collected_values_equal_the_reference(program):
 
     # append: every execution, in the documented layout ("last" in while loops)
     out, found = fx.handle(f, *collecting(infos))(x)
-    assert_close(out, expected.out, what="output")
-    assert_close(found, collected(expected), what="append")
+    with unless_rounding_alone_misses(lambda: f(x), expected.out):
+        assert_close(out, expected.out, what="output")
+        assert_close(found, collected(expected), what="append")
     assert_dtypes(found, infos, "append", what="append")  # ("last" in loops)
     for dtype in sorted({info.dtype for info in infos.values()} & set(NARROW)):
         event(f"a {dtype} tag")
@@ -1918,7 +1939,8 @@ def test_handle_of_vmap_equals_vmap_of_handle(program):
     want = jax.tree.map(
         lambda *e: np.stack(e), *[(e.out, collected(e)) for e in per_example]
     )
-    assert_close(inside, want, what="vmap(handle(f))")
+    with unless_rounding_alone_misses(lambda: jax.vmap(f)(xs), want[0]):
+        assert_close(inside, want, what="vmap(handle(f))")
 
     tagged = ("intermediates", "loop", "perturbations", "custom_perturbations")
     if has_data_cond_with_sites(program.body, tagged):
@@ -1995,8 +2017,9 @@ def test_tags_in_a_custom_root_are_collected_or_refused(program):
         return
     out, found = fx.handle(f, handler)(x)
     want = {ROOT: {n: expected.append(n) for n in names}}
-    assert_close(out, expected.out, what="output")
-    assert_close(found, want, what="found")
+    with unless_rounding_alone_misses(lambda: f(x), expected.out):
+        assert_close(out, expected.out, what="output")
+        assert_close(found, want, what="found")
 
     # Not on jax 0.7-0.9 where a scan is in the root: the known failure that
     # `test_grad_of_a_tag_in_a_scan_in_a_custom_root` pins.
