@@ -591,6 +591,28 @@ def _check_loop_invariant(traced: _Traced, handlers) -> None:
                 )
 
 
+def _check_recomputed_only(traced: _Traced, handlers) -> None:
+    """No handler that reports a `checkpoint_name` finds it only where the
+    backward pass recomputes (see `_walk.recomputes`): under a `jax.grad`
+    inside the handled function, JAX marks the forward pass's copy of a
+    `jax.checkpoint` in a loop in another `jax.checkpoint` as it marks the
+    recomputation, and a region holding no tag of ours has nothing else to
+    tell them apart by. The handler would report none of its executions."""
+    forward: dict[tuple, bool] = {}
+    for s in walk(traced.jaxpr).sites:
+        if s.key[1] == CHECKPOINT_NAME:
+            forward[s.key] = forward.get(s.key, False) or not s.recomputed
+    for key in (k for k, seen in forward.items() if not seen):
+        probe = Site.probe(*key)
+        for h in handlers:
+            if mode_of(h) is not None and h.matches(probe):
+                raise ValueError(
+                    _RECOMPUTED_ONLY.format(
+                        handler=type(h).__name__, where=probe.where()
+                    )
+                )
+
+
 def _check_keys(traced: _Traced, handlers) -> None:
     """No handler sums a PRNG key: a key has no sum."""
     for s in walk(traced.jaxpr).sites:
@@ -619,6 +641,16 @@ def _loops(located) -> int:
 
 
 _LOOPS = (_compat.scan_p, _compat.while_p)
+_RECOMPUTED_ONLY = (
+    "{handler} reports {where}, which under the `jax.grad` inside the handled "
+    "function is found only in regions JAX marks as the backward pass's "
+    "recomputation of a `jax.checkpoint` (JAX marks so the forward pass's copy "
+    "of a `jax.checkpoint` in a loop in another `jax.checkpoint` too), so "
+    "{handler} would report none of its executions. Handle the function before "
+    "differentiating it (`jax.grad(lambda *a: fx.handle(f, ...)(*a)[0])`), or "
+    "`fx.tag` a value in the same `jax.checkpoint` function: a tag tells the "
+    "forward pass's copy apart."
+)
 _HOISTED = (
     "{handler} matches {where}, whose value a loop body (`lax.scan`, "
     "`fori_loop`) computes from what the loop closes over only. Under the "
@@ -869,6 +901,7 @@ def _program(
         _check_derivatives(traced, handlers)
         _check_reporters(traced.sites, handlers)
         _check_loop_invariant(traced, handlers)
+        _check_recomputed_only(traced, handlers)
         _check_keys(traced, handlers)
         every_branch = _every_branch(traced, handlers, fn, static, treedef, dynamic)
         _check_branches(traced.marked | every_branch, handlers)

@@ -892,32 +892,12 @@ def _named(v):
     return checkpoint_name(jnp.sin(v), "n")
 
 
-_UNSEEN_UNDER_GRAD = pytest.mark.xfail(
-    strict=True,
-    # JAX marks the forward pass's copy of the innermost checkpoint as it
-    # marks the backward pass's recomputation (`differentiated`); with no tag
-    # of ours in that region to tell them apart, both are taken for the
-    # recomputation, and the name is not reported. A known gap
-    # (docs/sharp-bits.md); found by a random run of the property tests.
-    reason="a checkpoint_name alone in a checkpoint in a scan and a checkpoint",
-)
-
-
 @pytest.mark.parametrize(
     "f",
     [
         pytest.param(_scanned(jax.checkpoint(_named)), id="scan-checkpoint"),
-        pytest.param(
-            jax.checkpoint(_scanned(jax.checkpoint(_named))),
-            id="checkpoint-scan-checkpoint",
-            marks=_UNSEEN_UNDER_GRAD,
-        ),
-        pytest.param(
-            _scanned(jax.checkpoint(jax.checkpoint(_named))),
-            id="scan-checkpoint-checkpoint",
-            marks=_UNSEEN_UNDER_GRAD,
-        ),
-        # A tag in the innermost checkpoint tells the regions apart.
+        # A tag in the innermost checkpoint tells the forward pass's copy of
+        # its region from the recomputation's (see the test below).
         pytest.param(
             jax.checkpoint(_scanned(jax.checkpoint(lambda v: _named(fx.tag(v, "t"))))),
             id="checkpoint-scan-checkpoint-with-a-tag",
@@ -935,3 +915,40 @@ def test_a_checkpoint_name_in_a_scan_is_reported_once_per_execution_under_grad(f
     grad, found = fx.handle(jax.grad(loss), tag)(x)
     assert_trees_close(grad, jax.grad(loss)(x))
     assert_trees_close(found, want)
+
+
+@pytest.mark.parametrize(
+    "f",
+    [
+        pytest.param(
+            jax.checkpoint(_scanned(jax.checkpoint(_named))),
+            id="checkpoint-scan-checkpoint",
+        ),
+        pytest.param(
+            _scanned(jax.checkpoint(jax.checkpoint(_named))),
+            id="scan-checkpoint-checkpoint",
+        ),
+    ],
+)
+def test_a_checkpoint_name_found_only_where_grad_recomputes_is_refused(f):
+    # JAX marks the forward pass's copy of the innermost checkpoint as it
+    # marks the backward pass's recomputation (`differentiated`); with no tag
+    # of ours in that region to tell them apart, both are taken for the
+    # recomputation, and a handler reporting the name would report nothing
+    # (found by a random run of the property tests). Refused, by name.
+    x = jnp.asarray([0.3, -0.2])
+
+    def loss(x):
+        return jnp.sum(f(x) ** 2)
+
+    for reporting in (fx.Tag("checkpoint_name"), fx.Tag("checkpoint_name", mode="sum")):
+        with pytest.raises(
+            ValueError, match="'n'.*recomputation of a `jax.checkpoint`"
+        ):
+            fx.handle(jax.grad(loss), reporting)(x)
+    # The way the message gives: the handler outside the gradient.
+    grad, found = jax.grad(
+        lambda x: fx.handle(loss, fx.Tag("checkpoint_name"))(x), has_aux=True
+    )(x)
+    assert_trees_close(grad, jax.grad(loss)(x))
+    assert_trees_close(found, fx.handle(loss, fx.Tag("checkpoint_name"))(x)[1])

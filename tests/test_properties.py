@@ -701,11 +701,12 @@ class NameInfo:
     dead: bool = dataclasses.field(default=False, compare=False)
     # The site is a scan's loop-invariant tag (`Scan.invariant`).
     invariant: bool = dataclasses.field(default=False, compare=False)
-    # A checkpoint_name that `handle(jax.grad(f))` does not see: a known gap
-    # (docs/sharp-bits.md). Its innermost `jax.checkpoint` holds no tag, sits
-    # in a scan, and in another checkpoint: JAX marks the forward pass's copy
-    # of that region as it marks the backward pass's recomputation, and with
-    # no tag of ours in it to tell them apart, both are taken for the latter.
+    # A checkpoint_name that `handle(jax.grad(f))` may see only as recomputed,
+    # and then refuses a handler reporting it (docs/sharp-bits.md). Its innermost
+    # `jax.checkpoint` holds no tag, sits in a scan, and in another
+    # checkpoint: JAX marks the forward pass's copy of that region as it marks
+    # the backward pass's recomputation, and with no tag of ours in it to tell
+    # them apart, both are taken for the latter.
     unseen_under_grad: bool = dataclasses.field(default=False, compare=False)
 
     @property
@@ -1612,7 +1613,8 @@ def kept_outside_grad(infos) -> dict:
     """The tags, by collection, reported by a handler outside `jax.grad`: not
     those under a custom derivative, which grad replaces by its rule; nor dead
     checkpoint_names, which JAX may drop (having no effect, unlike tags), nor
-    those of the known gap `NameInfo.unseen_under_grad`; nor the
+    those JAX may show only as recomputed (`NameInfo.unseen_under_grad`),
+    which a handler reporting them is then refused; nor the
     loop-invariant tags (`hoisted`), which a handler of their values there is
     refused."""
     return {
@@ -1645,6 +1647,7 @@ def hoisted(infos) -> list[str]:
 
 
 HOISTED_ERROR = "computes from what the loop closes over only"
+RECOMPUTED_ERROR = "recomputation of a `jax.checkpoint`"
 
 
 def collecting_outside_grad(infos) -> tuple:
@@ -1706,6 +1709,21 @@ def test_handled_output_and_gradient_equal_the_plain_ones(program):
         assert_close(grad, plain_grad, rtol=1e-6, what="gradient, handled outside")
         want = {c: {n: found[c][n] for n in names} for c, names in kept.items()}
         assert_close(found_outside, want, rtol=1e-6, what="found outside grad")
+    # A checkpoint_name JAX may show only as recomputed (`unseen_under_grad`,
+    # whose model does not say where a while loop around changes that):
+    # reported as outside the grad, or refused by name; never missing.
+    live = names_where(infos, collection=CN, custom=False, dead=False)
+    for name in [n for n in live if infos[n].unseen_under_grad][:1]:
+        mode = "last" if infos[name].in_while else "append"
+        handled = fx.handle(jax.grad(loss), fx.Tag(CN, names=name, mode=mode))
+        got, error = _outcome(handled, x)
+        if error is None:
+            event("checkpoint_name in checkpoint(scan(checkpoint)): reported")
+            assert_close(got[1][CN][name], found[CN][name], rtol=1e-6, what=name)
+        else:
+            event("checkpoint_name in checkpoint(scan(checkpoint)): refused")
+            assert RECOMPUTED_ERROR in str(error), error
+            assert f"'{name}'" in str(error), error
     # A loop-invariant tag: refused by a handler of its value there.
     for name in hoisted(infos)[:1]:
         event("loop-invariant tag refused under handle(grad(f))")
