@@ -30,7 +30,7 @@ from ._handlers import (
 from ._jaxpr import aval
 from ._primitives import batched_sites, handling, probing, site_p
 from ._rewrite import per_state, trace_rewrite
-from ._scope import Rewrite, Scope, Unbatched
+from ._scope import Handlers, Rewrite, Scope, Unbatched
 from ._site import CHECKPOINT_NAME, Site
 from ._walk import sites_in, walk
 
@@ -802,9 +802,13 @@ def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:
             leaves, info["tree"] = jax.tree.flatten(_report(scope, handlers))
             return [*outs, *leaves]
 
-        like = Scope(config.handlers, rewrite=rewrite)  # (what `rewritten` makes)
         jaxpr, consts = trace_rewrite(
-            traced.jaxpr, (), like, list(map(aval, h_leaves)), rewritten
+            traced.jaxpr,
+            (),
+            Handlers(config.handlers),
+            rewrite,
+            list(map(aval, h_leaves)),
+            rewritten,
         )
         if not rewrite.changed:
             break

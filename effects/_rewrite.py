@@ -164,13 +164,15 @@ _UNDER_FLAG = (
 )
 
 
-def trace_rewrite(jaxpr, consts, scope, front_avals, fn) -> tuple[Any, list[Any]]:
+def trace_rewrite(
+    jaxpr, consts, handlers: Handlers, rewrite, front_avals, fn
+) -> tuple[Any, list[Any]]:
     """The jaxpr of `fn(front, run_in)`, traced on inputs of `front_avals`
     then `jaxpr`'s, where `run_in(scope)` evaluates `jaxpr` (closing over
     `consts`) on the latter with the scope's handlers acting and returns its
     outputs. The jaxpr takes the constants it closes over first; they are
-    returned with it. `scope`: the scope `fn` acts with, or, where `fn`
-    makes its own, one with the same handlers and `Rewrite`.
+    returned with it. `handlers` and `rewrite`: those of the scope `fn` acts
+    with.
 
     Where the handlers keep the value of every site (see `_all_kept`),
     `jaxpr` is not evaluated again: its other equations are taken as they
@@ -180,7 +182,7 @@ def trace_rewrite(jaxpr, consts, scope, front_avals, fn) -> tuple[Any, list[Any]
     rewrite is marked (`Rewrite.changed`), and done again splicing nothing
     (`_handle._rewrite`)."""
     n = len(front_avals)
-    spliced = _spliced(jaxpr, consts, scope, front_avals, fn)
+    spliced = _spliced(jaxpr, consts, handlers, rewrite, front_avals, fn)
     if spliced is not None:
         return spliced
 
@@ -190,14 +192,14 @@ def trace_rewrite(jaxpr, consts, scope, front_avals, fn) -> tuple[Any, list[Any]
     return _jaxpr.trace(rewritten, [*front_avals, *(v.aval for v in jaxpr.invars)])
 
 
-def _spliced(jaxpr, consts, scope: Scope, front_avals, fn):
+def _spliced(jaxpr, consts, handlers: Handlers, rewrite, front_avals, fn):
     """`trace_rewrite` by splicing, or None where it does not apply: the
     sites handled in order, each value they read an input of the trace, and
     `jaxpr`'s other equations (`_kept`) put before what that trace made."""
     kept = _kept(jaxpr)
-    if kept is None or not scope.rewrite.splice:
+    if kept is None or not rewrite.splice:
         return None
-    if not _all_kept(jaxpr, scope.handlers):
+    if not _all_kept(jaxpr, handlers):
         return None
     read, eqns = kept.read, kept.sites
     reads = [read(v) for eqn in eqns for v in eqn.invars]
@@ -215,7 +217,7 @@ def _spliced(jaxpr, consts, scope: Scope, front_avals, fn):
                 # tests/test_jax_facts.py::test_a_trace_an_exception_stops_is_kept_alive
                 # shows)
                 if any(a is not b for a, b in zip(outs, invals)):
-                    scope.rewrite.changed = True
+                    rewrite.changed = True
             return []
 
         return fn(flat[:n], run_in)

@@ -452,7 +452,12 @@ def _call_rule(eqn, invals, scope: Scope, name: str) -> list[Any]:
     # outputs.
     body, hoisted, leave = scope.traced(
         lambda finish: trace_rewrite(
-            jaxpr, consts, scope, (), lambda _, run_in: finish(run_in(scope))
+            jaxpr,
+            consts,
+            scope.handlers,
+            scope.rewrite,
+            (),
+            lambda _, run_in: finish(run_in(scope)),
         )
     )
     params = {name: _compat.ClosedJaxpr(body, ()) if closed else body}
@@ -639,7 +644,8 @@ def _custom(eqn, invals, scope: Scope) -> list[Any]:
         lambda finish: trace_rewrite(
             closed.jaxpr,
             closed.consts,
-            scope,
+            scope.handlers,
+            scope.rewrite,
             (),
             lambda _, run_in: finish(run_in(scope)),
         )
