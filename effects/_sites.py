@@ -174,9 +174,16 @@ def sites(fn: Callable) -> Callable[..., Sites]:
 
     def lister(*args, **kwargs) -> Sites:
         found = Sites()
-        for located in walk(traced(*_traced_arguments(fn, args, kwargs))).sites:
-            if located.recomputed:
+        located_sites = walk(traced(*_traced_arguments(fn, args, kwargs))).sites
+        # A site is listed by its own copies, not the backward pass's
+        # recomputations; one JAX left only recomputed copies of (a
+        # `checkpoint_name` alone in a checkpoint in a loop in another: see
+        # `_handle._check_recomputed_only`) by its first, the forward pass's.
+        own = {s.key for s in located_sites if not s.recomputed}
+        for located in located_sites:
+            if located.recomputed and located.key in own:
                 continue
+            own.add(located.key)
             # A call JAX makes, not the user (the forward part of a checkpoint or
             # scan that it split for differentiation), adds no control flow.
             around = [_label(r) for r in located.path if r.name != "closed_call"]

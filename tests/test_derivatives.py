@@ -941,6 +941,11 @@ def test_a_checkpoint_name_found_only_where_grad_recomputes_is_refused(f):
     def loss(x):
         return jnp.sum(f(x) ** 2)
 
+    # `fx.sites` lists it once, where the forward pass runs it.
+    (listed,) = fx.sites(jax.grad(loss))(x)["checkpoint_name"]["n"]
+    (plain,) = fx.sites(loss)(x)["checkpoint_name"]["n"]
+    assert (listed.value, listed.part) == (plain.value, "value")
+    assert listed.where.startswith("scan(length=2)"), listed.where
     for reporting in (fx.Tag("checkpoint_name"), fx.Tag("checkpoint_name", mode="sum")):
         with pytest.raises(
             ValueError, match="'n'.*recomputation of a `jax.checkpoint`"
