@@ -1679,6 +1679,12 @@ def _without_leak_checks():
 @example(SAMPLE)
 def test_handled_output_and_gradient_equal_the_plain_ones(program):
     infos = analyse(program)
+    if any(info.dtype in NARROW for info in infos.values()):
+        # A narrow tag (a comparison, a cast) of a value within rounding of
+        # its boundary may differ between two compiled programs: XLA computes
+        # `-1.5 * v + (0.5 * v + v)` as 0 in one and not in the other (found
+        # by a 3,000-program run). The reference leaves such programs out.
+        reference(program)
     f, x = program.function(), program.x()
     handlers = collecting(infos)
     loss = scalar_loss(f, program.shape)
