@@ -957,3 +957,71 @@ def test_a_checkpoint_name_found_only_where_grad_recomputes_is_refused(f):
     )(x)
     assert_trees_close(grad, jax.grad(loss)(x))
     assert_trees_close(found, fx.handle(loss, fx.Tag("checkpoint_name"))(x)[1])
+
+
+def _looping(v):
+    # A tag and a checkpoint_name, then a while loop (which JAX does not
+    # differentiate: it starts from a `stop_gradient`) holding a tag.
+    v = fx.tag(v, "t")
+    y = checkpoint_name(jnp.sin(v), "n")
+
+    def body(s):
+        i, u = s
+        return i + 1, fx.tag(u, "w", collection="loop") * 0.9
+
+    _, z = lax.while_loop(lambda s: s[0] < 3, body, (0, lax.stop_gradient(v)))
+    return y + z * 0.5
+
+
+_TWICE_UNDER_GRAD = pytest.mark.xfail(
+    strict=True,
+    # JAX stages a `lax.while_loop` whole into the backward pass's
+    # recomputation of a checkpoint (`_while_partial_eval_custom`: "Staged
+    # eqn is same as input eqn"), so the tags in it keep the `forward` mark
+    # an earlier partial evaluation gave them; in a checkpoint inside another,
+    # the outer recomputation then looks like a forward pass, and what it
+    # holds without marks of its own (the loop's tags, checkpoint_names) is
+    # reported twice. A known gap (docs/sharp-bits.md), found by a
+    # 3,000-program run of the property tests.
+    reason="a while loop in a checkpoint in another checkpoint, under grad",
+)
+
+
+@pytest.mark.parametrize(
+    "f, what",
+    [
+        pytest.param(_scanned(jax.checkpoint(_looping)), "w", id="scan-checkpoint"),
+        pytest.param(
+            jax.checkpoint(jax.checkpoint(_looping)),
+            "w",
+            id="checkpoint-checkpoint",
+            marks=_TWICE_UNDER_GRAD,
+        ),
+        pytest.param(
+            jax.checkpoint(_scanned(jax.checkpoint(_looping))),
+            "w",
+            id="checkpoint-scan-checkpoint",
+            marks=_TWICE_UNDER_GRAD,
+        ),
+        pytest.param(
+            jax.checkpoint(_scanned(jax.checkpoint(_looping))),
+            "n",
+            id="checkpoint-scan-checkpoint-name",
+            marks=_TWICE_UNDER_GRAD,
+        ),
+    ],
+)
+def test_a_while_loop_in_a_checkpoint_is_reported_once_per_execution_under_grad(
+    f, what
+):
+    x = jnp.asarray([0.3, -0.2])
+
+    def loss(x):
+        return jnp.sum(f(x) ** 2)
+
+    handlers = (fx.Tag("loop", mode="sum"), fx.Tag("checkpoint_name", mode="sum"))
+    _, want = fx.handle(loss, *handlers)(x)
+    grad, found = fx.handle(jax.grad(loss), *handlers)(x)
+    assert_trees_close(grad, jax.grad(loss)(x))
+    collection = "loop" if what == "w" else "checkpoint_name"
+    assert_trees_close(found[collection][what], want[collection][what])
