@@ -592,15 +592,15 @@ def _check_loop_invariant(traced: _Traced, handlers) -> None:
 
 
 def _check_recomputed_only(traced: _Traced, handlers) -> None:
-    """No handler that reports a `checkpoint_name` finds it only where the
-    backward pass recomputes (see `_walk.recomputes`): under a `jax.grad`
-    inside the handled function, JAX marks the forward pass's copy of a
-    `jax.checkpoint` in a loop in another `jax.checkpoint` as it marks the
-    recomputation, and a region holding no tag of ours has nothing else to
+    """No handler that reports a site finds it only where the backward pass
+    recomputes (see `_walk.recomputes`): under a `jax.grad` inside the
+    handled function, JAX marks the forward pass's copy of a `jax.checkpoint`
+    in a loop in another `jax.checkpoint` as it marks the recomputation, and a
+    region holding no tag of ours outside a while loop has nothing else to
     tell them apart by. The handler would report none of its executions."""
     forward: dict[tuple, bool] = {}
     for s in walk(traced.jaxpr).sites:
-        if s.key[1] == CHECKPOINT_NAME:
+        if s.key[3] == "value":
             forward[s.key] = forward.get(s.key, False) or not s.recomputed
     for key in (k for k, seen in forward.items() if not seen):
         probe = Site.probe(*key)

@@ -107,7 +107,13 @@ def walk(jaxpr) -> _Walk:
         tuple(sites),
         frozenset().union(*per_eqn),
         tuple(per_eqn),
-        any(s.eqn.params.get("forward") for s in sites),
+        # (not in a while loop: JAX stages one whole into a recomputation,
+        # the marks of its sites as they were: see `recomputes`)
+        any(
+            s.eqn.params.get("forward")
+            and not any(r.eqn.primitive is _compat.while_p for r in s.path)
+            for s in sites
+        ),
         frozenset(primitives),
     )
     return found
@@ -127,9 +133,13 @@ def recomputes(eqn) -> bool:
     another checkpoint, which holds the tags that JAX's partial evaluation
     kept where they execute, marked `forward` (see
     `_primitives._site_partial_eval_custom`); the recomputation holds their
-    copies, and those of its loops JAX recomputes whole. A region holding only
-    `checkpoint_name`s has JAX's mark alone to go by: it is taken for a
-    recomputation."""
+    copies, and those of its loops JAX recomputes whole. A `lax.while_loop`
+    JAX stages whole, as the program had it (`_while_partial_eval_custom`:
+    "Staged eqn is same as input eqn"): its sites keep the `forward` marks an
+    earlier partial evaluation gave them, and tell nothing. A region holding
+    no other `forward` site has JAX's mark alone to go by: it is taken for a
+    recomputation (`_handle._check_recomputed_only` refuses a handler that
+    would then report a site none of whose copies it takes for its own)."""
     if eqn.primitive is not _compat.remat_p or not eqn.params.get("differentiated"):
         return False
     return not walk(eqn.params["jaxpr"]).forward
