@@ -701,11 +701,12 @@ class NameInfo:
     dead: bool = dataclasses.field(default=False, compare=False)
     # The site is a scan's loop-invariant tag (`Scan.invariant`).
     invariant: bool = dataclasses.field(default=False, compare=False)
-    # A checkpoint_name that `handle(jax.grad(f))` may see only as recomputed,
-    # and then refuses a handler reporting it (docs/sharp-bits.md). Its innermost
-    # `jax.checkpoint` holds no tag, sits in a scan, and in another
-    # checkpoint: JAX marks the forward pass's copy of that region as it marks
-    # the backward pass's recomputation, and with no tag of ours in it to tell
+    # A site that `handle(jax.grad(f))` may see only as recomputed, and then
+    # refuses a handler reporting it (docs/sharp-bits.md). Its innermost
+    # `jax.checkpoint` holds no tag outside a while loop (JAX stages a while
+    # loop whole, marks and all), sits in a scan, and in another checkpoint:
+    # JAX marks the forward pass's copy of that region as it marks the
+    # backward pass's recomputation, and with no tag of ours in it to tell
     # them apart, both are taken for the latter.
     unseen_under_grad: bool = dataclasses.field(default=False, compare=False)
 
@@ -768,7 +769,7 @@ def analyse(program: Program) -> dict[str, NameInfo]:
             assert old == info, (old, info)
             old.dead = old.dead or dead
             old.invariant = old.invariant or invariant
-            old.unseen_under_grad |= node.collection == CN and _unseen(path)
+            old.unseen_under_grad |= _unseen(path)
             return
         if isinstance(node, (Checkpoint, Scan)):
             path.append(node)
@@ -819,8 +820,11 @@ def _unseen(path) -> bool:
 
 
 def _has_tag(node) -> bool:
+    """Whether a tag outside any while loop is in `node`."""
     if isinstance(node, Site):
         return node.collection != CN
+    if isinstance(node, While):
+        return False
     return any(_has_tag(child) for child in _children(node))
 
 
@@ -1621,7 +1625,8 @@ def kept_outside_grad(infos) -> dict:
         c: [
             n
             for n in names_where(infos, collection=c, custom=False)
-            if not (c == CN and (infos[n].dead or infos[n].unseen_under_grad))
+            if not (c == CN and infos[n].dead)
+            and not infos[n].unseen_under_grad
             and n not in hoisted(infos)
         ]
         for c in (*TAGGED, CN)
@@ -1715,19 +1720,28 @@ def test_handled_output_and_gradient_equal_the_plain_ones(program):
         assert_close(grad, plain_grad, rtol=1e-6, what="gradient, handled outside")
         want = {c: {n: found[c][n] for n in names} for c, names in kept.items()}
         assert_close(found_outside, want, rtol=1e-6, what="found outside grad")
-    # A checkpoint_name JAX may show only as recomputed (`unseen_under_grad`,
-    # whose model does not say where a while loop around changes that):
-    # reported as outside the grad, or refused by name; never missing.
-    live = names_where(infos, collection=CN, custom=False, dead=False)
-    for name in [n for n in live if infos[n].unseen_under_grad][:1]:
-        mode = "last" if infos[name].in_while else "append"
-        handled = fx.handle(jax.grad(loss), fx.Tag(CN, names=name, mode=mode))
+    # A tag or checkpoint_name JAX may show only as recomputed
+    # (`unseen_under_grad`, whose model does not say where a while loop
+    # around changes that): reported as outside the grad, or refused by name;
+    # never missing, never twice.
+    unseen = [
+        n
+        for n, info in infos.items()
+        if info.unseen_under_grad
+        and info.kind == "tag"
+        and not info.custom
+        and not (info.collection == CN and info.dead)
+        and n not in hoisted(infos)
+    ]
+    for name in sorted(unseen)[:1]:
+        c, mode = infos[name].collection, "last" if infos[name].in_while else "append"
+        handled = fx.handle(jax.grad(loss), fx.Tag(c, names=name, mode=mode))
         got, error = _outcome(handled, x)
         if error is None:
-            event("checkpoint_name in checkpoint(scan(checkpoint)): reported")
-            assert_close(got[1][CN][name], found[CN][name], rtol=1e-6, what=name)
+            event("a site in checkpoint(scan(checkpoint)): reported")
+            assert_close(got[1][c][name], found[c][name], rtol=1e-6, what=name)
         else:
-            event("checkpoint_name in checkpoint(scan(checkpoint)): refused")
+            event("a site in checkpoint(scan(checkpoint)): refused")
             assert RECOMPUTED_ERROR in str(error), error
             assert f"'{name}'" in str(error), error
     # A loop-invariant tag: refused by a handler of its value there.
