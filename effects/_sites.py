@@ -176,8 +176,7 @@ def sites(fn: Callable) -> Callable[..., Sites]:
         found = Sites()
         located_sites = walk(traced(*_traced_arguments(fn, args, kwargs))).sites
         # A site is listed by its own copies, not the backward pass's
-        # recomputations; one JAX left only recomputed copies of (a
-        # `checkpoint_name` alone in a checkpoint in a loop in another: see
+        # recomputations; one JAX left only recomputed copies of (see
         # `_handle._check_recomputed_only`) by its first, the forward pass's.
         own = {s.key for s in located_sites if not s.recomputed}
         for located in located_sites:
