@@ -32,7 +32,7 @@ from ._primitives import batched_sites, handling, probing, site_p
 from ._rewrite import per_state, trace_rewrite
 from ._scope import Handlers, Rewrite, Scope, Unbatched
 from ._site import CHECKPOINT_NAME, Site
-from ._walk import sites_in, walk
+from ._walk import recomputed_only, sites_in, walk
 
 _NOT_CALLABLE = "handle: the first argument must be a callable, got {fn!r}."
 _NOT_HANDLER = (
@@ -598,11 +598,7 @@ def _check_recomputed_only(traced: _Traced, handlers) -> None:
     in a loop in another `jax.checkpoint` as it marks the recomputation, and a
     region holding no tag of ours outside a while loop has nothing else to
     tell them apart by. The handler would report none of its executions."""
-    forward: dict[tuple, bool] = {}
-    for s in walk(traced.jaxpr).sites:
-        if s.key[3] == "value":
-            forward[s.key] = forward.get(s.key, False) or not s.recomputed
-    for key in (k for k, seen in forward.items() if not seen):
+    for key in recomputed_only(traced.jaxpr):
         probe = Site.probe(*key)
         for h in handlers:
             if mode_of(h) is not None and h.matches(probe):

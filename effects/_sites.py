@@ -12,7 +12,7 @@ import jax
 
 from . import _nnx
 from ._site import describe
-from ._walk import Region, site_of, traced, walk
+from ._walk import Region, recomputed_only, site_of, traced, walk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,15 +174,15 @@ def sites(fn: Callable) -> Callable[..., Sites]:
 
     def lister(*args, **kwargs) -> Sites:
         found = Sites()
-        located_sites = walk(traced(*_traced_arguments(fn, args, kwargs))).sites
+        jaxpr = traced(*_traced_arguments(fn, args, kwargs))
         # A site is listed by its own copies, not the backward pass's
-        # recomputations; one JAX left only recomputed copies of (see
-        # `_handle._check_recomputed_only`) by its first, the forward pass's.
-        own = {s.key for s in located_sites if not s.recomputed}
-        for located in located_sites:
-            if located.recomputed and located.key in own:
+        # recomputations; one JAX left only recomputed copies of by its first,
+        # the forward pass's.
+        unlisted = set(recomputed_only(jaxpr))
+        for located in walk(jaxpr).sites:
+            if located.recomputed and located.key not in unlisted:
                 continue
-            own.add(located.key)
+            unlisted.discard(located.key)
             # A call JAX makes, not the user (the forward part of a checkpoint or
             # scan that it split for differentiation), adds no control flow.
             around = [_label(r) for r in located.path if r.name != "closed_call"]

@@ -125,6 +125,14 @@ def sites_in(jaxpr) -> frozenset[Key]:
     return walk(jaxpr).keys
 
 
+def recomputed_only(jaxpr) -> frozenset[Key]:
+    """The sites of `jaxpr` none of whose copies is its own: each found only
+    where the backward pass recomputes (see `Located.recomputed`)."""
+    sites = walk(jaxpr).sites
+    own = {s.key for s in sites if not s.recomputed}
+    return frozenset(s.key for s in sites if s.key not in own)
+
+
 def recomputes(eqn) -> bool:
     """Whether `eqn` is the backward pass's recomputation of a `jax.checkpoint`
     region: the sites in it are executions of the forward pass's, computed
