@@ -154,13 +154,19 @@ def _merge(dynamic, static, treedef):
 def _signature(static, treedef, dynamic):
     """A hashable key for the arguments' structure, static values and types, or
     None when a static value is unhashable."""
-    key = (
-        treedef,
-        static,
-        tuple((a.shape, a.dtype, a.weak_type) for a in map(aval, dynamic)),
-        # (a trace under `jax.enable_x64` differs, as `jax.jit`'s caches know)
-        _compat.trace_context(),
+    return _hashable(
+        (
+            treedef,
+            static,
+            tuple((a.shape, a.dtype, a.weak_type) for a in map(aval, dynamic)),
+            # (a trace under `jax.enable_x64` differs, as `jax.jit`'s caches know)
+            _compat.trace_context(),
+        )
     )
+
+
+def _hashable(key):
+    """`key`, or None when it is unhashable."""
     try:
         hash(key)
     except TypeError:
@@ -785,7 +791,7 @@ def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:
         info, rewrite = {}, Rewrite(splice=splice)
 
         def rewritten(front, run_in, rewrite=rewrite, info=info):
-            handlers = _combine(config.static, config.treedef, front)
+            handlers = _merge(front, config.static, config.treedef)
             scope = _scope(handlers, rewrite)
             try:
                 outs = run_in(scope)
@@ -818,52 +824,34 @@ def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:
     return _Program(closed, consts, traced, info["tree"], name)
 
 
-def _combine(h_static, h_def, h_leaves):
-    return eqx.combine(jax.tree.unflatten(h_def, list(h_leaves)), h_static)
-
-
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Config:
-    """Handlers split into their arrays (inputs of the rewritten program) and
-    the rest, which with the arrays' types is their configuration."""
+    """Handlers split as arguments are (`_split`): their arrays, inputs of the
+    rewritten program, and the rest, which with the arrays' types is their
+    configuration."""
 
     handlers: tuple
-    static: Any  # the handlers with None in place of arrays
-    treedef: Any  # of their arrays
-    # The configuration as a cache key; where a leaf that is not an array is
-    # unhashable, a key of this object's own, so that a handled function kept
-    # and called again still finds what it cached.
+    static: tuple  # their leaves, None in place of an array
+    treedef: Any
+    # The configuration, hashable, or None where a leaf that is not an array is
+    # unhashable (see `cache_key`).
     key: Any
     # The names the handlers give values per execution (see `batched_sites`).
     batched: frozenset = frozenset()
 
     @classmethod
     def of(cls, handlers) -> tuple[_Config, list[Any]]:
-        arrays, static = eqx.partition(handlers, eqx.is_array)
-        leaves, treedef = jax.tree.flatten(arrays)
-        key = (static, treedef)
-        try:
-            hash(key)
-        except TypeError:  # a dict of arrays (`Perturb(deltas)`, `Substitute`)
-            key = _arrays_key(handlers)
+        leaves, static, treedef = _split(handlers)
         batched = frozenset(n for h in handlers for n in h.per_call_inputs())
-        key = object() if key is None else key
-        return cls(handlers, static, treedef, key, batched), leaves
+        return cls(
+            handlers, static, treedef, _hashable((treedef, static)), batched
+        ), leaves
 
-
-def _arrays_key(handlers):
-    """Handlers holding arrays as a cache key (their structure and their other
-    leaves, an array's place marked), or None when a leaf is unhashable."""
-    leaves, treedef = jax.tree.flatten(handlers)
-    key = (treedef, tuple(_ARRAY if eqx.is_array(x) else x for x in leaves))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-_ARRAY = object()  # an array's place in a key of handlers holding arrays
+    @property
+    def cache_key(self):
+        # Where the configuration is unhashable, this object: a handled function
+        # kept and called again still finds what it cached.
+        return self if self.key is None else self.key
 
 
 def _is_tracer(x) -> bool:
@@ -880,7 +868,7 @@ def _program(
     sig = _signature(static, treedef, dynamic) if probing.value is None else None
     key = None
     if sig is not None:
-        key = (sig, config.key, tuple(map(aval, h_leaves)), bool(handling.value))
+        key = (sig, config.cache_key, tuple(map(aval, h_leaves)), bool(handling.value))
         program = cache.programs.get(key)
         if program is not None:
             return program
@@ -979,11 +967,11 @@ class Jitted:
 class _Handled:
     """The function `handle` returns."""
 
-    def __init__(self, fn, handlers, cache: _Cache):
+    def __init__(self, fn, handlers, cache: _Cache, split=None):
         self.fn = fn
         self.handlers = handlers
         self.cache = cache
-        self._config, self._h_leaves = _Config.of(handlers)
+        self._config, self._h_leaves = split or _Config.of(handlers)
         # `updated=()`: copying `fn.__dict__` would copy a nested wrapper's state.
         # A module's `__call__` bound to it: the handled module's signature is
         # the call's, without `self` (`eqx.filter_jit` binds arguments to it).
@@ -1038,7 +1026,7 @@ class _Handled:
         # per argument signature, so that repeated calls neither trace nor
         # dispatch op by op (compiled anew when a static argument is unhashable).
         sig = _signature(static, treedef, dynamic)
-        key = None if sig is None else (sig, self._config.key)
+        key = None if sig is None else (sig, self._config.cache_key)
         jitted = None if key is None else self.cache.eager.get(key)
         if jitted is None:
             jitted = Jitted(apply)
@@ -1053,22 +1041,6 @@ class _Handled:
 #
 
 
-class _HandlersKey:
-    """Handlers as a key, hashed once: a handler's hash reads its fields."""
-
-    __slots__ = ("handlers", "hash")
-
-    def __init__(self, handlers):
-        self.handlers = handlers
-        self.hash = hash(handlers)
-
-    def __hash__(self):
-        return self.hash
-
-    def __eq__(self, other):
-        return isinstance(other, _HandlersKey) and self.handlers == other.handlers
-
-
 def _memoized(fn, handlers) -> _Handled:
     cache = _cache_for(fn)
     if cache is None:  # (the wrapper, kept, still caches)
@@ -1077,22 +1049,17 @@ def _memoized(fn, handlers) -> _Handled:
     # kept wrapper would keep alive; a module's wrapper holds its arrays.
     if not _compat.is_top_level() or isinstance(fn, eqx.Module):
         return _Handled(fn, handlers, cache)
-    try:
-        key, arrays = _HandlersKey(handlers), None
-    except TypeError:
-        # Handlers holding arrays (`Perturb(deltas)`, `Substitute(values)`): a
-        # new wrapper each call, since the arrays differ, sharing what is
-        # cached for handlers that differ only in their arrays' values.
-        key = _arrays_key(handlers)
-        if key is None:  # an unhashable leaf that is not an array
-            return _Handled(fn, handlers, cache)
-        key = _HandlersKey(key)
-        arrays = [x for x in jax.tree.leaves(handlers) if eqx.is_array(x)]
-    wrapper = cache.wrappers.get(key)
+    config, arrays = _Config.of(handlers)
+    if config.key is None:  # an unhashable leaf that is not an array
+        return _Handled(fn, handlers, cache, (config, arrays))
+    wrapper = cache.wrappers.get(config.key)
     if wrapper is None:
-        wrapper = _Handled(fn, handlers, cache)
-        cache.wrappers.put(key, wrapper)
-    return wrapper if arrays is None else wrapper.with_arrays(handlers, arrays)
+        wrapper = _Handled(fn, handlers, cache, (config, arrays))
+        cache.wrappers.put(config.key, wrapper)
+    # Handlers holding arrays (`Perturb(deltas)`, `Substitute(values)`): a new
+    # wrapper each call, since the arrays differ, sharing what is cached for
+    # handlers that differ only in their arrays' values.
+    return wrapper.with_arrays(handlers, arrays) if arrays else wrapper
 
 
 #
