@@ -280,6 +280,9 @@ class Scope:
             if batch[: len(have)] == have:  # deeper: the accumulator grows
                 self.accs[key] = grow(self.accs[key], have, batch)
                 self.acc_batch[key] = batch
+                made = self.acc_inits.get(key)
+                if made is not None:  # (a region threading it starts it grown)
+                    self.acc_inits[key] = lambda: grow(made(), have, batch)
             elif have[: len(batch)] != batch:
                 raise ValueError(
                     _BATCH_MISMATCH.format(where=self.where(key), a=have, b=batch)

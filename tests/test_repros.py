@@ -68,6 +68,48 @@ def test_name_tagged_outside_and_inside_a_vmap(wrap, inner_jit, batched, mode):
     assert_trees_close(found, {"intermediates": {"n": expected[mode]}})
 
 
+@pytest.mark.parametrize("mode", ["sum", "last"])
+@pytest.mark.parametrize("order", ["plain_first", "vmap_first"])
+@pytest.mark.parametrize("loop", ["scan", "while", "unrolled"])
+def test_a_name_reduced_unbatched_and_under_a_vmap_in_one_loop_body(loop, order, mode):
+    """optimistix's NelderMead in miniature: its step evaluates the objective
+    (tagged) on one point and, under a vmap, on the simplex, in a
+    `lax.while_loop` body. With the unbatched execution first, a loop's
+    accumulator started without the vmap's batch axis and the reduction
+    failed ("vmap was requested to map its argument along axis 0")."""
+
+    def g(y):
+        return fx.tag(jnp.sum(y**2), "obj")
+
+    def step(ys):
+        if order == "plain_first":
+            a, v = g(ys[0]), jax.vmap(g)(ys)
+        else:
+            v, a = jax.vmap(g)(ys), g(ys[0])
+        return ys * 0.5 + 0 * v[:, None] + 0 * a
+
+    def f(ys):
+        if loop == "while":
+            body = lambda c: (c[0] + 1, step(c[1]))  # noqa: E731
+            return lax.while_loop(lambda c: c[0] < 2, body, (0, ys))[1].sum()
+        if loop == "scan":
+            return lax.scan(lambda ys, _: (step(ys), None), ys, None, length=2)[0].sum()
+        return step(step(ys)).sum()
+
+    ys = jnp.arange(6.0).reshape(3, 2)
+    # Hand-written, per example: the unbatched execution counts for every
+    # example, the vmapped one for its own.
+    plain = [jnp.sum(ys[0] ** 2), jnp.sum((ys[0] / 2) ** 2)]  # per step
+    vmapped = [jnp.sum(ys**2, axis=1), jnp.sum((ys / 2) ** 2, axis=1)]
+    expected = {
+        "sum": sum(p + v for p, v in zip(plain, vmapped)),
+        "last": vmapped[1] if order == "plain_first" else jnp.full(3, plain[1]),
+    }[mode]
+    out, found = fx.handle(f, fx.Tag(mode=mode))(ys)
+    assert_trees_close(out, f(ys))
+    assert_trees_close(found, {"intermediates": {"obj": expected}})
+
+
 def _backsolve_loss():
     """diffrax's BacksolveAdjoint in miniature: a custom_vjp whose backward rule
     re-evaluates the tagged vector field per example under a vmap in a jit."""
