@@ -488,8 +488,12 @@ def per_state(jaxpr):
     eqns = []
     for eqn in jaxpr.eqns:
         name = _compat.rule_thunk_params.get(eqn.primitive)
+        # Only the jaxprs of the primitives the rewriter knows: another's are
+        # its own (an Equinox filter primitive keeps among its params the
+        # jaxpr of a closure-converted function, which that function holds
+        # too and checks its arguments against: a copy would fail the check).
         # Most equations hold no jaxpr: finding none costs less than mapping.
-        if name is None and (eqn.primitive is site_p or not _jaxpr.sub_jaxprs(eqn)):
+        if eqn.primitive not in rules or not _jaxpr.sub_jaxprs(eqn):
             eqns.append(eqn)
             continue
         params = _jaxpr.map_jaxprs_in_params(eqn.params, per_state)

@@ -110,6 +110,45 @@ def test_a_name_reduced_unbatched_and_under_a_vmap_in_one_loop_body(loop, order,
     assert_trees_close(found, {"intermediates": {"obj": expected}})
 
 
+@pytest.mark.parametrize("tagged", [False, True], ids=["untagged", "tagged"])
+def test_grad_of_a_handled_optimistix_solve_equals_the_plain_grad(tagged):
+    """optimistix (its solves are Equinox filter primitives, which keep the
+    jaxpr of the closure-converted objective among their params): the
+    handled function's gradient failed, with no tag at all, in Equinox's
+    check that a closure-converted function gets the arguments it was
+    converted with ("called with different static arguments"): `handle`
+    gave the primitive a copy of that jaxpr, made to trace custom rules per
+    handling state."""
+    optx = pytest.importorskip("optimistix")
+    tag = fx.tag if tagged else lambda v, _: v
+
+    def objective(y, a):
+        return tag(jnp.sum((y - a) ** 2) + jnp.sum(y**4), "obj")
+
+    def solution(a):
+        solver = optx.BFGS(rtol=1e-6, atol=1e-6)
+        return optx.minimise(objective, solver, jnp.zeros(2), args=a, max_steps=200)
+
+    def loss(a):
+        return jnp.sum(solution(a).value)
+
+    a = jnp.array([0.5, 2.0])
+    handled = fx.handle(loss, fx.Tag(mode="last"))
+    # (JAX's tracer-leak checker fails in its own code on an optimistix solve
+    # without effects: jax 0.10.2, optimistix 0.1.0, an IndexError from
+    # `checking_leaks`)
+    with no_leak_checks():
+        grad = jax.grad(lambda a: handled(a)[0])(a)
+        assert_trees_close(grad, jax.grad(loss)(a), rtol=1e-5)
+        _, found = handled(a)
+    if tagged:  # (the objective's last evaluation: at the solution)
+        y = solution(a).value
+        want = jnp.sum((y - a) ** 2) + jnp.sum(y**4)
+        assert_trees_close(found, {"intermediates": {"obj": want}}, rtol=1e-5)
+    else:
+        assert found == {"intermediates": {}}
+
+
 def _backsolve_loss():
     """diffrax's BacksolveAdjoint in miniature: a custom_vjp whose backward rule
     re-evaluates the tagged vector field per example under a vmap in a jit."""
