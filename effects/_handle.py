@@ -578,7 +578,7 @@ def _check_loop_invariant(traced: _Traced, handlers) -> None:
     backward pass, under the same `pair` number. A handler of the value would
     see one execution where the loop runs many."""
     paired = [
-        (s, s.eqn.params["pair"], _loops(s))
+        (s, s.eqn.params["pair"], _scans(s))
         for s in walk(traced.jaxpr).sites
         if s.eqn.primitive is site_p and s.eqn.params.get("pair") is not None
     ]
@@ -638,11 +638,14 @@ _REDUCED_KEY = (
 )
 
 
-def _loops(located) -> int:
-    return sum(r.eqn.primitive in _LOOPS for r in located.path)
+def _scans(located) -> int:
+    # (JAX hoists out of a `lax.scan` only: a `lax.while_loop` it differentiates
+    # forward only, whole, and a derivative site in one more of those than its
+    # value is a linearized function applied in a loop, as optimistix's Chord
+    # applies a Jacobian it took once)
+    return sum(r.eqn.primitive is _compat.scan_p for r in located.path)
 
 
-_LOOPS = (_compat.scan_p, _compat.while_p)
 _RECOMPUTED_ONLY = (
     "{handler} reports {where}, which under the `jax.grad` inside the handled "
     "function is found only in regions JAX marks as the backward pass's "

@@ -299,7 +299,7 @@ def _run_eqn(eqn, sites, invals, scope: Scope) -> list[Any]:
     rule = rules.get(eqn.primitive)
     if rule is None:
         matched = _matched(scope.handlers, sites)
-        if matched:
+        if matched and not _derivatives_kept(eqn, scope):
             where = Site.probe(*matched[0]).where()
             message = _UNSUPPORTED.format(where=where, prim=_compat.primitive_name(eqn))
             flag = _compat.hijax_flag(eqn)
@@ -309,6 +309,29 @@ def _run_eqn(eqn, sites, invals, scope: Scope) -> list[Any]:
         return _bind(eqn, invals)
     with _compat.eqn_context(eqn):
         return rule(eqn, invals, scope)
+
+
+def _derivatives_kept(eqn, scope: Scope) -> bool:
+    """Whether the sites in `eqn`'s jaxprs are all derivative sites of values
+    that the handlers that see them kept as they were (`Rewrite.kept`, as
+    `_derivative` reads it): there, each is the identity, and `eqn` may be
+    bound as it is, with no rule for its primitive (optimistix's Newton solves
+    its linear systems with a Jacobian of the tagged function)."""
+    handlers, kept = scope.handlers, scope.rewrite.kept
+    for sub in _jaxpr.sub_jaxprs(eqn):
+        for s in walk(sub).sites:
+            site, pair = Site.probe(*s.key), s.eqn.params.get("pair")
+            if site.part == "value":
+                return False
+            for i, matches in enumerate(handlers.matches):
+                if matches(site.of("value")):
+                    if not kept.get((i, pair)):
+                        return False
+                    if handlers.consumes[i]:
+                        break
+                elif matches(site):
+                    return False
+    return True
 
 
 def needs_rewrite(handlers, sites, effects, handling_outside: bool) -> bool:

@@ -149,6 +149,51 @@ def test_grad_of_a_handled_optimistix_solve_equals_the_plain_grad(tagged):
         assert found == {"intermediates": {}}
 
 
+@pytest.mark.parametrize("solver", ["Newton", "Chord"])
+def test_tags_in_an_optimistix_root_find_are_collected(solver):
+    """optimistix's Newton and Chord linearize the tagged function and solve
+    with that Jacobian in lineax's `linear_solve` primitive, which has no rule
+    here: collecting a tag was refused, as if a handler had to act on its
+    tangent there (it need not: `Tag` keeps the value, so its derivative is
+    the identity); Chord, which takes the Jacobian once and applies it in its
+    loop, was refused as a value JAX took out of a loop."""
+    optx = pytest.importorskip("optimistix")
+    solve = getattr(optx, solver)(rtol=1e-6, atol=1e-6)
+    seen = []
+
+    def fn(y, a, tagged):
+        s = jnp.sum(y)
+        if tagged:
+            s = fx.tag(s, "ysum")
+        else:  # the reference: every evaluation, by callback
+            jax.debug.callback(lambda v: seen.append(float(v)), s)
+        return jnp.tanh(y) + a * y - 1.0 + 0 * s
+
+    def root(a, tagged):
+        f = functools.partial(fn, tagged=tagged)
+        return optx.root_find(f, solve, jnp.array([0.0, 0.5]), args=a).value
+
+    a = jnp.array([0.5, 2.0])
+    with no_leak_checks():  # (see the test above)
+        plain = jax.block_until_ready(root(a, False))
+        jax.effects_barrier()
+        tagged = functools.partial(root, tagged=True)
+        out, summed = fx.handle(tagged, fx.Tag(mode="sum"))(a)
+        _, last = jax.jit(fx.handle(tagged, fx.Tag(mode="last")))(a)
+        assert_trees_close(out, plain)
+        assert len(seen) > 2
+        assert_trees_close(
+            summed, {"intermediates": {"ysum": np.float32(sum(seen))}}, rtol=1e-5
+        )
+        assert_trees_close(
+            last, {"intermediates": {"ysum": np.float32(seen[-1])}}, rtol=1e-5
+        )
+        # A handler that changes the value would have to be differentiated
+        # there: refused, by name.
+        with pytest.raises(ValueError, match="tag 'ysum'"):
+            fx.handle(tagged, fx.Intervene({"ysum": lambda v: v + 1.0}))(a)
+
+
 def _backsolve_loss():
     """diffrax's BacksolveAdjoint in miniature: a custom_vjp whose backward rule
     re-evaluates the tagged vector field per example under a vmap in a jit."""
