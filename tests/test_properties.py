@@ -2750,6 +2750,75 @@ def test_cotangents_and_tangents_of_tags_equal_the_reference(program):
     assert_close(found, {"intermediates:tangent": want}, what="tangents")
 
 
+#
+# One name reduced both outside and inside a vmap, in one loop body
+#
+
+# A running maximum, per example, as a user's reduction.
+_MAX = fx.Reduce(jnp.maximum, lambda v: jnp.full_like(v, -jnp.inf))
+
+
+@FUZZ
+@given(
+    loop=st.sampled_from(["unrolled", "scan", "while"]),
+    trips=st.integers(1, 3),
+    executions=st.lists(
+        st.tuples(st.sampled_from(["plain", "vmap", "jit_vmap"]), st.integers(1, 3)),
+        min_size=1,
+        max_size=4,
+    ),
+    mode=st.sampled_from(["sum", "last", "max"]),
+)
+def test_a_name_reduced_outside_and_inside_a_vmap_equals_the_reference(
+    loop, trips, executions, mode
+):
+    """A loop body executes one reduced name unbatched and under a vmap, in any
+    order (optimistix's NelderMead evaluates its objective on one point and,
+    vmapped, on its simplex): per example, as the semantics say, an unbatched
+    execution counting for every example. The generator above shares names
+    only among sites of one shape and context, so it never drew this, and a
+    loop's accumulator once started without the vmap's batch axes."""
+
+    def one(y, c):
+        fx.tag(jnp.sum(y) * c, "obj")
+
+    def body(ys):
+        for kind, c in executions:
+            if kind == "plain":
+                one(ys[0], c)
+            else:
+                vmapped = jax.vmap(functools.partial(one, c=c))
+                (jax.jit(vmapped) if kind == "jit_vmap" else vmapped)(ys)
+        return ys * 0.5 + 0.25
+
+    def f(ys):
+        if loop == "scan":
+            return lax.scan(lambda c, _: (body(c), None), ys, None, length=trips)[0]
+        if loop == "while":
+            step = lambda c: (c[0] + 1, body(c[1]))  # noqa: E731
+            return lax.while_loop(lambda c: c[0] < trips, step, (0, ys))[1]
+        for _ in range(trips):
+            ys = body(ys)
+        return ys
+
+    ys = np.arange(6.0, dtype=np.float32).reshape(3, 2) / 4 - 0.5
+    # By hand, in float64: each example's reduction of the values it sees.
+    folds = {"sum": np.add, "last": lambda a, v: v, "max": np.maximum}
+    acc, zs = None, ys.astype(np.float64)
+    for _ in range(trips):
+        for kind, c in executions:
+            v = np.full(3, zs[0].sum() * c) if kind == "plain" else zs.sum(1) * c
+            acc = v if acc is None else folds[mode](acc, v)
+        zs = zs * 0.5 + 0.25
+    if all(kind == "plain" for kind, _ in executions):
+        acc = acc[0]  # (no vmap: no batch axis)
+    handler = fx.Tag(mode=_MAX if mode == "max" else mode)
+    out, found = jax.jit(fx.handle(f, handler))(ys)
+    np.testing.assert_allclose(out, f(ys), rtol=1e-6)
+    assert set(found) == {"intermediates"} and set(found["intermediates"]) == {"obj"}
+    np.testing.assert_allclose(found["intermediates"]["obj"], acc, rtol=1e-5, atol=1e-6)
+
+
 def test_the_generator_covers_every_construct():
     """A sample of the generator's programs holds every node kind, shared names,
     data and index predicates, every collection, checkpoint policies,
