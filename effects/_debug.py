@@ -574,8 +574,11 @@ def _count(acc, x):  # (executions so far, the first non-finite one or -1)
     return n + 1, jnp.where((first < 0) & ~_finite(jax.tree.leaves(x)), n, first)
 
 
-_COUNTER = Reduce(_count, lambda _: (jnp.int32(0), jnp.int32(-1)))
-_EXECUTIONS = Reduce(lambda n, _: n + 1, lambda _: jnp.int32(0))
+# Of the whole batch under a vmap, not per example: an execution is one
+# whatever the examples, and a name executed under vmaps of different sizes
+# (`lax.map` with a `batch_size` that does not divide its length) is counted.
+_COUNTER = Reduce(_count, lambda _: (jnp.int32(0), jnp.int32(-1)), per_example=False)
+_EXECUTIONS = Reduce(lambda n, _: n + 1, lambda _: jnp.int32(0), per_example=False)
 
 
 class _Check(Handler):

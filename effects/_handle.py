@@ -576,18 +576,21 @@ def _check_loop_invariant(traced: _Traced, handlers) -> None:
     closes over only once, before the loop, and its site with it (it does so
     with `jax.debug.print` too); the site's derivative stays in the loop's
     backward pass, under the same `pair` number. A handler of the value would
-    see one execution where the loop runs many."""
+    see one execution where the loop runs many. (One pair may have several
+    value sites: JAX differentiates a `jax.jit` function once for all its
+    calls, inside a loop and out. It was moved if its derivative sites sit
+    in more scans than any of them.)"""
     paired = [
         (s, s.eqn.params["pair"], _scans(s))
         for s in walk(traced.jaxpr).sites
         if s.eqn.primitive is site_p and s.eqn.params.get("pair") is not None
     ]
-    loops = {}  # pair -> the most loops around one of its derivative sites
+    loops = {}  # (pair, value or not) -> the most scans around one of its sites
     for s, pair, n in paired:
-        if s.key[3] != "value":
-            loops[pair] = max(loops.get(pair, 0), n)
-    for s, pair, n in paired:
-        if s.key[3] != "value" or loops.get(pair, 0) <= n:
+        key = (pair, s.key[3] == "value")
+        loops[key] = max(loops.get(key, 0), n)
+    for s, pair, _ in paired:
+        if s.key[3] != "value" or loops.get((pair, False), 0) <= loops[pair, True]:
             continue
         probe = Site.probe(*s.key)
         for h in handlers:
@@ -804,6 +807,7 @@ def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:
                 rewrite.check_batched()
                 raise
             rewrite.check_batched()
+            rewrite.check_orders(scope)
             leaves, info["tree"] = jax.tree.flatten(_report(scope, handlers))
             return [*outs, *leaves]
 

@@ -132,7 +132,9 @@ mlir.register_lowering(
 
 def _site_jvp(primals, tangents, **params):
     if not handling.value or all(type(t) is ad.Zero for t in tangents):
-        return site_p.bind(*primals, **params), tangents
+        # (a derivative site's outputs are its derivative's leaves, which it
+        # passes on: their tangents are the last half)
+        return site_p.bind(*primals, **params), _derivative_leaves(tangents, params)
     tangents = [ad.instantiate_zeros(t) for t in tangents]
     if part_of(params) == "value":
         # The value's site and its derivatives' share a `pair` number: a

@@ -62,6 +62,14 @@ _AT_BACKWARD = (
     "its value's). Read `at` from a handler of the value, or handle the "
     "function before differentiating it (`jax.grad(fx.handle(f, ...))`)."
 )
+_AT_AMBIGUOUS = (
+    "{where}: a handler reads `at` where a `jax.grad` (or `jax.jvp`) inside "
+    "`fx.handle` differentiates a function called several times (a `jax.jit` "
+    "or `jax.checkpoint` function) once for all its calls, and some calls have "
+    "no derivative there: which call each derivative belongs to is not known. "
+    "Handle the function before differentiating it "
+    "(`jax.grad(lambda *a: fx.handle(f, ...)(*a)[0])`)."
+)
 _INPUT_IN_REPLAY = (
     "{owner} takes one entry per execution, but {where} is in a `jax.checkpoint` "
     "region whose executions the backward pass of a `jax.grad` inside `fx.handle` "
@@ -113,9 +121,12 @@ class Rewrite:
 
     # The plans learnt of the regions met (see `_rules.Region.traced`).
     plans: dict = dataclasses.field(default_factory=dict)
-    # Per (handler index, `Site.pair`): the call number of the value's
-    # execution that a derivative site belongs to.
+    # Per (handler index, `Site.pair`): the call numbers of the value's
+    # executions, in order (see `_counted`), and the derivatives (or
+    # recomputations) of one whose `at` a handler read, by (handler index,
+    # pair, part or "replay"), with their site.
     pairs: dict = dataclasses.field(default_factory=dict)
+    orders: dict = dataclasses.field(default_factory=dict)
     # Per (handler index, `Site.pair`): whether the handler returned the
     # value's leaves unchanged at every trace of it. Its derivative there is
     # then the identity: the derivative sites skip differentiating it.
@@ -131,6 +142,14 @@ class Rewrite:
     # all: then the rewrite is done again, splicing nothing.
     splice: bool = True
     changed: bool = False
+
+    def check_orders(self, scope: Scope) -> None:
+        """Refuses a call number `_counted` found by order where that order
+        does not hold: the value executed more times than its derivatives (or
+        recomputations) of one kind ran, so which is which is not known."""
+        for kind, site in self.orders.items():
+            if scope.count(kind) != len(self.pairs[kind[:2]]):
+                raise ValueError(_AT_AMBIGUOUS.format(where=site.where()))
 
     def check_batched(self) -> None:
         """Raises `Unbatched` for every site found so, at once."""
@@ -607,22 +626,40 @@ def _counted(scope: Scope, index: int, site: Site, key: Key, within: str | None)
     """Counts this execution of `site` for handler `index` (under `key`) and
     gives its `ctx.at`: the execution's call number and the iterations of the
     loops around it. A recomputation, and a handler of the value differentiated
-    at a derivative site (`within`), have the number of the value's execution."""
+    at a derivative site (`within`), have the number of the value's execution.
+
+    That is found by order: JAX differentiates a function once for all its
+    calls (a `jax.jit` or `jax.checkpoint` function called twice), so one
+    `pair` number may be several executions of the value. Their derivatives
+    (and recomputations) come in the same order (tangents), or in reverse (a
+    backward pass): the n-th of them is the value's n-th execution, from the
+    end for a backward pass (see `Rewrite.check_orders`)."""
     backward = "cotangent" in (site.part, within)
     call = scope.count(key)
     replay = scope.replaying and site.part == "value" and within is None
     # (A recomputation has no call number of its own; its key is known to
     # the region all the same: see `_rules.Region`.)
     scope.calls[key] = call + (not replay)
-    if not replay:
-        if within is None and site.pair is not None:
-            scope.rewrite.pairs[index, site.pair] = call
+    pair, order, kind = (index, site.pair), None, None
+    if site.pair is not None and (replay or within is not None):
+        kind = (*pair, "replay" if replay else within)
+        order = scope.count(kind)
+        scope.calls[kind] = order + 1
+    elif site.pair is not None:
+        calls = scope.rewrite.pairs.setdefault(pair, [])
+        if call not in calls:  # (a region traced again executes it again)
+            calls.append(call)
 
     def at():
         number = call
         if replay or within is not None:  # the call of the value's execution
-            pairs = scope.rewrite.pairs
-            number = pairs.get((index, site.pair), None if backward else call)
+            calls = scope.rewrite.pairs.get(pair, ())
+            if order is not None and order < len(calls):
+                reverse = backward or replay
+                number = calls[-1 - order] if reverse else calls[order]
+                scope.rewrite.orders[kind] = site
+            elif backward:
+                number = None
         if replay and number is None:
             raise ValueError(_AT_IN_REPLAY.format(where=site.where()))
         if number is None or (backward and within is None):

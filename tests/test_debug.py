@@ -510,6 +510,25 @@ def test_find_nonfinite_nested_scans_and_other_collections():
         fx.find_nonfinite(lambda x: x, jnp.float32(jnp.nan))
 
 
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("bad", [7, 9])
+def test_find_nonfinite_in_a_lax_map_whose_batches_differ_in_size(bad, backward):
+    # `lax.map(batch_size=3)` over 10 values: a scan of 3 batches of a vmap of 3,
+    # then a vmap of the 1 left over. The name executes under vmaps of two
+    # sizes; its executions are counted whole, not per example (they were, and
+    # `find_nonfinite` failed: "reduced over executions under different vmaps").
+    def f(xs):
+        ys = jax.lax.map(lambda x: fx.tag(jnp.log(x), "h"), xs, batch_size=3)
+        return jnp.sum(ys)
+
+    xs = jnp.arange(1.0, 11.0).at[bad].set(-1.0)
+    # Executions: the scan's 3 iterations (values 0-2, 3-5, 6-8), then the rest.
+    assert fx.find_nonfinite(f, xs, backward=backward) == fx.BadSite(
+        "h", "intermediates", bad // 3, None
+    )
+    assert fx.find_nonfinite(f, jnp.arange(1.0, 11.0), backward=backward) is None
+
+
 def backward_program(x, r):
     h = fx.tag(x * x, "h")
 

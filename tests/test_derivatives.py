@@ -335,6 +335,45 @@ def test_at_in_the_backward_pass_is_the_values(checkpoint):
     assert not np.allclose(want[1], jax.grad(f)(X))
 
 
+_WRAPS = {
+    "jit": jax.jit,
+    "checkpoint": jax.checkpoint,
+    "filter_jit": eqx.filter_jit,
+    "jit_checkpoint": lambda fn: jax.jit(jax.checkpoint(fn)),
+}
+
+
+@pytest.mark.parametrize("called", [0, 1])
+@pytest.mark.parametrize("wrap", list(_WRAPS))
+def test_at_of_a_function_differentiated_once_for_two_calls(wrap, called):
+    # JAX differentiates a `jax.jit` or `jax.checkpoint` function once for all
+    # its calls: the two executions of "h" share one derivative (one `pair`),
+    # and their cotangents (and recomputations) come last call first. A
+    # handler of the value reading `at` at the cotangent gets its own
+    # execution's call (before: the last one's, for both: the gradient was
+    # 3x or sign-flipped).
+    block = _WRAPS[wrap](lambda h: fx.tag(jnp.sin(h) * 1.5, "h"))
+
+    def f(x):
+        return jnp.sum(jnp.cos(block(block(x) + 0.2)) ** 2)
+
+    def by_hand(x):  # with call `called` scaled by 3
+        h0 = jnp.sin(x) * 1.5 * (3.0 if called == 0 else 1.0)
+        h1 = jnp.sin(h0 + 0.2) * 1.5 * (3.0 if called == 1 else 1.0)
+        return jnp.sum(jnp.cos(h1) ** 2)
+
+    scale = fx.Intervene({"h": lambda v, at: jnp.where(at[0] == called, 3 * v, v)})
+    want = jax.value_and_grad(by_hand)(X)
+    assert_trees_close(fx.handle(f, scale)(X)[0], want[0])
+    assert_trees_close(fx.handle(jax.value_and_grad(f), scale)(X)[0], want, rtol=1e-5)
+    outside = jax.value_and_grad(lambda x: fx.handle(f, scale)(x)[0])(X)
+    assert_trees_close(outside, want, rtol=1e-5)
+    # Tangents come in the calls' order.
+    t = jnp.array([1.0, -0.5, 0.25], f32)
+    inside, _ = fx.handle(lambda x: jax.jvp(f, (x,), (t,)), scale)(X)
+    assert_trees_close(inside, jax.jvp(by_hand, (X,), (t,)), rtol=1e-5)
+
+
 def test_at_read_by_a_handler_of_the_cotangent_is_refused():
     class Numbered(fx.Handler):
         def matches(self, site):

@@ -14,6 +14,7 @@ from jax import lax
 
 import effects as fx
 from effects import _compat
+from effects._primitives import handling
 
 PRIMITIVES = [
     pytest.param(fx.tag, "intermediates", id="tag"),
@@ -446,3 +447,29 @@ def test_a_function_traced_outside_handle_is_traced_again_inside():
     grad, found = fx.handle(jax.grad(_custom), fx.Tag())(x)
     assert_trees_close(grad, jax.grad(_custom)(x))
     assert sorted(found["intermediates"]) == ["cj", "cv", "remat"]
+
+
+def test_a_derivative_site_differentiated_outside_handle_passes_its_tangent_on():
+    # A jaxpr traced inside `handle` keeps the tangent sites of a jvp in it
+    # (Equinox's filter primitives keep such jaxprs among their params, and
+    # lineax differentiates them later: optimistix's solves under
+    # `jax.grad(fx.handle(f))`). Outside `handle` a derivative site is the
+    # identity on its derivative: its tangent is that of the derivative's
+    # leaves (all of its inputs' tangents failed JAX's linearize on jax 0.7).
+    def f(x, t):
+        return jax.jvp(lambda x: jnp.sin(fx.tag(x * 2.0, "h")), (x,), (t,))[1]
+
+    x, t = jnp.array([0.3, -1.0]), jnp.array([1.0, 0.5])
+    with handling(True):
+        traced = jax.make_jaxpr(f)(x, t)
+    assert "part=tangent" in str(traced)
+    run = jax.extend.core.jaxpr_as_fun(traced)
+
+    def g(x, t):
+        return run(x, t)[0]
+
+    tangents = (t, x)
+    assert_trees_close(jax.jvp(g, (x, t), tangents), jax.jvp(f, (x, t), tangents))
+    out, linear = jax.linearize(g, x, t)
+    want_out, want_linear = jax.linearize(f, x, t)
+    assert_trees_close((out, linear(*tangents)), (want_out, want_linear(*tangents)))

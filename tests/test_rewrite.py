@@ -1702,6 +1702,36 @@ def test_a_loop_invariant_tag_under_handle_of_grad_is_refused():
     assert_trees_close(found, found_of(inv=(want,)))
 
 
+def test_a_jitted_function_differentiated_in_a_scan_and_out_is_not_loop_invariant():
+    # JAX differentiates a `jax.jit` function once for all its calls, here one
+    # before a scan and one per iteration on the carry: all share one `pair`.
+    # The derivative sites in the scan are not a sign that JAX moved the value
+    # out of it (a value site of the pair is in the scan too): collected, not
+    # refused (jax.experimental.ode.odeint differentiates its vector field so).
+    @jax.jit
+    def g(y):
+        return fx.tag(jnp.sin(y) * 2.0, "g")
+
+    def f(x):
+        _, vjp = jax.vjp(g, x)
+        x = x + vjp(jnp.ones_like(x))[0]
+
+        def body(c, _):
+            y, vjp = jax.vjp(g, c)
+            return c + 0.1 * y + 0.01 * vjp(jnp.ones_like(c))[0], None
+
+        return lax.scan(body, x, None, length=3)[0]
+
+    x = jnp.array([0.3, -1.2])
+    c, total = x + 2 * jnp.cos(x), jnp.sin(x) * 2.0  # by hand
+    for _ in range(3):
+        y = jnp.sin(c) * 2.0
+        c, total = c + 0.1 * y + 0.02 * jnp.cos(c), total + y
+    out, found = fx.handle(f, fx.Tag(mode="sum"))(x)
+    assert_trees_close(out, c, rtol=1e-5)
+    assert_trees_close(found, found_of(g=total), rtol=1e-5)
+
+
 def test_jax_hoists_a_loop_invariant_print_out_of_a_differentiated_scan(capfd):
     # JAX alone: the reason for the gap above (jax 0.7-0.12). The body prints
     # four times; under `jax.grad`, once.
