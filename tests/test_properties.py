@@ -2819,6 +2819,75 @@ def test_a_name_reduced_outside_and_inside_a_vmap_equals_the_reference(
     np.testing.assert_allclose(found["intermediates"]["obj"], acc, rtol=1e-5, atol=1e-6)
 
 
+#
+# A handler reading `at` under a derivative of a function called several times
+#
+
+_WRAPS = {
+    "jit": jax.jit,
+    "checkpoint": jax.checkpoint,
+    "jit_checkpoint": lambda fn: jax.jit(jax.checkpoint(fn)),
+}
+
+
+@FUZZ
+@given(
+    wrap=st.sampled_from(list(_WRAPS)),
+    layout=st.sampled_from(["calls", "scan", "call_then_scan"]),
+    n=st.integers(2, 4),
+    chosen=st.integers(0, 3),
+    transform=st.sampled_from(["grad", "jvp"]),
+)
+def test_at_under_a_derivative_of_a_function_called_several_times(
+    wrap, layout, n, chosen, transform
+):
+    """JAX differentiates a `jax.jit` or `jax.checkpoint` function once for all
+    its calls (and a scan body once for all its iterations): an `Intervene`
+    reading `at` to change one execution of `n` under `handle(T(f))` must
+    equal `T(handle(f))` and the function written with that execution
+    changed. Real code found every cotangent given the last call's number,
+    which the generator above, whose functions are each called once, did not
+    draw."""
+    block = _WRAPS[wrap](lambda h: fx.tag(jnp.sin(h) * 1.5, "h"))
+
+    def f(x):
+        if layout == "calls":
+            for _ in range(n):
+                x = block(x) + 0.2
+        else:
+            if layout == "call_then_scan":
+                x = block(x) + 0.2
+            steps = n - (layout == "call_then_scan")
+            x = lax.scan(lambda c, _: (block(c) + 0.2, None), x, None, length=steps)[0]
+        return jnp.sum(jnp.cos(x) ** 2)
+
+    def ordinal(at):  # the execution `at` names, in program order
+        if layout == "calls":
+            return at[0]
+        if layout == "scan":
+            return at[1]
+        return 0 if len(at) == 1 else 1 + at[1]
+
+    def by_hand(x):
+        for k in range(n):
+            x = jnp.sin(x) * 1.5 * (3.0 if k == chosen else 1.0) + 0.2
+        return jnp.sum(jnp.cos(x) ** 2)
+
+    scale = fx.Intervene(
+        {"h": lambda v, at: jnp.where(ordinal(at) == chosen, 3.0 * v, v)}
+    )
+    x, t = jnp.array([0.3, -0.7, 1.1]), jnp.array([1.0, -0.5, 0.25])
+    if transform == "grad":
+        T = jax.value_and_grad  # noqa: N806
+    else:
+        T = lambda g: lambda x: jax.jvp(g, (x,), (t,))  # noqa: E731, N806
+    want = T(by_hand)(x)
+    inside, _ = fx.handle(T(f), scale)(x)
+    outside = T(lambda x: fx.handle(f, scale)(x)[0])(x)
+    assert_close(inside, want, rtol=2e-5, what=f"handle({transform}(f))")
+    assert_close(outside, want, rtol=2e-5, what=f"{transform}(handle(f))")
+
+
 def test_the_generator_covers_every_construct():
     """A sample of the generator's programs holds every node kind, shared names,
     data and index predicates, every collection, checkpoint policies,
