@@ -2224,6 +2224,10 @@ def test_a_user_handler_keeps_the_vmap_and_gradient_laws(program):
     clip = Clip()
     inside, inside_error = _outcome(jax.jit(jax.vmap(fx.handle(f, clip))), xs)
     outside, outside_error = _outcome(fx.handle(jax.vmap(f), clip), xs)
+    if inside_error is not None and jax_vma_refusal(inside_error, program):
+        # (JAX alone: `jax.vmap(f)` fails there too, whatever handles it)
+        event("JAX refuses a vmap of a cond in a shard_map")
+        return
     if inside_error is not None:
         assert "custom derivative" in str(inside_error), inside_error
         assert outside_error is not None
