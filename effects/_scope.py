@@ -647,7 +647,7 @@ def _counted(scope: Scope, index: int, site: Site, key: Key, within: str | None)
         scope.calls[kind] = order + 1
     elif site.pair is not None:
         calls = scope.rewrite.pairs.setdefault(pair, [])
-        if call not in calls:  # (a region traced again executes it again)
+        if not calls or call > calls[-1]:  # (a region traced again: known)
             calls.append(call)
 
     def at():
