@@ -709,6 +709,11 @@ class NameInfo:
     # backward pass's recomputation, and with no tag of ours in it to tell
     # them apart, both are taken for the latter.
     unseen_under_grad: bool = dataclasses.field(default=False, compare=False)
+    # A site in a `Discard` body, in a cond in a `jax.checkpoint`: JAX's partial
+    # evaluation of the checkpoint leaves the unused cond out, and the tag's
+    # cotangent site with it (a known gap: docs/sharp-bits.md, and the strict
+    # xfail in test_derivatives.py).
+    no_cotangent: bool = dataclasses.field(default=False, compare=False)
 
     @property
     def in_scan(self):
@@ -770,8 +775,9 @@ def analyse(program: Program) -> dict[str, NameInfo]:
             old.dead = old.dead or dead
             old.invariant = old.invariant or invariant
             old.unseen_under_grad |= _unseen(path)
+            old.no_cotangent |= dead and _cond_in_checkpoint(path)
             return
-        if isinstance(node, (Checkpoint, Scan)):
+        if isinstance(node, (Checkpoint, Scan, Cond)):
             path.append(node)
             try:
                 _walk_children(node, shape, context, custom, looped, dead)
@@ -817,6 +823,12 @@ def _unseen(path) -> bool:
     return any(isinstance(n, Scan) for n in around) and any(
         isinstance(n, Checkpoint) for n in around
     )
+
+
+def _cond_in_checkpoint(path) -> bool:
+    """Whether these checkpoints, scans and conds hold a cond in a checkpoint."""
+    inner = [i for i, node in enumerate(path) if isinstance(node, Checkpoint)]
+    return bool(inner) and any(isinstance(n, Cond) for n in path[inner[0] :])
 
 
 def _has_tag(node) -> bool:
@@ -2711,13 +2723,18 @@ def test_cotangents_and_tangents_of_tags_equal_the_reference(program):
     `fx.intermediate_grads(kind="tag")` have them; `Tag(of="tangent")` under
     `handle(jvp of f)`: the jvp of the tagged values, by the reference. Not the
     tags under a custom derivative, where JAX runs the rule (no derivative
-    site), nor narrow tags (discarded; a bool or an int has no derivative).
+    site), nor narrow tags (discarded; a bool or an int has no derivative),
+    nor an unused tag in a cond in a checkpoint (`NameInfo.no_cotangent`).
     Loop-invariant tags (`hoisted`) included: their cotangents are per
     iteration."""
     expected = reference(program)
     infos = expected.infos
     names = names_where(
-        infos, collection="intermediates", custom=False, dtype="float32"
+        infos,
+        collection="intermediates",
+        custom=False,
+        dtype="float32",
+        no_cotangent=False,
     )
     f, x = program.function(), program.x()
     loss = scalar_loss(f, program.shape)
