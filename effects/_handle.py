@@ -271,10 +271,8 @@ def _cache_for(fn) -> _Cache | None:
         return cache
     else:
         return None
-    try:
-        # (`hash` first: an empty table's `get` would not hash `key`)
-        hash(key)
-    except TypeError:  # unhashable after all (a field holding a list)
+    # (hashed first: an empty table's `get` would not hash `key`)
+    if _hashable(key) is None:  # unhashable after all (a field holding a list)
         return None
     cache = table.get(key)
     if cache is None:
