@@ -34,10 +34,10 @@ _CLOSED_OVER = (
     "itself, `fx.handle(model, ...)(x)`; around `handle`, use `nnx.grad` and "
     "`nnx.jit`, which carry the state too."
 )
-_NEW_VARIABLES = (
-    "handle: the handled function added or removed NNX Variables of a module "
-    "among its arguments; `handle` carries updates of the Variables a module "
-    "has. Create them before handling (for example with a first plain call)."
+_REMOVED_VARIABLES = (
+    "handle: the handled function removed NNX Variables from a module among "
+    "its arguments; `handle` carries the Variables a module has, and those it "
+    "adds (`sow`), out of the call. Remove them outside the handled function."
 )
 
 
@@ -94,11 +94,14 @@ def functional(fn, args, kwargs) -> tuple[Callable, tuple, Callable] | None:
         # Only the Variables the call wrote: writing an unchanged one would be
         # refused where Flax refuses any write (a module made outside an
         # enclosing `jax.grad`), though the plain call writes nothing there.
-        written, values = updates
+        # Then those it added (`sow`), as `nnx.jit` adds them.
+        written, values, added = updates
         for variable, value in zip(
             (v for v, w in zip(variables, written) if w), values
         ):
             _set(variable, value)
+        if added is not None:
+            nnx.update(nodes, added)
 
     return _pure, (graphdef, state, treedef, rest), finish
 
@@ -114,15 +117,24 @@ def _pure(graphdef, state, treedef, rest) -> tuple[Any, Any]:
     variables = _variables(nnx, nnx.state(nodes))  # pyright: ignore[reportOptionalMemberAccess]
     before = [_get(v) for v in variables]
     out = fn(*args, **kwargs)
-    if len(_variables(nnx, nnx.state(nodes))) != len(variables):  # pyright: ignore[reportOptionalMemberAccess]
-        raise ValueError(_NEW_VARIABLES)
+    now = set(map(id, _variables(nnx, nnx.state(nodes))))  # pyright: ignore[reportOptionalMemberAccess]
+    if not now >= set(map(id, variables)):
+        raise ValueError(_REMOVED_VARIABLES)
+    added = None
+    if len(now) > len(variables):
+        had = set(map(id, variables))
+        added = nnx.state(nodes, lambda _, v: id(v) not in had)  # pyright: ignore[reportOptionalMemberAccess]
     after = [_get(v) for v in variables]
-    # A Variable the call did not write still holds the very value it got.
-    written = tuple(
-        not all(map(operator.is_, jax.tree.leaves(a), jax.tree.leaves(b)))
-        for a, b in zip(before, after)
-    )
-    return out, (written, [a for a, w in zip(after, written) if w])
+    # A Variable the call did not write still holds the very value it got
+    # (a write may change its structure: a `sow` appends to a tuple).
+    written = tuple(map(_written, before, after))
+    return out, (written, [a for a, w in zip(after, written) if w], added)
+
+
+def _written(before, after) -> bool:
+    leaves, tree = jax.tree.flatten(after)
+    old, old_tree = jax.tree.flatten(before)
+    return tree != old_tree or not all(map(operator.is_, leaves, old))
 
 
 def _variables(nnx, state) -> list:

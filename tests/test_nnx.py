@@ -295,3 +295,36 @@ def test_intervene_inside_nnx_grad_carries_state_and_gradients():
             jax.tree.map(_comparable, got), jax.tree.map(_comparable, want), atol=1e-4
         )
         assert_same_state(handled, reference)
+
+
+class Sowing(nnx.Module):
+    """Keeps what it saw: `sow` (which adds a Variable at the first call, and
+    appends to its tuple after) and a tuple Variable that grows."""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(3, 3, rngs=rngs)
+        self.seen = nnx.Variable(())
+
+    def __call__(self, x):
+        h = fx.tag(self.lin(x), "h")
+        self.sow(nnx.Intermediate, "features", h * 2)
+        self.seen.value = (*self.seen.value, h)
+        return h
+
+
+@pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)' outside")
+@pytest.mark.filterwarnings("ignore:'.value' .* is now deprecated")
+@pytest.mark.parametrize("label", HANDLED_CALLS)
+def test_variables_a_call_adds_or_grows_reach_the_callers_module(label):
+    # (`../shared/repros`-style: a tuple that grew counted as unwritten, and a
+    # Variable `sow` adds at the first call was refused)
+    call = HANDLED_CALLS[label]
+    plain, handled = Sowing(nnx.Rngs(0)), Sowing(nnx.Rngs(0))
+    want = twice(fwd, plain)
+    (out1, found1), (out2, found2) = twice(call, handled)
+    assert_trees_close((out1, out2), want)
+    assert len(plain.features.value) == len(plain.seen.value) == 2
+    assert_same_state(handled, plain)
+    assert_trees_close(
+        (found1, found2), tuple({"intermediates": {"h": (h,)}} for h in want)
+    )
