@@ -127,6 +127,11 @@ class Rewrite:
     # pair, part or "replay"), with their site.
     pairs: dict = dataclasses.field(default_factory=dict)
     orders: dict = dataclasses.field(default_factory=dict)
+    # Per (kind, its n-th execution): the value's call it belongs to; per
+    # backward kind, how many of the value's calls it has seen, then those
+    # of them it has not taken (see `_counted`).
+    matched: dict = dataclasses.field(default_factory=dict)
+    untaken: dict = dataclasses.field(default_factory=dict)
     # Per (handler index, `Site.pair`): whether the handler returned the
     # value's leaves unchanged at every trace of it. Its derivative there is
     # then the identity: the derivative sites skip differentiating it.
@@ -148,7 +153,8 @@ class Rewrite:
         does not hold: the value executed more times than its derivatives (or
         recomputations) of one kind ran, so which is which is not known."""
         for kind, site in self.orders.items():
-            if scope.count(kind) != len(self.pairs[kind[:2]]):
+            calls = len(self.pairs[kind[:2]])
+            if calls > 1 and scope.count(kind) != calls:
                 raise ValueError(_AT_AMBIGUOUS.format(where=site.where()))
 
     def check_batched(self) -> None:
@@ -630,38 +636,52 @@ def _counted(scope: Scope, index: int, site: Site, key: Key, within: str | None)
 
     That is found by order: JAX differentiates a function once for all its
     calls (a `jax.jit` or `jax.checkpoint` function called twice), so one
-    `pair` number may be several executions of the value. Their derivatives
-    (and recomputations) come in the same order (tangents), or in reverse (a
-    backward pass): the n-th of them is the value's n-th execution, from the
-    end for a backward pass (see `Rewrite.check_orders`)."""
+    `pair` number may be several executions of the value. Their tangents come
+    in the same order, the n-th the value's n-th execution; a backward pass
+    (cotangents, recomputations) runs them last first, each the latest
+    execution before it that no other of its kind took, as several backward
+    passes (two `jax.grad`s) each take their own (see `Rewrite.check_orders`)."""
     backward = "cotangent" in (site.part, within)
     call = scope.count(key)
     replay = scope.replaying and site.part == "value" and within is None
     # (A recomputation has no call number of its own; its key is known to
     # the region all the same: see `_rules.Region`.)
     scope.calls[key] = call + (not replay)
-    pair, order, kind = (index, site.pair), None, None
+    pair, number, kind = (index, site.pair), call, None
+    rewrite = scope.rewrite
     if site.pair is not None and (replay or within is not None):
         kind = (*pair, "replay" if replay else within)
         order = scope.count(kind)
         scope.calls[kind] = order + 1
+        # (a region traced again finds what its first trace matched)
+        number = rewrite.matched.get((kind, order))
+        if number is None:
+            calls = rewrite.pairs.get(pair, [])
+            if backward or replay:
+                # (the executions since the last of this kind join those no
+                # execution of this kind took: the latest is this one's)
+                stack = rewrite.untaken.setdefault(kind, [0])
+                stack[1:] += calls[stack[0] :]
+                stack[0] = len(calls)
+                number = stack.pop() if len(stack) > 1 else None
+                if number is None and len(calls) == 1:  # (a vjp pulled twice)
+                    number = calls[0]
+            else:
+                number = calls[order] if order < len(calls) else None
+            if number is not None:
+                rewrite.matched[kind, order] = number
     elif site.pair is not None:
-        calls = scope.rewrite.pairs.setdefault(pair, [])
+        calls = rewrite.pairs.setdefault(pair, [])
         if not calls or call > calls[-1]:  # (a region traced again: known)
             calls.append(call)
 
     def at():
-        number = call
-        if replay or within is not None:  # the call of the value's execution
-            calls = scope.rewrite.pairs.get(pair, ())
-            if order is not None and order < len(calls):
-                reverse = backward or replay
-                number = calls[-1 - order] if reverse else calls[order]
-                scope.rewrite.orders[kind] = site
-            elif backward:
-                number = None
+        if kind is not None and number is not None:
+            rewrite.orders[kind] = site
         if replay and number is None:
             raise ValueError(_AT_IN_REPLAY.format(where=site.where()))
+        if number is None and within is not None:
+            raise ValueError(_AT_AMBIGUOUS.format(where=site.where()))
         if number is None or (backward and within is None):
             raise ValueError(_AT_BACKWARD.format(where=site.where()))
         scope.wants_index = True

@@ -374,6 +374,42 @@ def test_at_of_a_function_differentiated_once_for_two_calls(wrap, called):
     assert_trees_close(inside, jax.jvp(by_hand, (X,), (t,)), rtol=1e-5)
 
 
+@pytest.mark.parametrize("pattern", ["two_grads", "grad_plain_grad", "one_vjp_twice"])
+@pytest.mark.parametrize("wrap", ["plain", "jit", "checkpoint"])
+def test_at_of_a_function_in_several_backward_passes(wrap, pattern):
+    # Each `jax.grad` (or pull of a vjp) is a backward pass of its own: a
+    # cotangent belongs to the latest execution of the value before it that
+    # no other took (before: a jitted function differentiated twice got the
+    # first call's `at` in the second pass, a wrong gradient without a word,
+    # and a vjp pulled twice was refused as if a handler of the cotangent
+    # read `at`).
+    block = {"plain": lambda f: f, "jit": jax.jit, "checkpoint": jax.checkpoint}[wrap](
+        lambda x: jnp.sum(fx.tag(jnp.sin(x), "h") * 3 * x)
+    )
+
+    def program(block):
+        if pattern == "two_grads":
+            return lambda x: (jax.grad(block)(x), jax.grad(block)(3 * x))
+        if pattern == "grad_plain_grad":
+            return lambda x: (jax.grad(block)(x), block(x) + jax.grad(block)(2 * x))
+
+        def pulled_twice(x):
+            _, pull = jax.vjp(block, x)
+            return pull(1.0)[0], pull(-2.0)[0]
+
+        return pulled_twice
+
+    scale = fx.Intervene({"h": lambda v, at: v * (at[0] + 2.0)})
+    got = fx.handle(program(block), scale)(X)[0]
+    # By hand: each value's own call number scales it, in value and derivative.
+    calls = iter(range(3))
+
+    def by_hand(x):
+        return jnp.sum(jnp.sin(x) * (next(calls) + 2.0) * 3 * x)
+
+    assert_trees_close(got, program(by_hand)(X), rtol=1e-5)
+
+
 def test_at_read_by_a_handler_of_the_cotangent_is_refused():
     class Numbered(fx.Handler):
         def matches(self, site):
