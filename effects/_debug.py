@@ -733,12 +733,17 @@ def find_nonfinite(
     """
     # The sites and the compiled check, cached per function, argument signature
     # and `backward`: checking every batch of a data loader compiles once.
-    make = functools.partial(_nonfinite_check, backward)
-    what = ("find_nonfinite", backward)
-    (listed, keys, check), dynamic = eager_cached(what, fn, args, kwargs, make)
-    err, found = check(dynamic)
-    message = err.get()
-    if message is None or _CODE not in message:
+    for own_checks in (False, True):
+        make = functools.partial(_nonfinite_check, backward, own_checks)
+        what = ("find_nonfinite", backward, own_checks)
+        (listed, keys, check), dynamic = eager_cached(what, fn, args, kwargs, make)
+        err, found = check(dynamic)
+        message = err.get()
+        if message is None or _CODE in message:
+            break
+        # The function's own `checkify.check` failed, and checkify reports one
+        # failed check: checked again with the function's own checks dropped.
+    if message is None:
         return None
     code, *n = message.split(_CODE)[1].split()[0].split(":")
     collection, name = keys[int(code)]
@@ -761,15 +766,19 @@ _NO_TAG = (
 )
 
 
-def _nonfinite_check(backward: bool, call, dynamic):
+def _nonfinite_check(backward: bool, drop_own_checks: bool, call, dynamic):
     """`(listed, keys, check)` for `find_nonfinite`: the sites of
     `call(dynamic)`, the checked `(collection, name)`s (a message's code is an
     index into them), and `check(dynamic) -> (checkify error, found)`, jitted,
     `found` the counters' (each name's first non-finite execution), with
-    `backward` the backward pass's checks after the forward pass's."""
+    `backward` the backward pass's checks after the forward pass's; with
+    `drop_own_checks`, the function's own `checkify.check`s dropped."""
     # Imported here: on jax 0.7-0.9 importing it registers checkify's rules in
     # JAX's tables, which `import effects` alone must not do.
     from jax.experimental import checkify
+
+    if drop_own_checks:
+        call = _without_checks(checkify, call)
 
     listed = sites(call)(dynamic)
     keys = tuple((c, n) for c, names in listed.items() for n in names)
@@ -808,6 +817,11 @@ def _nonfinite_check(backward: bool, call, dynamic):
         return found
 
     return listed, keys, jax.jit(checkify.checkify(check, errors=checkify.user_checks))
+
+
+def _without_checks(checkify, call):
+    own = checkify.checkify(call, errors=checkify.user_checks)
+    return lambda dynamic: own(dynamic)[1]
 
 
 def _bad_site(infos, collection, name, k: int, backward: bool) -> BadSite:

@@ -576,6 +576,23 @@ def backward_reference(x, r):
     return tuple(bad[0]) if bad else None
 
 
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("fails", [False, True])
+def test_find_nonfinite_in_a_function_with_checks_of_its_own(fails, backward):
+    # checkify reports one failed check: the function's own, failing too, hid
+    # the non-finite tag before it (find_nonfinite said there was none).
+    from jax.experimental import checkify
+
+    def f(x):
+        h = fx.tag(jnp.log(x), "h")  # log(0) = -inf
+        checkify.check(jnp.all(x > 0) | (not fails), "x > 0, got {}", x.min())
+        return jnp.sum(fx.tag(h * 2, "y"))
+
+    bad = fx.find_nonfinite(f, jnp.array([1.0, 0.0, 2.0]), backward=backward)
+    assert bad is not None and (bad.name, bad.call, bad.backward) == ("h", 0, False)
+    assert fx.find_nonfinite(f, jnp.array([1.0, 3.0, 2.0]), backward=backward) is None
+
+
 @pytest.mark.parametrize(
     "x, r",
     [
