@@ -15,6 +15,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 
 import equinox as eqx
 import jax
+import numpy as np
 
 from . import _branches, _compat, _jaxpr
 from ._handlers import (
@@ -1318,7 +1319,9 @@ def intermediate_grads(
 
     `g(*args, **kwargs) -> (fn(*args, **kwargs), grads)`, with `grads` a dict
     from site name to a tuple with one gradient per execution (stacked over
-    scan iterations), the layout `Perturb()` reports. Flax NNX modules among
+    scan iterations), the layout `Perturb()` reports; a value with no
+    gradient (integers, booleans, PRNG keys) has a `float0` zero, as
+    `jax.grad(..., allow_int=True)` gives. Flax NNX modules among
     the arguments have their state updated, as [`handle`][effects.handle]
     does.
 
@@ -1328,7 +1331,8 @@ def intermediate_grads(
       site of that kind in the collection (that `names` matches); a name in
       `names` without glob characters that no site has; or what
       [`handle`][effects.handle] raises for `Perturb` (a site inside a
-      `lax.while_loop` or inside a `custom_jvp`/`custom_vjp` function).
+      `lax.while_loop` or inside a `custom_jvp`/`custom_vjp` function); a
+      site whose value holds both a PRNG key and floating values.
     - `TypeError`: `fn` does not return a scalar (raised by `jax.grad`).
 
     **Example:**
@@ -1382,10 +1386,21 @@ def _grads(call, probe: Perturb, nnx: bool, dynamic):
     `Perturb()`) matches: with `nnx`, `call` returns `(value, state)`, and so
     does this, as `((value, state), grads)`."""
     _, shapes = jax.eval_shape(handle(call, probe), dynamic)
-    if not shapes[probe.collection]:
+    sites = shapes[probe.collection]
+    if not sites:
         raise ValueError(_NO_SITES[probe.kind].format(collection=probe.collection))
-    zeros = jax.tree.map(
-        lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes[probe.collection]
+    # A value with no gradient (integers, booleans, PRNG keys) has the float0
+    # zero `jax.grad(..., allow_int=True)` gives; a key takes no delta.
+    kinds = {
+        n: {_gradient_kind(a) for a in jax.tree.leaves(v)} for n, v in sites.items()
+    }
+    for name, have in kinds.items():
+        if have >= {"key", "inexact"}:
+            raise ValueError(_KEY_AND_FLOATS.format(name=name, kind=probe.kind))
+    zeros = Found(
+        (n, jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), v))
+        for n, v in sites.items()
+        if "inexact" in kinds[n]
     )
 
     def loss(deltas):
@@ -1393,4 +1408,22 @@ def _grads(call, probe: Perturb, nnx: bool, dynamic):
         out, _ = handle(call, perturb)(dynamic)
         return out  # with NNX objects: (value, their state)
 
-    return jax.value_and_grad(loss, has_aux=nnx)(zeros)
+    out, grads = jax.value_and_grad(loss, has_aux=nnx, allow_int=True)(zeros)
+    none = {n: jax.tree.map(_float0, v) for n, v in sites.items() if n not in zeros}
+    return out, Found((n, grads[n] if n in grads else none[n]) for n in sites)
+
+
+def _gradient_kind(aval) -> str:
+    if jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact):
+        return "inexact"
+    return "key" if _compat.is_key(aval) else "other"
+
+
+def _float0(aval):
+    return np.zeros(aval.shape, jax.dtypes.float0)
+
+
+_KEY_AND_FLOATS = (
+    "intermediate_grads: the {kind} {name!r} holds a PRNG key and floating "
+    "values; a key takes no delta. Give the key a name of its own."
+)

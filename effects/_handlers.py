@@ -1009,7 +1009,15 @@ class Perturb(Handler):
         if self.deltas is None:
             ctx.emit(jax.tree.map(jnp.zeros_like, value))
             return value
+        if any(map(_compat.is_key, jax.tree.leaves(value))):
+            raise ValueError(_KEY_DELTA.format(where=site.where()))
         return jax.tree.map(jnp.add, value, ctx.next_input())
+
+
+_KEY_DELTA = (
+    "Perturb: {where} holds a PRNG key, which takes no delta. Leave the name "
+    "out of the deltas."
+)
 
 
 class Substitute(Handler):

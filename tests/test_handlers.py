@@ -552,6 +552,38 @@ def test_intermediate_grads_and_perturb_at_tags():
         )(X)
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_intermediate_grads_of_values_with_no_gradient(jit):
+    # Integers, booleans and PRNG keys among the tags have the float0 zero
+    # `jax.grad(..., allow_int=True)` gives (before: JAX's "grad requires
+    # real- or complex-valued inputs", naming no tag).
+    def loss(x):
+        h = fx.tag(jnp.sin(x), "h")
+        n = fx.tag(jnp.int32(3), "n")
+        fx.tag(x > 0.2, "b")
+        fx.tag(jax.random.key(0), "k")
+        m = fx.tag((h * 2, n), "mixed")  # a float and an integer leaf
+        return jnp.sum(h * m[1]) + jnp.sum(m[0] ** 2)
+
+    g = fx.intermediate_grads(loss, kind="tag")
+    value, grads = (jax.jit(g) if jit else g)(X)
+    assert_trees_close(value, loss(X))
+    assert list(grads) == ["h", "n", "b", "k", "mixed"]
+    assert_trees_close(grads["h"], (3.0 + 8 * jnp.sin(X),), rtol=1e-5)
+    assert_trees_close(grads["mixed"][0][0], 2 * (2 * jnp.sin(X)))
+    float0 = [grads["n"][0], grads["b"][0], grads["k"][0], grads["mixed"][0][1]]
+    assert [(np.shape(z), z.dtype) for z in float0] == [
+        ((), jax.dtypes.float0),
+        (X.shape, jax.dtypes.float0),
+        ((), jax.dtypes.float0),
+        ((), jax.dtypes.float0),
+    ]
+    with pytest.raises(ValueError, match="tag 'both' holds a PRNG key and float"):
+        fx.intermediate_grads(
+            lambda x: jnp.sum(fx.tag((x, jax.random.key(0)), "both")[0]), kind="tag"
+        )(X)
+
+
 def test_intermediate_grads_eager_repeated_site():
     def loss(x):
         a = fx.perturb(jnp.sin(x), "a")
@@ -1734,3 +1766,12 @@ def test_two_reports_of_one_site_in_one_handle_are_an_error_that_says_to_nest():
 def test_a_handler_names_itself_when_its_selection_is_refused(make, owner):
     with pytest.raises(TypeError, match=f"^{owner}: "):
         make()
+
+
+def test_a_delta_at_a_prng_key_is_refused_by_name():
+    def f(x):
+        return jax.random.normal(fx.tag(jax.random.key(0), "k")) + x
+
+    zero_key = jnp.zeros((), jax.random.key(0).dtype)
+    with pytest.raises(ValueError, match="tag 'k'.*holds a PRNG key"):
+        fx.handle(f, fx.Perturb({"k": (zero_key,)}, kind="tag"))(X)
