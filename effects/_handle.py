@@ -50,6 +50,14 @@ _NO_DERIVATIVE = (
     "`custom_jvp`/`custom_vjp` function has none (its rule gives the derivative): "
     "move the tag out of it."
 )
+_NOT_REACHED = (
+    " The `jax.{transform}` inside the handled function differentiates other "
+    "tags, not this one: where its value does not depend on what is "
+    "differentiated (a constant), JAX computes no {part} for it, nor inside "
+    "a `custom_jvp`/`custom_vjp` function (its rule gives the derivative). "
+    "For the gradient with respect to it, use "
+    "`fx.intermediate_grads(f, kind='tag')`."
+)
 _NOT_DIFFERENTIATED = (
     "{handler}(of={part!r}) matches the {kind} {names}, but the handled "
     "function differentiates none of them: a {part} exists where a "
@@ -525,7 +533,13 @@ def _unknown_name(h, name: str | tuple[str, ...], probes, consumer) -> str:
     )
     if part != "value":
         transform = "grad" if part == "cotangent" else "jvp"
-        message += _NO_DERIVATIVE.format(part=part, transform=transform)
+        has_value = any(
+            p.part == "value" and p.kind == kind and _named(p, name) for p in probes
+        )
+        if has_value and any(p.part == part for p in probes):
+            message += _NOT_REACHED.format(part=part, transform=transform)
+        else:
+            message += _NO_DERIVATIVE.format(part=part, transform=transform)
     return message
 
 

@@ -437,8 +437,23 @@ def test_sites_lists_the_parts():
 
 
 def test_a_name_with_no_cotangent_is_an_error():
-    with pytest.raises(ValueError, match="'h'"):
+    with pytest.raises(ValueError, match="'h'.*handle `jax.grad\\(f\\)`, not `f`"):
         fx.handle(loss, fx.Tag(of="cotangent", names="h"))(X)
+
+
+def test_a_constant_tag_has_no_cotangent_and_the_error_says_why():
+    # JAX computes no cotangent for a value that does not depend on what it
+    # differentiates; the error said to handle `jax.grad(f)`, which was done.
+    def f(x):
+        c = fx.tag(jnp.arange(3.0) * 2, "c")
+        return jnp.sum(fx.tag(jnp.sin(x), "h") * c)
+
+    _, found = fx.handle(jax.grad(f), fx.Tag(of="cotangent"))(X)
+    assert list(found["intermediates:cotangent"]) == ["h"]
+    with pytest.raises(ValueError, match="'c'.*differentiates other tags.*a const"):
+        fx.handle(jax.grad(f), fx.Tag(of="cotangent", names="c"))(X)
+    _, grads = fx.intermediate_grads(f, kind="tag")(X)
+    assert_trees_close(grads["c"], (jnp.sin(X),))
 
 
 #
