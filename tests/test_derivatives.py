@@ -1117,3 +1117,19 @@ def test_a_while_loop_alone_in_a_checkpoint_in_a_scan_in_another_is_refused():
             ValueError, match=f"'{name}'.*recomputation of a `jax.checkpoint`"
         ):
             fx.handle(jax.grad(loss), fx.Tag(collection, mode="sum"))(x)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="cotangents of several backward passes are listed last pass first "
+    "(sharp-bits.md, Known gaps)",
+)
+def test_the_cotangents_of_two_backward_passes_are_listed_in_order():
+    def f(x):
+        return jnp.sum(fx.tag(jnp.sin(x), "h") * 3 * x)
+
+    def two(x):
+        return jax.grad(f)(x), jax.grad(f)(2 * x)
+
+    _, found = fx.handle(two, fx.Tag(of="cotangent"))(X)
+    assert_trees_close(found["intermediates:cotangent"]["h"], (3 * X, 6 * X))
