@@ -685,7 +685,9 @@ class Context:
         *iterations)`: the index of its entry among the name's executions (in
         `found[collection][name]` under `Tag()`), then its iteration of each
         `lax.scan`, `lax.while_loop` or `fori_loop` around the site in the
-        handled function, outermost first: where `Tag()` reports its value.
+        handled function, outermost first: where `Tag()` reports its value
+        (in a `lax.scan` with `reverse=True`, the iteration's position, as
+        its stacked entries are, not how many ran before it).
         The iterations are traced values; a loop counts them only for a
         handler that reads `at`, so the program is unchanged otherwise. The
         same for every example of a `jax.vmap` (see `batch_index`)."""

@@ -1775,3 +1775,28 @@ def test_a_delta_at_a_prng_key_is_refused_by_name():
     zero_key = jnp.zeros((), jax.random.key(0).dtype)
     with pytest.raises(ValueError, match="tag 'k'.*holds a PRNG key"):
         fx.handle(f, fx.Perturb({"k": (zero_key,)}, kind="tag"))(X)
+
+
+def test_at_in_a_reversed_scan_is_the_iterations_position():
+    # As its stacked entries are: position i, though it runs (n - 1 - i)-th.
+    xs = jnp.arange(1.0, 5.0)
+
+    def f(xs):
+        def body(c, x):
+            h = fx.tag(x * 2, "h")
+            return c * 0.5 + h, h
+
+        return lax.scan(body, 0.0, xs, reverse=True)
+
+    def by_hand(xs):
+        def body(c, ix):
+            i, x = ix
+            h = x * 2 * i
+            return c * 0.5 + h, h
+
+        return lax.scan(body, 0.0, (jnp.arange(4.0), xs), reverse=True)
+
+    scale = fx.Intervene({"h": lambda v, at: v * at[1]})
+    assert_trees_close(fx.handle(f, scale)(xs)[0], by_hand(xs))
+    _, found = fx.handle(f, fx.Tag())(xs)
+    assert_trees_close(found["intermediates"]["h"], (xs * 2,))
