@@ -363,7 +363,11 @@ def summary(
     shards (exactly: the statistics of the whole value, as for `Tag`) and says
     over how many examples in its `examples` column, or, with
     `per_example=True`, shows one row per example and shard, its position in
-    `index` (batch axes first, then shards, then scans).
+    `index` (batch axes first, then shards, then scans). Leading axes that a
+    transformation outside `handle` stacked (a `jax.vmap` of the handled
+    function, a `lax.scan` over training steps) count as more examples; for
+    one step's table, index it out first
+    (`fx.summary(jax.tree.map(lambda a: a[i], found))`).
 
     **Arguments:**
 
