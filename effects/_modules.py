@@ -67,7 +67,8 @@ def tag_modules(
     [`fx.find_nonfinite`][effects.find_nonfinite], patch with
     [`fx.Substitute`][effects.Substitute], differentiate with
     [`fx.intermediate_grads(..., kind="tag")`][effects.intermediate_grads].
-    Only the array leaves of an output are tagged; an output without arrays is
+    Only the array leaves of an output are tagged, not those of a module in
+    it (`eqx.nn.Shared` returns its tied modules); an output without them is
     left alone.
 
     Only submodules are tagged: a function applied between them is not.
@@ -151,11 +152,17 @@ def _selector(filter) -> Callable[[str, Any], bool]:
 
 
 def _tag_arrays(out, name: str, collection: str):
-    """Tags the arrays of `out` (a pytree of any leaves) as `name`."""
-    arrays, rest = eqx.partition(out, eqx.is_array)
+    """Tags the arrays of `out` (a pytree of any leaves) as `name`: not those
+    of a module in it, parameters rather than a computed value
+    (`eqx.nn.Shared` gives its tied modules back)."""
+    arrays, rest = eqx.partition(out, eqx.is_array, is_leaf=_is_module)
     if not jax.tree.leaves(arrays):
         return out
     return eqx.combine(tag(arrays, name, collection=collection), rest)
+
+
+def _is_module(x) -> bool:
+    return isinstance(x, eqx.Module)
 
 
 def _site_name(path: str, method: str) -> str:

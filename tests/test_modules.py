@@ -196,6 +196,34 @@ def test_equinox_sequential_with_batch_norm_keeps_isinstance():
     assert_trees_close(bn_out[0], want[0])
 
 
+def test_equinox_shared_layers_report_outputs_not_the_tied_modules():
+    # `eqx.nn.Shared` gives its tied modules back when called: parameters,
+    # not a computed value (they were reported as the tag "shared").
+    class Tied(eqx.Module):
+        shared: eqx.nn.Shared
+
+        def __init__(self, key):
+            a, b = jax.random.split(key)
+            embed = eqx.nn.Linear(3, 4, key=a)
+            head = eqx.nn.Linear(4, 3, key=b)
+            self.shared = eqx.nn.Shared(
+                (embed, head), lambda p: p[1].weight, lambda p: p[0].weight.T
+            )
+
+        def __call__(self, x):
+            embed, head = self.shared()
+            return head(jnp.tanh(embed(x)))
+
+    model = Tied(jax.random.key(0))
+    x = jnp.linspace(-1.0, 1.0, 3)
+    out, found = fx.handle(fx.tag_modules(model), fx.Tag())(x)
+    assert_trees_close(out, model(x))
+    names = found["intermediates"]
+    assert list(names) == ["shared.pytree.0", "shared.pytree.1"]
+    embed, head = model.shared()
+    assert_trees_close(names["shared.pytree.0"], (embed(x),))
+
+
 def test_equinox_unhandled_compiles_to_the_models_program():
     model = mlp()
     tagged = fx.tag_modules(model)
