@@ -150,11 +150,12 @@ class Rewrite:
 
     def check_orders(self, scope: Scope) -> None:
         """Refuses a call number `_counted` found by order where that order
-        does not hold: the value executed more times than its derivatives (or
-        recomputations) of one kind ran, so which is which is not known."""
+        does not hold: the value's executions and its derivatives (or
+        recomputations) of one kind do not pair off, one or more passes over
+        them all, so which is which is not known."""
         for kind, site in self.orders.items():
             calls = len(self.pairs[kind[:2]])
-            if calls > 1 and scope.count(kind) != calls:
+            if scope.count(kind) % calls:
                 raise ValueError(_AT_AMBIGUOUS.format(where=site.where()))
 
     def check_batched(self) -> None:
@@ -659,15 +660,18 @@ def _counted(scope: Scope, index: int, site: Site, key: Key, within: str | None)
             calls = rewrite.pairs.get(pair, [])
             if backward or replay:
                 # (the executions since the last of this kind join those no
-                # execution of this kind took: the latest is this one's)
+                # execution of this kind took, the latest this one's; where
+                # none is left, a backward pass runs again over them all, as
+                # a vjp pulled twice does)
                 stack = rewrite.untaken.setdefault(kind, [0])
-                stack[1:] += calls[stack[0] :]
+                if stack[0] < len(calls):
+                    stack += calls[stack[0] :]
+                elif len(stack) == 1:
+                    stack += calls
                 stack[0] = len(calls)
                 number = stack.pop() if len(stack) > 1 else None
-                if number is None and len(calls) == 1:  # (a vjp pulled twice)
-                    number = calls[0]
-            else:
-                number = calls[order] if order < len(calls) else None
+            else:  # (a linearized function applied twice: its calls again)
+                number = calls[order % len(calls)] if calls else None
             if number is not None:
                 rewrite.matched[kind, order] = number
     elif site.pair is not None:

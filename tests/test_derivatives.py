@@ -374,7 +374,9 @@ def test_at_of_a_function_differentiated_once_for_two_calls(wrap, called):
     assert_trees_close(inside, jax.jvp(by_hand, (X,), (t,)), rtol=1e-5)
 
 
-@pytest.mark.parametrize("pattern", ["two_grads", "grad_plain_grad", "one_vjp_twice"])
+@pytest.mark.parametrize(
+    "pattern", ["two_grads", "grad_plain_grad", "one_vjp_twice", "linearized_twice"]
+)
 @pytest.mark.parametrize("wrap", ["plain", "jit", "checkpoint"])
 def test_at_of_a_function_in_several_backward_passes(wrap, pattern):
     # Each `jax.grad` (or pull of a vjp) is a backward pass of its own: a
@@ -392,6 +394,9 @@ def test_at_of_a_function_in_several_backward_passes(wrap, pattern):
             return lambda x: (jax.grad(block)(x), jax.grad(block)(3 * x))
         if pattern == "grad_plain_grad":
             return lambda x: (jax.grad(block)(x), block(x) + jax.grad(block)(2 * x))
+
+        if pattern == "linearized_twice":
+            return lambda x: tuple(jax.linearize(block, x)[1](t) for t in (x, -x))
 
         def pulled_twice(x):
             _, pull = jax.vjp(block, x)

@@ -2864,20 +2864,24 @@ _WRAPS = {
     wrap=st.sampled_from(list(_WRAPS)),
     layout=st.sampled_from(["calls", "scan", "call_then_scan"]),
     n=st.integers(2, 4),
-    chosen=st.integers(0, 3),
-    transform=st.sampled_from(["grad", "jvp"]),
+    passes=st.integers(1, 2),
+    chosen=st.integers(0, 7),
+    transform=st.sampled_from(["grad", "jvp", "vjp_pulled_twice"]),
 )
 def test_at_under_a_derivative_of_a_function_called_several_times(
-    wrap, layout, n, chosen, transform
+    wrap, layout, n, passes, chosen, transform
 ):
     """JAX differentiates a `jax.jit` or `jax.checkpoint` function once for all
-    its calls (and a scan body once for all its iterations): an `Intervene`
-    reading `at` to change one execution of `n` under `handle(T(f))` must
-    equal `T(handle(f))` and the function written with that execution
-    changed. Real code found every cotangent given the last call's number,
-    which the generator above, whose functions are each called once, did not
-    draw."""
+    its calls (and a scan body once for all its iterations), and once for
+    every derivative the handled function takes of it (`passes`, or a vjp
+    pulled twice): an `Intervene` reading `at` to change one execution of the
+    `passes * n` under `handle(T(f))` must equal the function written with
+    that execution changed, and for one pass `T(handle(f))`. Real code found
+    every cotangent given the last call's number, and the second of two
+    `jax.grad`s given the first's, which the generator above, whose functions
+    are each called once, did not draw."""
     block = _WRAPS[wrap](lambda h: fx.tag(jnp.sin(h) * 1.5, "h"))
+    chosen %= passes * n
 
     def f(x):
         if layout == "calls":
@@ -2894,11 +2898,15 @@ def test_at_under_a_derivative_of_a_function_called_several_times(
         if layout == "calls":
             return at[0]
         if layout == "scan":
-            return at[1]
-        return 0 if len(at) == 1 else 1 + at[1]
+            return at[0] * n + at[1]
+        call, within = at[0] // 2, at[0] % 2
+        return call * n + (0 if len(at) == 1 else 1 + at[1]) + 0 * within
 
-    def by_hand(x):
-        for k in range(n):
+    executed = iter(range(passes * n))
+
+    def by_hand(x):  # traced once per pass, in order
+        for _ in range(n):
+            k = next(executed)
             x = jnp.sin(x) * 1.5 * (3.0 if k == chosen else 1.0) + 0.2
         return jnp.sum(jnp.cos(x) ** 2)
 
@@ -2908,13 +2916,26 @@ def test_at_under_a_derivative_of_a_function_called_several_times(
     x, t = jnp.array([0.3, -0.7, 1.1]), jnp.array([1.0, -0.5, 0.25])
     if transform == "grad":
         T = jax.value_and_grad  # noqa: N806
-    else:
+    elif transform == "jvp":
         T = lambda g: lambda x: jax.jvp(g, (x,), (t,))  # noqa: E731, N806
-    want = T(by_hand)(x)
-    inside, _ = fx.handle(T(f), scale)(x)
-    outside = T(lambda x: fx.handle(f, scale)(x)[0])(x)
+    else:
+
+        def T(g):  # noqa: N802
+            def pulled_twice(x):
+                value, pull = jax.vjp(g, x)
+                return value, pull(1.0), pull(-2.0)
+
+            return pulled_twice
+
+    def passes_of(fn):
+        return lambda x: [T(fn)(x * (1.0 - 0.3 * p)) for p in range(passes)]
+
+    want = passes_of(by_hand)(x)
+    inside, _ = fx.handle(passes_of(f), scale)(x)
     assert_close(inside, want, rtol=2e-5, what=f"handle({transform}(f))")
-    assert_close(outside, want, rtol=2e-5, what=f"{transform}(handle(f))")
+    if passes == 1:
+        outside = passes_of(lambda x: fx.handle(f, scale)(x)[0])(x)
+        assert_close(outside, want, rtol=2e-5, what=f"{transform}(handle(f))")
 
 
 def test_the_generator_covers_every_construct():
