@@ -113,17 +113,22 @@ def _leaf_stats(x, xp=jnp) -> dict[str, Any]:
     finite, nan = xp.isfinite(x), xp.array(xp.nan, x.dtype)
     count = xp.sum(finite)
     n = xp.maximum(count, 1)
-    mean = xp.sum(x, where=finite) / n
+    # Moments of the values over the largest of them: the sums of finite
+    # values near the dtype's largest would overflow.
+    scale = xp.max(xp.abs(x), initial=0, where=finite)
+    scale = xp.where(scale > 0, scale, xp.ones_like(scale))
+    y = x / scale
+    mean = xp.sum(y, where=finite) / n
 
     def some(v):  # NaN where there is no finite value
         return xp.where(count > 0, v, nan)
 
     return {
-        "mean": some(mean),
-        "std": some(xp.sqrt(xp.sum((x - mean) ** 2, where=finite) / n)),
+        "mean": some(mean * scale),
+        "std": some(xp.sqrt(xp.sum((y - mean) ** 2, where=finite) / n) * scale),
         "min": some(xp.min(x, initial=xp.inf, where=finite)),
         "max": some(xp.max(x, initial=-xp.inf, where=finite)),
-        "mean_abs": some(xp.sum(xp.abs(x), where=finite) / n),
+        "mean_abs": some(xp.sum(xp.abs(y), where=finite) / n * scale),
         "nan_count": xp.sum(xp.isnan(x), dtype=np.int32),
         "inf_count": xp.sum(xp.isinf(x), dtype=np.int32),
     }
@@ -512,7 +517,8 @@ class BadSite:
       counting a scan's iterations as one call when the tag's only site sits
       in scans (then `iteration` says which); else counting every execution.
     - `iteration`: the scan iteration (a tuple for nested scans, outermost
-      first), or None.
+      first), or None: its position, as `Tag()` stacks the values (in a scan
+      with `reverse=True`, not how many ran before it).
     - `backward`: whether it is the cotangent that went bad; False for a
       value, also from `find_nonfinite(..., backward=True)` when the forward
       pass is already non-finite.
@@ -697,7 +703,9 @@ def find_nonfinite(
     - `ValueError`: `fn` has no tag (only tagged values are checked); with
       `backward=True`, `fn` does not return a scalar array,
       or a name is tagged both inside and outside a function with a custom
-      derivative. From [`handle`][effects.handle], which places the checks: a
+      derivative; a `jax.vmap` inside `fn` batches the predicate of a
+      `lax.cond` or `lax.while_loop` (every example would run every branch or
+      iteration: check one example at a time). From [`handle`][effects.handle], which places the checks: a
       tag inside a `custom_linear_solve`.
 
     **Example:**
@@ -740,8 +748,15 @@ def find_nonfinite(
     for own_checks in (False, True):
         make = functools.partial(_nonfinite_check, backward, own_checks)
         what = ("find_nonfinite", backward, own_checks)
-        (listed, keys, check), dynamic = eager_cached(what, fn, args, kwargs, make)
-        err, found = check(dynamic)
+        try:
+            (listed, keys, check), dynamic = eager_cached(what, fn, args, kwargs, make)
+            err, found = check(dynamic)
+        except ValueError as e:
+            # (a vmap inside ran every branch, or iteration, for every example)
+            if not any(m in str(e) for m in _EVERY_EXAMPLE):
+                raise
+            said = str(e).removeprefix(f"{_Check.__name__}: ").split(". ")[0]
+            raise ValueError(_PER_EXAMPLE.format(said)) from e
         message = err.get()
         if message is None or _CODE in message:
             break
@@ -762,6 +777,16 @@ def find_nonfinite(
     return dataclasses.replace(bad, backward_search=backward)
 
 
+# What `handle` (a branch) and checkify (a while loop) say of a predicate a
+# vmap inside the function batches.
+_EVERY_EXAMPLE = ("predicate a `jax.vmap` inside", "batched while-loops")
+_PER_EXAMPLE = (
+    "find_nonfinite: a `jax.vmap` inside the function batches the predicate of "
+    "a `lax.cond` or `lax.while_loop`, and runs every branch (or iteration) "
+    "for every example, so what would be checked is not what each example "
+    'computes ("{}"). Check one example at a time: `fx.find_nonfinite(g, x)` '
+    "for each `x` the vmapped function `g` maps over."
+)
 _NO_TAG = (
     "find_nonfinite: the function has no tag, and only tagged values are "
     "checked (not the value it returns). Tag the values to check "
@@ -832,10 +857,16 @@ def _bad_site(infos, collection, name, k: int, backward: bool) -> BadSite:
     """The `k`-th execution of a name as a call and a scan iteration: when the
     name's only site has scans (and jits) alone around it, each call executes
     it the product of their lengths times."""
-    lengths = [loop for loop in infos[0].loops if loop is not None]
+    info = infos[0]
+    # (a scan with `reverse=True` runs its last position first: positions,
+    # as `Tag()` stacks them, its label says so)
+    regions = zip(info.where.split(" > "), info.loops)
+    scans = [(n, label.endswith(", reverse)")) for label, n in regions if n is not None]
+    lengths = [n for n, _ in scans]
     if len(infos) > 1 or not lengths or not all(isinstance(n, int) for n in lengths):
         return BadSite(name, collection, k, None, backward)
     call, k = divmod(k, math.prod(lengths))
-    index = tuple(int(i) for i in np.unravel_index(k, lengths))
+    ran = np.unravel_index(k, lengths)
+    index = tuple(int(n - 1 - i if rev else i) for i, (n, rev) in zip(ran, scans))
     iteration = index[0] if len(index) == 1 else index
     return BadSite(name, collection, call, iteration, backward)

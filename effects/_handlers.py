@@ -19,7 +19,7 @@ from jax import lax
 from jaxtyping import PyTree
 
 from . import _compat
-from ._site import Site
+from ._site import Site, describe
 
 Names: TypeAlias = (
     None | str | list[str] | tuple[str, ...] | Set[str] | Callable[[str], bool]
@@ -252,10 +252,6 @@ class Reduce:
     reduces: ClassVar[bool] = True
     single: ClassVar[bool] = False
 
-    @property
-    def label(self) -> str:
-        return "the fx.Reduce's `fn(acc, x)`"
-
     def __repr__(self):
         return eqx.tree_pformat(self)
 
@@ -264,15 +260,6 @@ class Reduce:
 jax.tree_util.register_dataclass(
     Reduce, data_fields=[], meta_fields=["fn", "init", "per_example", "consumes"]
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class _BuiltinReduce(Reduce):
-    name: str = ""
-
-    @property
-    def label(self) -> str:
-        return f"Tag(mode={self.name!r})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,8 +370,8 @@ def _add(acc, x):
 _MODES = {
     "append": Append(),
     "strict": Append(single=True, label="Tag(mode='strict')"),
-    "last": _BuiltinReduce(_last, _zeros, name="last"),
-    "sum": _BuiltinReduce(_add, _sum_init, name="sum"),
+    "last": Reduce(_last, _zeros),
+    "sum": Reduce(_add, _sum_init),
 }
 SUM = _MODES["sum"]
 _BAD_MODE = (
@@ -498,7 +485,10 @@ class Handler:
       False)` has `apply` run once on the whole batch of the vmaps inside the
       handled function instead of per example.
     - `per_call_inputs() -> {name: (entry, ...)}`, optional: one entry per
-      execution in the layout `Tag()` reports, read by `ctx.next_input()`.
+      execution in the layout `Tag()` reports, read by `ctx.next_input()`;
+      an entry has the structure, shapes and dtypes of the tag's value there
+      (what a handler needs of another kind, such as PRNG keys or a table,
+      it holds in a field and picks from by `ctx.at`).
 
     **One site, one report.** A handler with a mode *consumes* the sites it
     acts at: handlers after it in the same `handle`, and those of an
@@ -666,7 +656,11 @@ class Context:
         """Reports `value` under the handler's `mode`. Under a reduction
         (`"sum"`, `"last"`, [`Reduce`][effects.Reduce]) returns the
         accumulator with `value` folded in: what the executions so far add up
-        to; else None."""
+        to; else None. Where `handle` runs `apply` again only to differentiate
+        it (a handler of the value at a tangent or cotangent site) or in the
+        backward pass's recomputation of a `jax.checkpoint`, it reports
+        nothing and returns None: a handler that uses the accumulator there is
+        refused with a message naming it."""
         return self._emit(value)
 
     def next_input(self) -> PyTree:
@@ -706,16 +700,25 @@ class Context:
         site, each entry one shard's): the part for this example and shard."""
         want = self.site.shape_dtype
         shards = self.site.shards
-        if not (self._axes or shards) or want is None:
+        if want is None:
             return value
-        # Shards are numbered as the shard_map rule splits and stacks them.
-        index = (*self.batch_index, *(jax.lax.axis_index(a) for a, _ in shards))
+        if jax.tree.structure(value) != jax.tree.structure(want):
+            raise ValueError(
+                f"{self.site.where()}: a value of structure "
+                f"{jax.tree.structure(value)} where the tag's value is "
+                f"{describe(want)}; the structure must be the same."
+            )
 
         def part(x, w):
             x = jnp.asarray(x)
-            if x.ndim == len(w.shape):
+            if x.shape == w.shape:
                 return x
             found = (*self.site.batch_sizes(), *(n for _, n in shards), *w.shape)
+            if found == w.shape:  # (no vmap inside, no shard_map around)
+                raise ValueError(
+                    f"{self.site.where()}: a value of shape {x.shape} where the "
+                    f"tag's value has the shape {w.shape}."
+                )
             if x.shape != found:
                 raise ValueError(
                     f"{self.site.where()}: a value of shape {x.shape} is neither "
@@ -725,7 +728,8 @@ class Context:
                     "each shard_map around the tag (`jnp.broadcast_to` gives "
                     "every shard the same value)."
                 )
-            return x[index]
+            # (shards numbered as the shard_map rule splits and stacks them)
+            return x[(*self.batch_index, *(jax.lax.axis_index(a) for a, _ in shards))]
 
         return jax.tree.map(part, value, want)
 
@@ -754,6 +758,17 @@ def acts_on(handler, site: Site) -> str | None:
     if site.part != "value" and handler.matches(site):
         return site.part
     return None
+
+
+def mode_label(handler: Handler) -> str:
+    """How messages name a handler's mode: by its class and the mode it was
+    given (`Recorder(mode='append')`), or as an `Append`'s `label` says."""
+    mode, name = handler.mode, type(handler).__name__
+    if isinstance(mode, str):
+        return f"{name}(mode={mode!r})"
+    if isinstance(mode, Append):
+        return mode.label if mode.label != Append.label else f"{name}(mode=fx.Append())"
+    return f"{name}'s fx.Reduce `fn(acc, x)`"
 
 
 def mode_of(handler: Handler) -> Append | Reduce | None:

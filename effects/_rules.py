@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat, _jaxpr
+from ._handlers import mode_label
 from ._layout import WHOLE, Axes, Boundary
 from ._rewrite import _bind, _matched, rules, run, trace_rewrite
 from ._scope import Key, Scope, types_key, types_of, zeros
@@ -96,15 +97,16 @@ class Plan:
         unbounded = loop == "lax.while_loop"
         for key in self.entries:
             mode, where = scope.handlers.modes[key[0]], self.sites[key].where()
+            label = mode_label(scope.handlers[key[0]])
             if mode.single:
                 instead = _INSTEAD_IN_WHILE if unbounded else _INSTEAD_IN_SCAN
                 raise ValueError(
                     _STRICT_IN_LOOP.format(
-                        where=where, what=loop, mode=mode.label, instead=instead
+                        where=where, what=loop, mode=label, instead=instead
                     )
                 )
             if unbounded:
-                raise ValueError(_APPEND_IN_WHILE.format(where=where, mode=mode.label))
+                raise ValueError(_APPEND_IN_WHILE.format(where=where, mode=label))
         for key in self.inputs if unbounded else ():
             raise ValueError(
                 _INPUT_IN_WHILE.format(
@@ -557,6 +559,11 @@ def _while_rule(eqn, invals, scope: Scope) -> list[Any]:
     region, [(new_body, hoisted)] = Region.traced(
         scope, [(body.jaxpr, body.consts)], body.in_avals, loop="lax.while_loop"
     )
+    if region.counter and cond.out_avals[0].shape:
+        # (a vmap batched the predicate: each example runs its own number of
+        # iterations, and JAX's loop keeps one count for them all)
+        where = next(iter(region.plan.sites.values())).where()
+        raise ValueError(_AT_IN_BATCHED_WHILE.format(where=where))
     # (hoisted, body_consts, carry, accs) -> (carry, accs): the accumulators
     # extend the carry; cond_fun ignores them.
     new_cond = _jaxpr.insert_invars(
@@ -575,6 +582,13 @@ def _while_rule(eqn, invals, scope: Scope) -> list[Any]:
 
 
 rules[_compat.while_p] = _while_rule
+
+_AT_IN_BATCHED_WHILE = (
+    "A handler reads `at` in the lax.while_loop holding {where}, whose "
+    "predicate a jax.vmap inside the handled function batches: each example "
+    "runs its own number of iterations. Put the handler inside the vmap "
+    "(`jax.vmap(fx.handle(f, ...))`), which gives each example its own."
+)
 
 #
 # cond / switch

@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from . import _compat
-from ._handlers import NO_INPUT, Context, Handler, mode_of
+from ._handlers import NO_INPUT, Context, Handler, mode_label, mode_of
 from ._layout import Axes, grow, to_program
 from ._site import Site, describe, shape_dtype, strong
 
@@ -287,7 +287,9 @@ class Scope:
         mode = self.handlers.modes[key[0]]
         if len(entries) > 1 and mode.single:
             raise ValueError(
-                _STRICT_TWICE.format(where=self.where(key), mode=mode.label)
+                _STRICT_TWICE.format(
+                    where=self.where(key), mode=mode_label(self.handlers[key[0]])
+                )
             )
 
     # Accumulators -----------------------------------------------------------
@@ -407,7 +409,7 @@ class Scope:
             raise ValueError(
                 _REDUCE_FAILED.format(
                     where=self.where(key),
-                    mode=reduce.label,
+                    mode=mode_label(self.handlers[key[0]]),
                     acc=describe(jax.tree.map(shape_dtype, acc)),
                     value=describe(jax.tree.map(shape_dtype, value)),
                     error=str(e).splitlines()[0],
@@ -417,7 +419,7 @@ class Scope:
             raise ValueError(
                 _ACC_CHANGED.format(
                     where=self.where(key),
-                    mode=reduce.label,
+                    mode=mode_label(self.handlers[key[0]]),
                     before=describe(types_of(acc)),
                     after=describe(types_of(new)),
                 )
@@ -545,6 +547,15 @@ _BAD_VALUE = (
     "{handler} gives {got} for {where}, whose value is {want}; the shape and "
     "dtype must stay the same (and the pytree structure)."
 )
+_EMIT_UNKNOWN = (
+    "{handler} uses what `ctx.emit` returns (the accumulator) at {where}, "
+    "where `fx.handle` runs `apply` again without reporting: to differentiate "
+    "it under a `jax.grad` or `jax.jvp` inside the handled function, or in "
+    "the backward pass's recomputation of a `jax.checkpoint`. The accumulator "
+    "is not known there: return a value that does not depend on it, or handle "
+    "the function before differentiating it "
+    "(`jax.grad(lambda *a: fx.handle(f, ...)(*a)[0])`)."
+)
 _NO_MODE = (
     "{handler} emits at {where} but has no `mode`: say how its values are "
     "reported (`mode = 'append'`, 'sum', fx.Reduce(...), ...)."
@@ -595,10 +606,11 @@ def act(
     def one(value, entry, acc, primal):
         # Returns the leaves `apply` changed, what it appended, and the
         # accumulator; `same` records (at trace time) which leaves it kept.
-        appended, state = [], [acc]
+        appended, state, unknown = [], [acc], []
 
         def emit(x):
             if quiet:  # (recomputed, or differentiated only: reports nothing)
+                unknown.append(getattr(handlers.modes[index], "reduces", False))
                 return None
             if mode is None:
                 where = site.where()
@@ -614,8 +626,7 @@ def act(
         stacking = ("shard",) * len(site.shards) + ("scan",) * scope.scans
         entry = entry if has_input else NO_INPUT
         ctx = Context(site, emit, entry, axes, at, primal, stacking)
-        new = type(handler).apply(handler, site, value, ctx)
-        same[:], changed = _checked(new, value, site, handler)
+        same[:], changed = _applied(handler, site, value, ctx, unknown)
         return changed, appended, state[0]
 
     fn = one
@@ -627,6 +638,19 @@ def act(
     if mode is not None and mode.reduces:
         scope.accs[key] = acc
     return _into_program(scope, handler, site, leaves, same, changed)
+
+
+def _applied(handler, site: Site, value, ctx: Context, unknown: list[bool]):
+    """`apply` at one example, checked (see `_checked`). `unknown` records
+    whether `emit` returned None for an accumulator it does not know."""
+    try:
+        new = type(handler).apply(handler, site, value, ctx)
+        return _checked(new, value, site, handler)
+    except Exception as e:
+        if not any(unknown):
+            raise
+        where, name = site.where(), _name(handler)
+        raise ValueError(_EMIT_UNKNOWN.format(handler=name, where=where)) from e
 
 
 def _counted(scope: Scope, index: int, site: Site, key: Key, within: str | None):

@@ -27,9 +27,13 @@ def shape_dtype(x) -> jax.ShapeDtypeStruct:
 
 
 def describe(tree) -> str:
-    return str(
-        jax.tree.map(lambda a: f"{jnp.dtype(a.dtype).name}{list(a.shape)}", tree)
-    )
+    return str(jax.tree.map(lambda a: f"{_dtype_name(a.dtype)}{list(a.shape)}", tree))
+
+
+def _dtype_name(dtype) -> str:
+    if jnp.issubdtype(dtype, jax.dtypes.extended):  # (a PRNG key's: key<fry>)
+        return str(dtype)
+    return jnp.dtype(dtype).name
 
 
 _SITE_PARAMS = operator.itemgetter("name", "collection", "kind", "treedef", "batch")

@@ -906,3 +906,56 @@ def test_debug_uses_the_public_api_only():
         for alias in node.names
     }
     assert imported - set(dir(fx)) == {"eager_cached", "text_table"}
+
+
+@pytest.mark.parametrize(
+    "values, dtype",
+    [
+        ([1e20, -2e20, 3e20, 0.5e20], jnp.float32),
+        ([3e38, 3e38, -1e38, jnp.inf], jnp.float32),
+        ([3e38, 2e38, -1e38], jnp.bfloat16),
+        ([1e-30, -2e-30, 0.0], jnp.float32),
+    ],
+)
+def test_stats_of_values_near_the_largest_finite_are_finite(values, dtype):
+    # The sums overflowed: std (or mean) inf with inf_count 0, where NumPy and
+    # summary(Tag) gave the figures.
+    x = jnp.asarray(values, dtype)
+    _, found = fx.handle(lambda x: fx.tag(x, "h"), fx.Stats())(x)
+    assert_stats(found["intermediates"]["h"][0], np.asarray(x, np.float64))
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("backward", [False, True])
+def test_find_nonfinite_in_a_reversed_scan_gives_the_position(reverse, backward):
+    # The iteration is the position, as `Tag()` stacks the values and `ctx.at`
+    # numbers them (a reversed scan's was the count of those run before it).
+    def f(x):
+        def body(c, i):
+            h = fx.tag(jnp.sqrt(x * (i - 1.5)) * c, "h")  # NaN at positions 0, 1
+            return c + 0.1, h
+
+        return jnp.sum(jax.lax.scan(body, x, jnp.arange(4.0), reverse=reverse)[1])
+
+    _, found = fx.handle(f, fx.Tag())(1.0)
+    bad_positions = np.flatnonzero(~np.isfinite(found["intermediates"]["h"][0]))
+    # The first to run: position 0 forward, 1 in a reversed scan.
+    got = fx.find_nonfinite(f, 1.0, backward=backward)
+    assert (got.name, got.call, got.backward) == ("h", 0, False)
+    assert got.iteration == bad_positions[-1 if reverse else 0]
+
+
+@pytest.mark.parametrize("control", ["cond", "while_loop"])
+def test_find_nonfinite_of_a_vmap_batching_a_predicate_says_to_check_examples(control):
+    # (checkify's own "batched while-loops" error, or a refusal naming the
+    # internal handler and advising `jax.vmap(fx.handle(...))`)
+    def g(x):
+        h = fx.tag(jnp.log(x), "h")
+        if control == "cond":
+            return jax.lax.cond(x > 1, lambda h: fx.tag(h * 2, "b"), lambda h: h, h)
+        return jax.lax.while_loop(lambda h: h < 3, lambda h: fx.tag(h + 1, "w"), h)
+
+    xs = jnp.array([0.5, 2.0])
+    with pytest.raises(ValueError, match="find_nonfinite: a `jax.vmap` inside"):
+        fx.find_nonfinite(jax.vmap(g), xs)
+    assert [fx.find_nonfinite(g, x) for x in xs] == [None, None]

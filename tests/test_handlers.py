@@ -10,6 +10,7 @@ references are NumPy, and JAX references run as one compiled program
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -1800,3 +1801,83 @@ def test_at_in_a_reversed_scan_is_the_iterations_position():
     assert_trees_close(fx.handle(f, scale)(xs)[0], by_hand(xs))
     _, found = fx.handle(f, fx.Tag())(xs)
     assert_trees_close(found["intermediates"]["h"], (xs * 2,))
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_a_handler_using_the_accumulator_where_it_runs_again_is_refused(checkpoint):
+    # Under a `jax.grad` inside `handle` (or a checkpoint's recomputation),
+    # `apply` runs again reporting nothing, and `emit` gives None: a handler
+    # that used it failed with a message blaming its value, or a bare
+    # TypeError naming nothing.
+    class UsesAccumulator(fx.Handler):
+        mode = "sum"
+
+        def apply(self, site, value, ctx):
+            return ctx.emit(value) * 1.0
+
+    def f(x):
+        inner = lambda x: fx.tag(jnp.sin(x), "h") ** 2  # noqa: E731
+        return jnp.sum((jax.checkpoint(inner) if checkpoint else inner)(x))
+
+    with pytest.raises(ValueError, match="UsesAccumulator uses what `ctx.emit`"):
+        fx.handle(jax.grad(f), UsesAccumulator())(X)
+    # Outside, where `emit` knows the accumulator: the value it returns.
+    got = jax.grad(lambda x: fx.handle(f, UsesAccumulator())(x)[0])(X)
+    assert_trees_close(got, jax.grad(f)(X))
+
+
+def test_mismatches_at_a_prng_key_tag_name_the_tag_and_handler():
+    # (building the message failed on the key's dtype: "Cannot interpret
+    # 'key<fry>' as a data type")
+    def f(x):
+        return jax.random.normal(fx.tag(jax.random.key(0), "k")) + x
+
+    with pytest.raises(ValueError, match="Substitute gives uint32\\[\\] for tag 'k'"):
+        fx.handle(f, fx.Substitute({"k": jnp.zeros((), jnp.uint32)}))(X)
+
+
+def test_ctx_example_checks_the_shape_with_or_without_a_vmap():
+    # Without a vmap inside `handle`, a value of another shape came back as
+    # it was: `emit(value * ctx.example(w))` reported (2, 3) for a (3,) tag.
+    class Weighted(fx.Handler):
+        mode = "append"
+        w: Any
+
+        def apply(self, site, value, ctx):
+            ctx.emit(value * ctx.example(self.w))
+            return value
+
+    def f(x):
+        return fx.tag(jnp.sin(x), "h")
+
+    _, found = fx.handle(f, Weighted(2 * jnp.ones(3)))(X)
+    assert_trees_close(found["intermediates"]["h"], (2 * jnp.sin(X),))
+    for w in (jnp.ones((2, 3)), jnp.ones((7, 3)), (jnp.ones(3),)):
+        with pytest.raises(ValueError, match="tag 'h'"):
+            fx.handle(f, Weighted(w))(X)
+
+
+def test_mode_errors_name_the_handler_that_has_the_mode():
+    class Recorder(fx.Handler):
+        mode = "append"
+
+        def apply(self, site, value, ctx):
+            ctx.emit(value)
+            return value
+
+    class Concat(fx.Handler):
+        mode = fx.Reduce(lambda a, v: jnp.concatenate([a, v]), lambda z: z)
+
+        def apply(self, site, value, ctx):
+            ctx.emit(value)
+            return value
+
+    def loop(x):
+        return lax.while_loop(lambda h: h.sum() < 9, lambda h: fx.tag(2 * h, "h"), x)
+
+    with pytest.raises(ValueError, match="Recorder\\(mode='append'\\) cannot append"):
+        fx.handle(loop, Recorder())(X)
+    with pytest.raises(ValueError, match="Concat's fx.Reduce `fn\\(acc, x\\)` turned"):
+        fx.handle(lambda x: fx.tag(x, "h"), Concat())(X)
+    with pytest.raises(ValueError, match="Tag\\(mode='append'\\) cannot append"):
+        fx.handle(loop, fx.Tag())(X)

@@ -1765,3 +1765,25 @@ def test_eager_grad_of_a_handled_scan_compiles_once():
         again = _compiled_functions(step, x * i)
         assert not any("scan" in n for n in again), again
         assert_trees_close(step(x * i), plain(x * i))
+
+
+def test_at_in_a_while_loop_a_vmap_batches_is_refused_by_name():
+    # (jax's batched loop keeps one iteration count for every example: the
+    # count `at` reads was a scalar, and lowering failed with a bare
+    # AssertionError naming nothing)
+    class LastIteration(fx.Handler):
+        mode = fx.Reduce(lambda acc, x: x, lambda z: jnp.int32(-1))
+
+        def apply(self, site, value, ctx):
+            ctx.emit(ctx.at[1])
+            return value
+
+    def count(n):
+        return jax.lax.while_loop(lambda c: c < n, lambda c: fx.tag(c + 1, "c"), 0)
+
+    with pytest.raises(
+        ValueError, match="reads `at` in the lax.while_loop holding tag 'c'"
+    ):
+        fx.handle(jax.vmap(count), LastIteration())(NS)
+    _, found = jax.vmap(fx.handle(count, LastIteration()))(NS)
+    np.testing.assert_array_equal(found["intermediates"]["c"], np.maximum(NS, 1) - 1)
