@@ -705,8 +705,9 @@ def find_nonfinite(
       or a name is tagged both inside and outside a function with a custom
       derivative; a `jax.vmap` inside `fn` batches the predicate of a
       `lax.cond` or `lax.while_loop` (every example would run every branch or
-      iteration: check one example at a time). From [`handle`][effects.handle], which places the checks: a
-      tag inside a `custom_linear_solve`.
+      iteration: check one example at a time). From
+      [`handle`][effects.handle], which places the checks: a tag inside a
+      `custom_linear_solve`.
 
     **Example:**
 
