@@ -605,6 +605,8 @@ class _Check(Handler):
     # respect to it computes the cotangent of every one.
     zero: Any = None
     skip: tuple = dataclasses.field(default=(), metadata={"static": True})
+    # Whether a cotangent's check says which execution it is.
+    numbered: bool = dataclasses.field(default=False, metadata={"static": True})
 
     def matches(self, site):
         key = (site.collection, site.name)
@@ -623,30 +625,35 @@ class _Check(Handler):
             return value
         count = ctx.emit(jnp.int32(0))
         assert count is not None  # (the mode is a reduction)
+        said = (code, self.numbered)
 
         def checked(x):
             if not jnp.issubdtype(x.dtype, jnp.inexact):
                 return x
-            return _cotangent_check(x + self.zero.astype(x.dtype), code, count - 1)
+            return _cotangent_check(x + self.zero.astype(x.dtype), said, count - 1)
 
         return jax.tree.map(checked, value)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _cotangent_check(x, code: int, n):
-    del code, n
+def _cotangent_check(x, said: tuple[int, bool], n):
+    del said, n
     return x
 
 
-def _cotangent_check_fwd(x, code: int, n):
-    del code
+def _cotangent_check_fwd(x, said: tuple[int, bool], n):
+    del said
     return x, n
 
 
-def _cotangent_check_bwd(code: int, n, ct):
+def _cotangent_check_bwd(said: tuple[int, bool], n, ct):
     from jax.experimental import checkify
 
-    checkify.check(_finite([ct]), f"{_CODE}{code}:{{}}", n)
+    code, numbered = said
+    if numbered:
+        checkify.check(_finite([ct]), f"{_CODE}{code}:{{}}", n)
+    else:
+        checkify.check(_finite([ct]), f"{_CODE}{code}:")
     return ct, None
 
 
@@ -744,11 +751,38 @@ def find_nonfinite(
     h False
     ```
     """
-    # The sites and the compiled check, cached per function, argument signature
-    # and `backward`: checking every batch of a data loader compiles once.
+    listed, keys, message, found = _first_failure(fn, args, kwargs, backward, None)
+    if message is None:
+        return None
+    code, *n = message.split(_CODE)[1].split()[0].split(":")
+    collection, name = keys[int(code)]
+    # A cotangent's check says it is one (`code:`); checked again at that name
+    # alone, which execution (`code:n`). (Numbering every name's in one check
+    # costs JAX time quadratic in the number of tags.) A value's, forward,
+    # says neither: its first bad execution is the one the counter saw.
+    cotangent = bool(n)
+    if n == [""]:
+        message = _first_failure(fn, args, kwargs, backward, (collection, name))[2]
+        assert message is not None  # (the same check fails)
+        n = message.split(_CODE)[1].split()[0].split(":")[1:]
+    if not cotangent:
+        first = _numpy(found[collection][name][1])
+        n = [first[first >= 0].min()]
+    infos = listed[collection][name]
+    bad = _bad_site(infos, collection, name, int(n[0]), cotangent)
+    return dataclasses.replace(bad, backward_search=backward)
+
+
+def _first_failure(fn, args, kwargs, backward: bool, numbered):
+    """`(listed, keys, message, found)` of `_nonfinite_check` run on `fn`:
+    `message` the first failing check's, or None. Checked again with the
+    function's own `checkify.check`s dropped where one of those failed first
+    (checkify reports one failed check). Cached per function, argument
+    signature, `backward` and `numbered`: checking every batch of a data loader
+    compiles once."""
     for own_checks in (False, True):
-        make = functools.partial(_nonfinite_check, backward, own_checks)
-        what = ("find_nonfinite", backward, own_checks)
+        make = functools.partial(_nonfinite_check, backward, own_checks, numbered)
+        what = ("find_nonfinite", backward, own_checks, numbered)
         try:
             (listed, keys, check), dynamic = eager_cached(what, fn, args, kwargs, make)
             err, found = check(dynamic)
@@ -760,22 +794,8 @@ def find_nonfinite(
             raise ValueError(_PER_EXAMPLE.format(said)) from e
         message = err.get()
         if message is None or _CODE in message:
-            break
-        # The function's own `checkify.check` failed, and checkify reports one
-        # failed check: checked again with the function's own checks dropped.
-    if message is None:
-        return None
-    code, *n = message.split(_CODE)[1].split()[0].split(":")
-    collection, name = keys[int(code)]
-    # A cotangent's check says which execution (`code:n`); a value's, forward,
-    # does not: its first bad execution is the one the counter saw.
-    cotangent = bool(n)
-    if not cotangent:
-        first = _numpy(found[collection][name][1])
-        n = [first[first >= 0].min()]
-    infos = listed[collection][name]
-    bad = _bad_site(infos, collection, name, int(n[0]), cotangent)
-    return dataclasses.replace(bad, backward_search=backward)
+            return listed, keys, message, found
+    raise AssertionError("unreachable")
 
 
 # What `handle` (a branch) and checkify (a while loop) say of a predicate a
@@ -796,12 +816,13 @@ _NO_TAG = (
 )
 
 
-def _nonfinite_check(backward: bool, drop_own_checks: bool, call, dynamic):
+def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dynamic):
     """`(listed, keys, check)` for `find_nonfinite`: the sites of
     `call(dynamic)`, the checked `(collection, name)`s (a message's code is an
     index into them), and `check(dynamic) -> (checkify error, found)`, jitted,
     `found` the counters' (each name's first non-finite execution), with
-    `backward` the backward pass's checks after the forward pass's; with
+    `backward` the backward pass's checks after the forward pass's (at the
+    name `numbered` alone, where given, saying which execution); with
     `drop_own_checks`, the function's own `checkify.check`s dropped."""
     # Imported here: on jax 0.7-0.9 importing it registers checkify's rules in
     # JAX's tables, which `import effects` alone must not do.
@@ -822,8 +843,13 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, call, dynamic):
         if all("custom" in info.loops for info in listed[key[0]][key[1]])
     )
 
+    if numbered is not None:
+        custom = tuple(key for key in keys if key != numbered)
+
     def output(zero, dynamic):
-        out, _ = handle(call, _Check(keys, True, zero, skip=custom))(dynamic)
+        numbering = numbered is not None
+        checks = _Check(keys, True, zero, skip=custom, numbered=numbering)
+        out, _ = handle(call, checks)(dynamic)
         if not (isinstance(out, jax.Array) and out.shape == ()):
             got = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), out

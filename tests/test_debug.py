@@ -786,8 +786,10 @@ def test_find_nonfinite_compiles_once_per_signature():
     for backward in (False, True):
         fx.find_nonfinite(f, ok, backward=backward)
         # (and once on a NaN: reading checkify's error runs an eager `<` of
-        # JAX's own, traced once per process)
+        # JAX's own, traced once per process; a bad cotangent's execution is
+        # found by a second check, of its name alone, compiled once per name)
         fx.find_nonfinite(f, log_bad, backward=backward)
+        fx.find_nonfinite(f, grad_bad, backward=backward)
         n = len(calls)
         with CountCompiles() as counter:
             got = [
