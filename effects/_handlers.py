@@ -703,7 +703,7 @@ class Context:
         if want is None:
             return value
         if jax.tree.structure(value) != jax.tree.structure(want):
-            raise ValueError(
+            raise Misfit(
                 f"{self.site.where()}: a value of structure "
                 f"{jax.tree.structure(value)} where the tag's value is "
                 f"{describe(want)}; the structure must be the same."
@@ -714,19 +714,11 @@ class Context:
             if x.shape == w.shape:
                 return x
             found = (*self.site.batch_sizes(), *(n for _, n in shards), *w.shape)
-            if found == w.shape:  # (no vmap inside, no shard_map around)
-                raise ValueError(
-                    f"{self.site.where()}: a value of shape {x.shape} where the "
-                    f"tag's value has the shape {w.shape}."
-                )
-            if x.shape != found:
-                raise ValueError(
-                    f"{self.site.where()}: a value of shape {x.shape} is neither "
-                    f"one example's ({w.shape}) nor in the layout Tag() reports "
-                    f"({found}): one entry per example of "
-                    "each vmap inside the handled function, then per shard of "
-                    "each shard_map around the tag (`jnp.broadcast_to` gives "
-                    "every shard the same value)."
+            if x.shape != found or found == w.shape:
+                layout = "" if found == w.shape else _LAYOUT.format(found)
+                raise Misfit(
+                    f"{self.site.where()}: a value of shape {x.shape} is not "
+                    f"one example's ({w.shape}){layout}."
                 )
             # (shards numbered as the shard_map rule splits and stacks them)
             return x[(*self.batch_index, *(jax.lax.axis_index(a) for a, _ in shards))]
@@ -734,7 +726,17 @@ class Context:
         return jax.tree.map(part, value, want)
 
 
+_LAYOUT = (
+    " nor in the layout Tag() reports ({}): one entry per example of each vmap "
+    "inside the handled function, then per shard of each shard_map around the "
+    "tag (`jnp.broadcast_to` gives every shard the same value)"
+)
 NO_INPUT = object()
+
+
+class Misfit(ValueError):
+    """A value `Context.example` cannot take the example's part of: `act`
+    names the handler that gave it."""
 
 
 def found_key(handler) -> str | None:

@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from . import _compat
-from ._handlers import NO_INPUT, Context, Handler, mode_label, mode_of
+from ._handlers import NO_INPUT, Context, Handler, Misfit, mode_label, mode_of
 from ._layout import Axes, grow, to_program
 from ._site import Site, describe, shape_dtype, strong
 
@@ -647,9 +647,11 @@ def _applied(handler, site: Site, value, ctx: Context, unknown: list[bool]):
         new = type(handler).apply(handler, site, value, ctx)
         return _checked(new, value, site, handler)
     except Exception as e:
+        where, name = site.where(), _name(handler)
+        if isinstance(e, Misfit):  # (from `ctx.example`)
+            raise ValueError(f"{name}: {e}") from e
         if not any(unknown):
             raise
-        where, name = site.where(), _name(handler)
         raise ValueError(_EMIT_UNKNOWN.format(handler=name, where=where)) from e
 
 
