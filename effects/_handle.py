@@ -1404,7 +1404,8 @@ def _grads(call, probe: Perturb, nnx: bool, dynamic):
     if not sites:
         raise ValueError(_NO_SITES[probe.kind].format(collection=probe.collection))
     # A value with no gradient (integers, booleans, PRNG keys) has the float0
-    # zero `jax.grad(..., allow_int=True)` gives; a key takes no delta.
+    # zero `jax.grad(..., allow_int=True)` gives: only floating leaves take a
+    # delta that is differentiated (an integer beside them a zero; a key none).
     kinds = {
         n: {_gradient_kind(a) for a in jax.tree.leaves(v)} for n, v in sites.items()
     }
@@ -1416,13 +1417,24 @@ def _grads(call, probe: Perturb, nnx: bool, dynamic):
         for n, v in sites.items()
         if "inexact" in kinds[n]
     )
+    leaves, tree = jax.tree.flatten(zeros)
+    floats = [i for i, x in enumerate(leaves) if _gradient_kind(x) == "inexact"]
 
-    def loss(deltas):
-        perturb = Perturb(deltas, collection=probe.collection, kind=probe.kind)
+    def loss(float_deltas):
+        deltas = list(leaves)
+        for i, x in zip(floats, float_deltas):
+            deltas[i] = x
+        perturb = Perturb(
+            tree.unflatten(deltas), collection=probe.collection, kind=probe.kind
+        )
         out, _ = handle(call, perturb)(dynamic)
         return out  # with NNX objects: (value, their state)
 
-    out, grads = jax.value_and_grad(loss, has_aux=nnx, allow_int=True)(zeros)
+    out, got = jax.value_and_grad(loss, has_aux=nnx)([leaves[i] for i in floats])
+    grads = [_float0(x) for x in leaves]
+    for i, g in zip(floats, got):
+        grads[i] = g
+    grads = tree.unflatten(grads)
     none = {n: jax.tree.map(_float0, v) for n, v in sites.items() if n not in zeros}
     return out, Found((n, grads[n] if n in grads else none[n]) for n in sites)
 
