@@ -361,7 +361,9 @@ def summary(
     order: the name (with the collection and the leaf's path where there are
     several), the execution's index, its shape and dtype, the statistics, and
     whether it is finite. Statistics of `Tag` values are computed here, in
-    NumPy, over the whole value, batch axes included.
+    NumPy, over the whole value, batch axes included; as `Stats` computes
+    them, complex numbers by their absolute values (an infinite real part
+    with a NaN imaginary one counts as an Inf), PRNG keys by their key data.
 
     `Stats` keeps statistics per example of each `jax.vmap` (and per shard
     of each `shard_map`); the table combines them over the batch and the

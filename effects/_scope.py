@@ -651,6 +651,8 @@ def _applied(handler, site: Site, value, ctx: Context, unknown: list[bool]):
         if isinstance(e, Misfit):  # (from `ctx.example`)
             raise ValueError(f"{name}: {e}") from e
         if not any(unknown):
+            if where not in str(e):  # (a user's own error: at which site)
+                e.add_note(f"(raised in {name}.apply at {where})")
             raise
         raise ValueError(_EMIT_UNKNOWN.format(handler=name, where=where)) from e
 

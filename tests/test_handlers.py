@@ -1881,3 +1881,21 @@ def test_mode_errors_name_the_handler_that_has_the_mode():
         fx.handle(lambda x: fx.tag(x, "h"), Concat())(X)
     with pytest.raises(ValueError, match="Tag\\(mode='append'\\) cannot append"):
         fx.handle(loop, fx.Tag())(X)
+
+
+def test_an_error_in_a_handlers_apply_says_which_handler_and_tag():
+    class Boom(fx.Handler):
+        def apply(self, site, value, ctx):
+            if site.name == "second":
+                raise RuntimeError("boom")
+            return value
+
+    def f(x):
+        return fx.tag(fx.tag(x, "first") * 2, "second")
+
+    with pytest.raises(RuntimeError, match="boom") as caught:
+        fx.handle(f, Boom())(X)
+    # (JAX adds a note of its own after ours)
+    assert caught.value.__notes__[0] == (
+        "(raised in Boom.apply at tag 'second' (collection 'intermediates'))"
+    )
