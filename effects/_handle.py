@@ -792,13 +792,21 @@ def _report(scope: Scope, handlers) -> Found:
             names[name] = scope.accs[key]
         elif key in scope.entries:
             values = tuple(v for v, _ in scope.entries[key])
-            if site.part == "cotangent":  # (the backward pass runs last first)
-                values = values[::-1]
+            if site.part == "cotangent":  # (a backward pass runs last first)
+                values = _forward(values, scope.passes.get(key, ()))
             names[name] = values[0] if mode.single else values
     for collection, names in found.items():
         if collection.endswith(":cotangent"):  # names too, in forward order
             found[collection] = Found(reversed(names.items()))
     return found
+
+
+def _forward(values: tuple, passes) -> tuple:
+    """A name's cotangents in the order of the executions they belong to:
+    each backward pass's (from where `passes` says it starts) reversed."""
+    starts = sorted({0, *(start for start, _ in passes), len(values)})
+    parts = [values[a:b][::-1] for a, b in zip(starts, starts[1:])]
+    return tuple(v for part in parts for v in part)
 
 
 def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:

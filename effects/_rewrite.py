@@ -358,6 +358,9 @@ def handle_site(params, avals, invals, scope: Scope) -> list[Any]:
     site = Site.from_eqn(params, avals, scope.shards)
     if site.part != "value":
         return _derivative(site, params, avals, list(invals), scope)
+    if not scope.replaying:
+        values = scope.rewrite.values
+        values[site.name] = values.get(site.name, 0) + 1
     leaves, consumed = _act(site, list(invals), scope)
     if consumed or not handling.value:
         return leaves

@@ -142,6 +142,9 @@ class Rewrite:
     # Per site name: a handler changes it per example where a vmap does not
     # batch it (see `Unbatched`).
     unbatched: dict = dataclasses.field(default_factory=dict)
+    # Per site name: its value's executions met so far (a recomputation's
+    # left out), which tell one backward pass's cotangents from the next's.
+    values: dict = dataclasses.field(default_factory=dict)
     # Whether regions whose handlers keep every value are spliced (see
     # `_rewrite.trace_rewrite`), and whether a handler changed one there after
     # all: then the rewrite is done again, splicing nothing.
@@ -227,6 +230,9 @@ class Scope:
         # next one's entry in the layout `Tag()` reports), once one is here:
         # before, the scope outside counts them (`count`).
         self.calls: dict[Key, int] = {}
+        # Per cotangent key appended to here: where each backward pass's
+        # entries start, with the value's executions met before it.
+        self.passes: dict[Key, list[tuple[int, int]]] = {}
         # The iteration of each loop around this region, outermost first (int32
         # scalars; None in a first trace), and whether a handler read them
         # (`Context.at`): a loop threads its index only then.
@@ -282,6 +288,11 @@ class Scope:
     def add_entry(self, key: Key, value, axes: Axes) -> None:
         # (the key's site is known: its first execution, or a region's plan)
         entries = self.entries.setdefault(key, [])
+        if self.sites[key].part == "cotangent":
+            # (the name's value executed since its last cotangent: a pass anew)
+            values, passes = self.rewrite.values.get(key[1], 0), self.passes
+            if passes.get(key, [(0, None)])[-1][1] != values:
+                passes.setdefault(key, []).append((len(entries), values))
         self.appended.setdefault(key, len(entries))
         entries.append((_strong_tree(value), axes))
         mode = self.handlers.modes[key[0]]
