@@ -2496,7 +2496,12 @@ def _two_handlers(program, a, b) -> str:
     if merged_error is not None:
         return "same error"
     (out, inner), outer = nested
-    assert_identical(merged, (out, merge_found(inner, outer)), f"{a!r}, {b!r}")
+    # Within an ulp, not bit for bit: the two forms give XLA the same equations,
+    # a handler's arrays as arguments in one and as constants in the other, and
+    # JAX alone moves a result by an ulp between the two (`jax.jit(g)(o, x)`
+    # against `jax.jit(lambda x: g(o, x))(x)` for `g` adding `o` to sines of
+    # `x`, on CPU with jax 0.7 to 0.11).
+    assert_as_plain(merged, (out, merge_found(inner, outer)), f"{a!r}, {b!r}")
     return "equal"
 
 
