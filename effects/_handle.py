@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
+import math
 import threading
 import types
 from collections.abc import Callable
@@ -160,13 +161,22 @@ def _merge(dynamic, static, treedef):
     return jax.tree.unflatten(treedef, [next(it) if s is None else s for s in static])
 
 
+def _static_key(x):
+    # A static value with its type, as `jax.jit` keys its static arguments (2
+    # and 2.0 are equal, and trace apart), and a float with its sign (-0.0 and
+    # 0.0 are equal, and divide apart).
+    if type(x) is float:
+        return float, x, math.copysign(1.0, x)
+    return type(x), x
+
+
 def _signature(static, treedef, dynamic):
     """A hashable key for the arguments' structure, static values and types, or
     None when a static value is unhashable."""
     return _hashable(
         (
             treedef,
-            static,
+            tuple(map(_static_key, static)),
             tuple((a.shape, a.dtype, a.weak_type) for a in map(aval, dynamic)),
             # (a trace under `jax.enable_x64` differs, as `jax.jit`'s caches know)
             _compat.trace_context(),

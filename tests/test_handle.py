@@ -511,6 +511,29 @@ def test_python_scalar_static_arguments_retrace_on_change():
     assert traces == [(2, 2.0), (3, 2.0), (2, 0.5)]
 
 
+@pytest.mark.parametrize("first, then", [(2, 2.0), (True, 1), (0.0, -0.0)])
+def test_equal_static_arguments_of_other_types_or_signs_trace_apart(first, then):
+    # 2 and 2.0 (True and 1, 0.0 and -0.0) are equal: the second call was
+    # served the first call's program, with its dtype (an int32 product that
+    # overflows where the float one does not) or its sign (1 / 0.0 for 1 / -0.0).
+    def f(x, s):
+        fx.tag(jnp.asarray(s), "s")
+        fx.tag(1.0 / (s * jnp.ones(2)), "inverse")
+        return fx.tag(x * s, "product")
+
+    x = jnp.array([2**30, 3], jnp.int32)
+    h = fx.handle(f, fx.Tag())
+    h(x, first)
+    out, found = h(x, then)
+    want = {"s": jnp.asarray(then), "inverse": 1.0 / (then * jnp.ones(2))}
+    assert out.dtype == f(x, then).dtype
+    np.testing.assert_array_equal(out, f(x, then))
+    for name, value in want.items():
+        (got,) = found["intermediates"][name]
+        assert got.dtype == value.dtype, name
+        np.testing.assert_array_equal(got, value)
+
+
 @functools.cache
 def _mlp(seed=0):
     shapes = eqx.filter_eval_shape(
