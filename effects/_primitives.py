@@ -283,6 +283,18 @@ _RESERVED = (
 )
 
 
+_FOLDED = (
+    "{fn}: the value of {name!r} (collection {collection!r}) is computed "
+    "while the function is traced, under `jax.ensure_compile_time_eval()` (JAX's "
+    "eager constant folding): it is a constant there, and no program holds it for "
+    "a handler to see or change. Tag it after the `with` block."
+)
+
+
+def _is_tracer(x) -> bool:
+    return isinstance(x, _compat.Tracer)
+
+
 def _to_array(fn: str, name: str, collection: str, path, leaf) -> Any:
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
         return jnp.asarray(leaf)
@@ -334,6 +346,8 @@ def _bind_site(fn: str, value, name, collection, kind):
         # (JAX's caches of traces key on the handling state, a user context:
         # `handle` traces its own, with the site.)
         return leaves[0] if treedef is LEAF else jax.tree.unflatten(treedef, leaves)
+    if jax.config.eager_constant_folding and not any(map(_is_tracer, leaves)):
+        raise ValueError(_FOLDED.format(fn=fn, name=name, collection=collection))
     params = dict(
         name=name,
         collection=collection,

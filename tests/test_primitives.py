@@ -341,6 +341,22 @@ def test_non_string_collection_is_a_type_error_naming_the_tag(prim, _, collectio
         prim(X, "my_tag", collection=collection)
 
 
+@pytest.mark.parametrize("prim, _", PRIMITIVES)
+def test_a_value_folded_at_trace_time_is_refused_naming_the_tag(prim, _):
+    # Under `jax.ensure_compile_time_eval`, JAX evaluates a tag of constants on
+    # the spot and stages no equation: `fx.Tag()` reported nothing, and a
+    # `Substitute` named it unknown.
+    def f(x):
+        with jax.ensure_compile_time_eval():
+            c = prim(jnp.arange(3.0) * 2, "folded")
+        return x + c
+
+    with pytest.raises(ValueError, match="'folded'.*ensure_compile_time_eval"):
+        fx.handle(f, fx.Tag())(X[:3])
+    # Outside `handle` it is the identity, as any tag is there.
+    np.testing.assert_array_equal(jax.jit(f)(X[:3]), X[:3] + jnp.arange(3.0) * 2)
+
+
 #
 # The handling state is part of JAX's trace context
 #
