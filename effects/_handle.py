@@ -66,6 +66,12 @@ _NOT_DIFFERENTIATED = (
     "Handle `jax.{transform}(f)`, not `f` (`jax.{transform}(fx.handle(f, ...))` "
     "differentiates outside the handler, which then sees values only)."
 )
+_INTEGER_VALUES = (
+    "{handler}(of={part!r}) matches the {kind} {names}, whose values hold "
+    "integers, booleans or keys only: JAX differentiates no such value, so "
+    "{it} no {part}. Leave {them} out of `names` (a list of the others, or a "
+    "predicate)."
+)
 _IN_CUSTOM_RULE = (
     "{handler}(of={part!r}) matches the {kind} {names}, which {sit} inside a "
     "`custom_jvp`/`custom_vjp` function whose rule gives the derivative "
@@ -469,6 +475,8 @@ def _check_derivatives(traced: _Traced, handlers) -> None:
             continue
         if all(len(missing) == len(values) for _, values, missing in checked):
             (part, _, names), message = checked[0], _NOT_DIFFERENTIATED
+            if not _inexact_values(traced, names):
+                message = _INTEGER_VALUES
         else:
             if custom is None:
                 custom = {
@@ -499,6 +507,17 @@ def _check_derivatives(traced: _Traced, handlers) -> None:
 
 
 _CUSTOM = ("custom_jvp_call", "custom_vjp_call")
+
+
+def _inexact_values(traced: _Traced, keys) -> bool:
+    """Whether a value site of one of `keys` holds a floating or complex leaf."""
+    keys = {k[:3] for k in keys}
+    return any(
+        jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact)
+        for s in walk(traced.jaxpr).sites
+        if s.key[:3] in keys and s.key[3] == "value"
+        for v in s.eqn.invars
+    )
 
 
 def probes_key(site: Site) -> tuple[str, str, str, str]:

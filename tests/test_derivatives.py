@@ -802,6 +802,21 @@ def _custom_vjp_model():
     return f
 
 
+@pytest.mark.parametrize("of", ["cotangent", "tangent"])
+def test_tags_of_integers_have_no_derivative_and_the_error_says_why(of):
+    # The error said the handled function differentiates none of them and to
+    # handle `jax.grad(f)`, which was done: JAX differentiates no integer.
+    def f(x):
+        n = fx.tag(jnp.int32(3), "n")
+        i = fx.tag(jnp.floor(x).astype(jnp.int32), "i")
+        return jnp.sum(x * n + i)
+
+    transform = jax.grad(f) if of == "cotangent" else lambda x: jax.jvp(f, (x,), (x,))
+    said = f"'i', 'n', whose values hold integers.* no {of}"
+    with pytest.raises(ValueError, match=said):
+        fx.handle(transform, fx.Tag(of=of))(X)
+
+
 def test_derivatives_of_an_undifferentiated_function_are_an_error():
     # No jax.grad inside handle (or one outside it): no derivative site at all,
     # which a handler of derivatives says rather than find nothing. A tag whose
