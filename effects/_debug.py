@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import html
+import json
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.export
 import jax.numpy as jnp
 import numpy as np
 
@@ -93,6 +95,16 @@ jax.tree_util.register_pytree_with_keys(
     Statistics._unflatten,
     lambda s: (tuple(s._stats.values()), (s.shape, s.dtype, s.stacked)),
 )
+jax.export.register_pytree_node_serialization(
+    Statistics,
+    serialized_name="effects.Statistics",
+    serialize_auxdata=lambda about: json.dumps(about).encode(),
+    deserialize_auxdata=lambda data: tuple(map(_tuple_or_str, json.loads(data))),
+)
+
+
+def _tuple_or_str(x):
+    return x if isinstance(x, str) else tuple(x)
 
 
 def _is_key(x) -> bool:

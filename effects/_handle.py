@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
+import json
 import math
 import threading
 import types
@@ -16,6 +17,7 @@ from typing import Any, ParamSpec, TypeVar, cast
 
 import equinox as eqx
 import jax
+import jax.export
 import numpy as np
 
 from . import _branches, _compat, _jaxpr
@@ -786,6 +788,13 @@ def _found_unflatten(keys, values) -> Found:
 
 jax.tree_util.register_pytree_with_keys(
     Found, _found_flatten_with_keys, _found_unflatten, _found_flatten
+)
+# So that `jax.export` serializes a handled function, whose output holds one.
+jax.export.register_pytree_node_serialization(
+    Found,
+    serialized_name="effects.Found",
+    serialize_auxdata=lambda keys: json.dumps(keys).encode(),
+    deserialize_auxdata=lambda data: tuple(json.loads(data)),
 )
 
 

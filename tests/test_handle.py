@@ -1201,6 +1201,25 @@ def test_a_handler_matching_nothing_leaves_the_untagged_program(tagged):
     assert program.count(" = ") == plain.count(" = ")  # equation for equation
 
 
+@pytest.mark.parametrize("handler", [fx.Tag(), fx.Stats()], ids=["Tag", "Stats"])
+def test_an_exported_handled_function_serializes_and_runs(handler):
+    # `found` is an `fx.Found` (its `Stats` entries `fx.Statistics`): pytree
+    # types `jax.export` did not know how to serialize.
+    from jax import export
+
+    def f(x):
+        return jnp.sum(fx.tag(jnp.tanh(x), "h") ** 2)
+
+    x = jnp.linspace(-1.0, 1.0, 6)
+    handled = fx.handle(f, handler)
+    exported = export.export(jax.jit(handled))(jax.ShapeDtypeStruct(x.shape, x.dtype))
+    back = export.deserialize(exported.serialize())
+    got, want = back.call(x), handled(x)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert_trees_close(got, want)
+    assert list(got[1]["intermediates"]) == ["h"]
+
+
 def test_handled_gradient_compiles_like_the_hand_written_one():
     params = _params(1, (3, 8, 2))
     x = jnp.ones((5, 3))
