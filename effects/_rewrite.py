@@ -347,7 +347,16 @@ def needs_rewrite(handlers, sites, effects, handling_outside: bool) -> bool:
 def _site_rule(eqn, invals, scope: Scope) -> list[Any]:
     if eqn.params.get("recompute") and not scope.replaying:
         scope = scope.replay()  # a copy: its execution is reported by the original
-    return handle_site(eqn.params, [v.aval for v in eqn.invars], invals, scope)
+    avals = [v.aval for v in eqn.invars]
+    # A constant's literal holds a Python scalar (a bool, say): handlers get
+    # arrays.
+    literals = [type(v) is _compat.Literal for v in eqn.invars]
+    if any(literals):
+        invals = [
+            jax.numpy.asarray(x, a.dtype) if lit else x
+            for x, a, lit in zip(invals, avals, literals)
+        ]
+    return handle_site(eqn.params, avals, invals, scope)
 
 
 def handle_site(params, avals, invals, scope: Scope) -> list[Any]:

@@ -553,6 +553,29 @@ def test_intermediate_grads_and_perturb_at_tags():
         )(X)
 
 
+@pytest.mark.parametrize("value", [True, 3, 2.5, jnp.array(True)], ids=repr)
+def test_a_tag_of_a_constant_reaches_apply_as_an_array(value):
+    # The jaxpr holds a constant scalar as a literal of a Python scalar, which
+    # `apply` got as it was: `find_nonfinite` failed reading its `dtype`.
+    seen = []
+
+    class Look(fx.Handler):
+        def apply(self, site, value, ctx):
+            seen.append((site.name, jnp.shape(value), jnp.result_type(value)))
+            assert isinstance(value, jax.Array), type(value)
+            return value
+
+    def f(x):
+        fx.tag(jnp.asarray(value), "constant")
+        return jnp.sum(fx.tag(jnp.log(x), "log"))
+
+    x = jnp.array([1.0, -2.0])
+    out, _ = fx.handle(f, Look())(x)
+    assert_trees_close(out, f(x))
+    assert seen[0] == ("constant", (), jnp.asarray(value).dtype)
+    assert fx.find_nonfinite(f, x).name == "log"
+
+
 @pytest.mark.parametrize("jit", [False, True])
 def test_intermediate_grads_of_values_with_no_gradient(jit):
     # Integers, booleans and PRNG keys among the tags have the float0 zero
