@@ -353,6 +353,13 @@ def shard_aval(params, spec, aval):
     )
 
 
+def explicit_sharding(aval):
+    """`aval`'s sharding where it names a mesh axis (under an Explicit-axis
+    mesh, where the type carries it), else None."""
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    return aval.sharding if spec is not None and any(spec) else None
+
+
 def vary_over_manual_axes(x):
     """Inside a `shard_map` that checks varying axes, marks `x` as varying over
     every manual mesh axis, so values built inside (zeros) and values computed

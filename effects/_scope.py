@@ -35,8 +35,11 @@ _ACC_CHANGED = (
 )
 _BATCH_MISMATCH = (
     "{where} is reduced over executions under different vmaps (batch axes of "
-    "sizes {a} and {b}), which cannot be combined per example. Give them "
-    "different names, or use mode='append'."
+    "sizes {a} and {b}), which cannot be combined per example: two vmaps of "
+    "different sizes, or a `lax.map` whose `batch_size` does not divide its "
+    "length (its remainder runs under a smaller vmap). Give the executions "
+    "different names, use mode='append', or a handler of the whole batch "
+    "(`fx.Reduce(..., per_example=False)`)."
 )
 _REDUCE_FAILED = (
     "{where}: {mode} failed on the accumulator {acc} and the value {value}: {error}. "
@@ -81,15 +84,19 @@ _INPUT_IN_REPLAY = (
 def zeros(avals):
     # A zero broadcast: a third of what `jnp.zeros` costs to trace (this runs
     # for every accumulator and stand-in).
-    return jax.tree.map(lambda a: broadcast_zero(a.shape, a.dtype), avals)
+    return jax.tree.map(_zero, avals)
 
 
-def broadcast_zero(shape, dtype):
+def _zero(aval):
+    shape, dtype = aval.shape, aval.dtype
     if dtype == jax.dtypes.float0:  # (the tangent type of an integer)
         return np.zeros(shape, dtype)
     if jnp.issubdtype(dtype, jax.dtypes.extended):  # (a PRNG key's)
         return jnp.zeros(shape, dtype)
-    return lax.broadcast_in_dim(np.zeros((), dtype), shape, ())
+    # Sharded as the value where its type says how (an Explicit-axis mesh):
+    # an accumulator a loop carries keeps its type.
+    sharding = _compat.explicit_sharding(aval)
+    return lax.broadcast_in_dim(np.zeros((), dtype), shape, (), out_sharding=sharding)
 
 
 class Handlers(tuple):
@@ -510,17 +517,37 @@ def types_key(types) -> tuple:
     return tree, tuple((t.shape, t.dtype) for t in leaves)
 
 
+def _batch_spec(site: Site):
+    """How the value's vmap batch axes are sharded, outermost first, where its
+    type says (an Explicit-axis mesh) and one of them is; else None."""
+    sharding = _compat.explicit_sharding(site.avals[0]) if site.avals else None
+    if sharding is None:
+        return None
+    spec = tuple(sharding.spec) + (None,) * len(site.avals[0].shape)
+    batch = tuple(None if a is None else spec[a] for a, _ in site.batch[0])
+    return batch if any(batch) else None
+
+
 def _acc_init(reduce, site: Site, sizes: tuple[int, ...]):
     # One example's accumulator, the same for every example (of the vmaps of
     # `sizes`; none for a handler of the whole batch, whose `init` gets zeros
     # shaped like the whole value). Inside a shard_map an accumulator differs
     # per shard: it varies over the manual mesh axes from the start, as a loop
     # carrying it needs.
-    value = reduce.init(zeros(site.front_avals() if not sizes else site.shape_dtype))
+    if sizes:
+        avals = site.shape_dtype
+    elif site.nbatch:
+        avals = site.front_avals()
+    else:  # (the program's types, with the shardings an Explicit-axis mesh gives)
+        avals = jax.tree.unflatten(site.treedef, list(site.avals))
+    value = reduce.init(zeros(avals))
+    spec = _batch_spec(site) if sizes else None
 
     def per_example(x):
         x = strong(x)
         x = jnp.broadcast_to(x, sizes + x.shape) if sizes else x
+        if spec is not None:  # (batch axes sharded as the value's)
+            x = jax.sharding.reshard(x, jax.sharding.PartitionSpec(*spec))
         return _compat.vary_over_manual_axes(x)
 
     return jax.tree.map(per_example, value)

@@ -1488,6 +1488,71 @@ def test_every_mode_per_shard(mode):
     assert_trees_close(found, found_of(c=expected))
 
 
+def test_a_sum_over_a_lax_map_remainder_names_the_cause_and_the_ways_out():
+    # `lax.map` with a `batch_size` that does not divide its length runs its
+    # remainder under a smaller vmap: the message advised renaming what the
+    # user cannot rename (one function), and did not name `lax.map`.
+    xs = lin(0.0, 1.3, 14).reshape(7, 2)
+    f = lambda x: fx.tag(jnp.sin(x), "h").sum()  # noqa: E731
+    mapped = lambda xs: lax.map(f, xs, batch_size=3)  # noqa: E731
+    with pytest.raises(ValueError, match="'h'.*`lax.map` whose `batch_size`"):
+        fx.handle(mapped, fx.Tag(mode="sum"))(xs)
+    whole = fx.Reduce(lambda a, x: a + x.sum(), lambda z: z.sum(), per_example=False)
+    _, found = fx.handle(mapped, fx.Tag(mode=whole))(xs)
+    assert_trees_close(found, found_of(h=np.sin(xs).sum()))
+
+
+@pytest.mark.parametrize("mode", ["last", "sum", "append"])
+def test_every_mode_of_a_sharded_scan_under_an_explicit_mesh(mode):
+    # Under an Explicit-axis mesh a value's type carries its sharding: a
+    # reduction's accumulator made unsharded gave the rewritten scan a carry
+    # of two types, which JAX refused naming neither the tag nor the handler.
+    mesh = jax.make_mesh(
+        (4,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=devices(4)
+    )
+
+    def f(x):
+        body = lambda c, _: (fx.tag(jnp.sin(c) + 0.1, "c"), None)  # noqa: E731
+        return lax.scan(body, x, None, length=3)[0]
+
+    x = lin(-2.0, 2.0, 24).reshape(8, 3)
+    steps = [np.asarray(x)]
+    for _ in range(3):
+        steps.append(np.sin(steps[-1]) + 0.1)
+    cs = np.stack(steps[1:])
+    want = {"last": cs[-1], "sum": cs.sum(0), "append": (cs,)}[mode]
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("d")))
+        out, found = jax.jit(fx.handle(f, fx.Tag(mode=mode)))(xs)
+    assert_trees_close(out, cs[-1])
+    assert_trees_close(found, found_of(c=want))
+
+
+@pytest.mark.parametrize("mode", ["last", "sum"])
+@pytest.mark.parametrize("inside", [True, False])
+def test_a_reduction_under_a_vmap_of_a_sharded_batch_under_an_explicit_mesh(
+    mode, inside
+):
+    # The per-example accumulators were made unsharded, and JAX refused the
+    # vmap of them beside the sharded values ("Mapped away dimension of inputs
+    # passed to vmap should be sharded the same").
+    mesh = jax.make_mesh(
+        (4,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=devices(4)
+    )
+    g = lambda r: fx.tag(r * 2.0, "r").sum()  # noqa: E731
+    handled = (
+        fx.handle(jax.vmap(g), fx.Tag(mode=mode))
+        if inside
+        else jax.vmap(fx.handle(g, fx.Tag(mode=mode)))
+    )
+    x = lin(-2.0, 2.0, 24).reshape(8, 3)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("d")))
+        out, found = jax.jit(handled)(xs)
+    assert_trees_close(out, 2.0 * x.sum(1))
+    assert_trees_close(found, found_of(r=2.0 * x))
+
+
 def test_reduction_outside_and_inside_shards_is_per_shard():
     # A name reduced before the shard_map and inside it: each shard goes on from
     # the value outside, as each example of a vmap would.
