@@ -701,7 +701,9 @@ _RECOMPUTED_ONLY = (
     "{handler} would report none of its executions. Handle the function before "
     "differentiating it (`jax.grad(lambda *a: fx.handle(f, ...)(*a)[0])`), or "
     "`fx.tag` a value in the same `jax.checkpoint` function: a tag tells the "
-    "forward pass's copy apart."
+    "forward pass's copy apart. A tag in the backward rule of a `custom_vjp` "
+    "function inside a `jax.checkpoint` runs there too, and cannot be told "
+    "apart: call the `custom_vjp` function outside the checkpoint."
 )
 _HOISTED = (
     "{handler} matches {where}, whose value a loop body (`lax.scan`, "
