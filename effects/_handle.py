@@ -911,9 +911,8 @@ class _Config:
     def of(cls, handlers) -> tuple[_Config, list[Any]]:
         leaves, static, treedef = _split(handlers)
         batched = frozenset(n for h in handlers for n in h.per_call_inputs())
-        return cls(
-            handlers, static, treedef, _hashable((treedef, static)), batched
-        ), leaves
+        key = _hashable((treedef, tuple(map(_static_key, static))))
+        return cls(handlers, static, treedef, key, batched), leaves
 
     @property
     def cache_key(self):

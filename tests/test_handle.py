@@ -534,6 +534,20 @@ def test_equal_static_arguments_of_other_types_or_signs_trace_apart(first, then)
         np.testing.assert_array_equal(got, value)
 
 
+def test_handlers_with_equal_fields_of_other_types_or_signs_trace_apart():
+    # A handler's field that is a leaf is keyed as a static argument is.
+    class Divide(fx.Handler):
+        by: float = 1.0
+
+        def apply(self, site, value, ctx):
+            return value / self.by
+
+    f = lambda x: fx.tag(x, "h") * 1.0  # noqa: E731
+    one = jnp.float32(1.0)
+    assert fx.handle(f, Divide(0.0))(one)[0] == jnp.inf
+    assert fx.handle(f, Divide(-0.0))(one)[0] == -jnp.inf
+
+
 @functools.cache
 def _mlp(seed=0):
     shapes = eqx.filter_eval_shape(
