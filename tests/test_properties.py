@@ -1991,13 +1991,18 @@ def test_handle_of_vmap_equals_vmap_of_handle(program):
     infos = analyse(program)
     f, xs = program.function(), program.batch()
     handlers = collecting(infos)
-    inside = jax.jit(jax.vmap(fx.handle(f, *handlers)))(xs)
+    collect = jax.jit(jax.vmap(fx.handle(f, *handlers)))
+    inside = collect(xs)
     # Per example, as the reference has it.
     per_example = [reference(program, k) for k in range(len(xs))]
     want = jax.tree.map(
         lambda *e: np.stack(e), *[(e.out, collected(e)) for e in per_example]
     )
-    with unless_rounding_alone_misses(lambda: jax.vmap(f)(xs), want[0]):
+    # (the values collected, nudged: an intermediate value near 1e3 passed
+    # through a `sin` carries float32 rounding that the output, a sum with the
+    # value itself, does not show)
+    nudged = lambda: (inside[1], collect(xs * np.float32(1 + 4e-7))[1])  # noqa: E731
+    with unless_rounding_alone_misses(lambda: jax.vmap(f)(xs), want[0], nudged):
         assert_close(inside, want, what="vmap(handle(f))")
 
     tagged = ("intermediates", "loop", "perturbations", "custom_perturbations")
