@@ -145,6 +145,12 @@ def register_partial_eval_custom_rule(prim, rule: Callable) -> None:
     _pe.partial_eval_jaxpr_custom_rules[prim] = rule
 
 
+def folding_constants() -> bool:
+    """Whether JAX evaluates an operation of constants on the spot while
+    tracing (`jax.ensure_compile_time_eval`), staging no equation."""
+    return _config.eager_constant_folding.value
+
+
 def is_top_level() -> bool:
     """True when no JAX transformation is being traced (jax 0.10)."""
     return _core.trace_ctx.is_top_level()

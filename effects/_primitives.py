@@ -346,7 +346,7 @@ def _bind_site(fn: str, value, name, collection, kind):
         # (JAX's caches of traces key on the handling state, a user context:
         # `handle` traces its own, with the site.)
         return leaves[0] if treedef is LEAF else jax.tree.unflatten(treedef, leaves)
-    if jax.config.eager_constant_folding and not any(map(_is_tracer, leaves)):
+    if _compat.folding_constants() and not any(map(_is_tracer, leaves)):
         raise ValueError(_FOLDED.format(fn=fn, name=name, collection=collection))
     params = dict(
         name=name,
