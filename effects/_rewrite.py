@@ -8,6 +8,7 @@ Calls are traced once, on the scope they are in; loops and branches as
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -435,7 +436,7 @@ def _derivative(site: Site, params, avals, invals, scope: Scope):
         p, d = primal, leaves
         for i, of_value in steps:
             if of_value:
-                p, d = _jvp(lambda q, i=i: act(scope, i, value, q, within=part), p, d)
+                p, d = _jvp(functools.partial(_acted, scope, i, value, site.pair), p, d)
             else:
                 d = act(scope, i, site, d, primal=p)
         return rebind(p, d) if outer else d
@@ -453,6 +454,16 @@ def _derivative(site: Site, params, avals, invals, scope: Scope):
     for i, p_i, back in reversed(seen):
         d = list(back(d)[0]) if back is not None else act(scope, i, site, d, primal=p_i)
     return d
+
+
+def _acted(scope: Scope, i: int, value: Site, pair, q):
+    """Handler `i` acts on the primal value `q` at a tangent site, which is
+    also what tells whether it keeps a value whose own site the program does
+    not hold (a linearization JAX computed apart: `_derivatives_kept`)."""
+    new = act(scope, i, value, q, within="tangent")
+    kept = scope.rewrite.kept
+    kept[i, pair] = kept.get((i, pair), True) and new is q
+    return new
 
 
 def _jvp(fn, primal, tangent):

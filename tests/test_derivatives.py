@@ -753,6 +753,39 @@ def _solve(diffrax, tag, solver, window=(-1.0, 2.0)):
     return loss
 
 
+@pytest.mark.parametrize("solver", ["GaussNewton", "LevenbergMarquardt", "Newton"])
+def test_a_looking_handler_of_a_residual_optimistix_linearizes(solver):
+    # Gauss-Newton solvers linearize the residual apart: the tangent of its tag
+    # sits in lineax's `linear_solve` with no value of its pair in the program,
+    # and a handler that only looks was refused there as if it changed it.
+    optx = pytest.importorskip("optimistix")
+    target = np.array([0.3, -0.2, 0.5], f32)
+    seen = []
+
+    def residual(y, a):
+        r = jnp.tanh(y) + a * y - target
+        jax.debug.callback(lambda v: seen.append(np.asarray(v)), r)
+        return r
+
+    def solve(a, tag):
+        fn = (lambda y, a: fx.tag(residual(y, a), "r")) if tag else residual
+        kind = getattr(optx, solver)(rtol=1e-6, atol=1e-6)
+        y0 = jnp.zeros(3)
+        if solver == "Newton":
+            return optx.root_find(fn, kind, y0, args=a).value
+        return optx.least_squares(fn, kind, y0, args=a).value
+
+    a = f32(1.5)
+    want = jax.jit(lambda a: solve(a, False))(a)
+    jax.effects_barrier()
+    seen.clear()
+    out, found = jax.jit(fx.handle(lambda a: solve(a, True), fx.Tag(mode="last")))(a)
+    jax.effects_barrier()
+    assert_trees_close(out, want)
+    # (the last residual the solve computed, as a callback beside the tag saw it)
+    assert_trees_close(found["intermediates"]["r"], seen[-1])
+
+
 def test_cotangents_inside_a_diffrax_solve():
     # The solve's loop is a custom_vjp whose backward rule recomputes the
     # forward steps (checkpointed) and runs their VJPs in a loop: the
