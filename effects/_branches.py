@@ -36,16 +36,19 @@ Key = tuple[str, str, str, tuple]
 
 def suspects(jaxpr) -> frozenset[Key]:
     """The sites that may sit in a branch a vmap turned into a select, unmarked:
-    every `tag` and `perturb`, when the program has a vmap of a site and a
-    select (every such branch leaves one). A `checkpoint_name` is JAX's own
-    primitive, which no mark reaches: it is left out."""
+    every `tag` and `perturb` inside a jaxpr of the program's (a `jit`, a loop,
+    a `cond`: what a branch calls is traced apart, and cached), when the program
+    has a vmap of a site and a select (every such branch leaves one). One the
+    program holds at its top level was bound in the branch itself, and marked
+    there. A `checkpoint_name` is JAX's own primitive, which no mark reaches:
+    it is left out."""
     found = walk(jaxpr)
     tags = [s for s in found.sites if s.eqn.primitive is site_p]
     if jax.lax.select_n_p not in found.primitives or not any(
         any(s.eqn.params["batch"]) for s in tags
     ):
         return frozenset()
-    return frozenset(map(_key, tags))
+    return frozenset(_key(s) for s in tags if s.path)
 
 
 def marked(jaxpr) -> frozenset[Key]:
