@@ -45,7 +45,9 @@ _NOT_HANDLER = (
 )
 _UNKNOWN_NAME = (
     "{handler}: no {kind} {named} {name}{where}. Known names: {known}. (A tag "
-    "inside a callback's Python function is never seen: tag its result instead.)"
+    "inside a callback's Python function, or one a primitive keeps to trace "
+    "later (a lineax iterative solve's operator), is never seen: tag its "
+    "result instead.)"
 )
 _NO_DERIVATIVE = (
     " A {part} site exists where a `jax.{transform}` inside the handled function "
