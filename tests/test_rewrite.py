@@ -1553,6 +1553,28 @@ def test_a_reduction_under_a_vmap_of_a_sharded_batch_under_an_explicit_mesh(
     assert_trees_close(found, found_of(r=2.0 * x))
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_program_with_a_select_is_traced_again_only_for_nested_sites(nested):
+    # A select and a vmap of sites (every Equinox model: `jnp.where`, layers
+    # mapped over tokens) may hide a branch a vmap ran; a site the program
+    # holds at its top level was marked where bound, so only one in a jaxpr
+    # of the program (here a `jax.jit`'s) needs the second trace.
+    calls = []
+
+    def layer(x):
+        return fx.tag(jnp.where(x > 0, x, 0.1 * x), "h")
+
+    def f(xs):
+        calls.append(None)
+        return jax.vmap(jax.jit(layer) if nested else layer)(xs)
+
+    xs = lin(-1.0, 1.0, 6).reshape(3, 2)
+    out, found = fx.handle(f, fx.Tag())(xs)
+    want = np.where(xs > 0, xs, 0.1 * xs)
+    assert_trees_close((out, found), (want, found_of(h=(want,))))
+    assert len(calls) == (2 if nested else 1)
+
+
 def test_reduction_outside_and_inside_shards_is_per_shard():
     # A name reduced before the shard_map and inside it: each shard goes on from
     # the value outside, as each example of a vmap would.
