@@ -145,6 +145,10 @@ def register_partial_eval_custom_rule(prim, rule: Callable) -> None:
     _pe.partial_eval_jaxpr_custom_rules[prim] = rule
 
 
+def is_tracer(x) -> bool:
+    return isinstance(x, Tracer)
+
+
 def folding_constants() -> bool:
     """Whether JAX evaluates an operation of constants on the spot while
     tracing (`jax.ensure_compile_time_eval`), staging no equation."""

@@ -923,10 +923,6 @@ class _Config:
         return self if self.key is None else self.key
 
 
-def _is_tracer(x) -> bool:
-    return isinstance(x, _compat.Tracer)
-
-
 def _program(
     cache: _Cache, fn, config: _Config, h_leaves, static, treedef, dynamic
 ) -> _Program:
@@ -970,7 +966,9 @@ def _program(
             batched, unbatched = batched | e.names, e
             continue
         break
-    if key is not None and not any(map(_is_tracer, [*program.consts, *traced.consts])):
+    if key is not None and not any(
+        map(_compat.is_tracer, [*program.consts, *traced.consts])
+    ):
         cache.programs.put(key, program)
     return program
 
@@ -983,7 +981,7 @@ def _traced(cache: _Cache, fn, static, treedef, dynamic, sig, batched) -> _Trace
     traced = None if sig is None else cache.traces.get(sig)
     if traced is None:
         traced = _trace(fn, static, treedef, dynamic, batched)
-        if sig is not None and not any(map(_is_tracer, traced.consts)):
+        if sig is not None and not any(map(_compat.is_tracer, traced.consts)):
             cache.traces.put(sig, traced)
     return traced
 

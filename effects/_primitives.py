@@ -291,10 +291,6 @@ _FOLDED = (
 )
 
 
-def _is_tracer(x) -> bool:
-    return isinstance(x, _compat.Tracer)
-
-
 def _to_array(fn: str, name: str, collection: str, path, leaf) -> Any:
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
         return jnp.asarray(leaf)
@@ -346,7 +342,7 @@ def _bind_site(fn: str, value, name, collection, kind):
         # (JAX's caches of traces key on the handling state, a user context:
         # `handle` traces its own, with the site.)
         return leaves[0] if treedef is LEAF else jax.tree.unflatten(treedef, leaves)
-    if _compat.folding_constants() and not any(map(_is_tracer, leaves)):
+    if _compat.folding_constants() and not any(map(_compat.is_tracer, leaves)):
         raise ValueError(_FOLDED.format(fn=fn, name=name, collection=collection))
     params = dict(
         name=name,

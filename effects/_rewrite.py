@@ -348,14 +348,13 @@ def needs_rewrite(handlers, sites, effects, handling_outside: bool) -> bool:
 def _site_rule(eqn, invals, scope: Scope) -> list[Any]:
     if eqn.params.get("recompute") and not scope.replaying:
         scope = scope.replay()  # a copy: its execution is reported by the original
-    avals = [v.aval for v in eqn.invars]
     # A constant's literal holds a Python scalar (a bool, say): handlers get
     # arrays.
-    literals = [type(v) is _compat.Literal for v in eqn.invars]
-    if any(literals):
+    avals = [v.aval for v in eqn.invars]
+    if any(type(v) is _compat.Literal for v in eqn.invars):
         invals = [
-            jax.numpy.asarray(x, a.dtype) if lit else x
-            for x, a, lit in zip(invals, avals, literals)
+            jax.numpy.asarray(x, a.dtype) if type(v) is _compat.Literal else x
+            for x, a, v in zip(invals, avals, eqn.invars)
         ]
     return handle_site(eqn.params, avals, invals, scope)
 
