@@ -59,7 +59,9 @@ _NOT_REACHED = (
     " The `jax.{transform}` inside the handled function differentiates other "
     "tags, not this one: where its value does not depend on what is "
     "differentiated (a constant), JAX computes no {part} for it, nor inside "
-    "a `custom_jvp`/`custom_vjp` function (its rule gives the derivative). "
+    "a `custom_jvp`/`custom_vjp` function (its rule gives the derivative), nor "
+    "for an unused value in a checkpoint or cond inside a `jax.checkpoint` "
+    "(docs/sharp-bits.md). "
     "For the gradient with respect to it, use "
     "`fx.intermediate_grads(f, kind='tag')`."
 )

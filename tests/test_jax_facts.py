@@ -390,3 +390,53 @@ def test_an_empty_constant_added_in_a_shard_map_in_a_scan_fails_under_grad():
         assert compiled.returncode == -signal.SIGSEGV, compiled.stderr
     else:
         assert compiled.stdout == "compiled\n", compiled.stderr
+
+
+@pytest.mark.parametrize("region", ["checkpoint", "cond"])
+@pytest.mark.parametrize("outer", [False, True])
+def test_an_unused_region_in_a_checkpoint_loses_its_effects_in_the_backward_pass(
+    region, outer
+):
+    # docs/sharp-bits.md ("The cotangent of a tag nothing uses") and
+    # `NameInfo.no_cotangent` in tests/test_properties.py: transposing a
+    # `jax.checkpoint` partially evaluates its body again
+    # (`ad_checkpoint._transpose_jaxpr`), and there a `jax.checkpoint` or a
+    # `cond` none of whose outputs are used is left out, effects and all: an
+    # effectful, linear primitive in it (a tag's derivative site) is never
+    # transposed. Outside a checkpoint it is.
+    from jax._src import effects
+    from jax.interpreters import ad
+
+    class Probe(effects.Effect):
+        pass
+
+    probe = Probe()
+    for allowed in [
+        effects.remat_allowed_effects,
+        effects.control_flow_allowed_effects,
+        effects.partial_eval_kept_effects,
+    ]:
+        allowed.add_type(Probe)
+    probe_p = jax.extend.core.Primitive("fact_probe")
+    probe_p.def_impl(lambda x: x)
+    probe_p.def_effectful_abstract_eval(lambda x: (x, {probe}))
+    transposed = []
+
+    def transpose(ct, x):
+        # (as a tag's: a zero cotangent is transposed too, to report zeros)
+        transposed.append(ct)
+        return [probe_p.bind(ad.instantiate_zeros(ct))]
+
+    ad.primitive_jvps[probe_p] = lambda x, t: (probe_p.bind(*x), probe_p.bind(*t))
+    ad.primitive_transposes[probe_p] = transpose
+
+    def unused(v):
+        if region == "checkpoint":
+            jax.checkpoint(probe_p.bind)(v)
+        else:
+            jax.lax.cond(v[0] > 0, probe_p.bind, jnp.sin, v)
+        return v * 3.0
+
+    f = jax.checkpoint(unused) if outer else unused
+    jax.make_jaxpr(jax.grad(lambda x: jnp.sum(f(x))))(jnp.ones(3))
+    assert bool(transposed) != outer, len(transposed)

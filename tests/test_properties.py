@@ -715,10 +715,11 @@ class NameInfo:
     # backward pass's recomputation, and with no tag of ours in it to tell
     # them apart, both are taken for the latter.
     unseen_under_grad: bool = dataclasses.field(default=False, compare=False)
-    # A site in a `Discard` body, in a cond in a `jax.checkpoint`: JAX's partial
-    # evaluation of the checkpoint leaves the unused cond out, and the tag's
-    # cotangent site with it (a known gap: docs/sharp-bits.md, and the strict
-    # xfail in test_derivatives.py).
+    # A site in a `Discard` body, in an unused checkpoint or cond inside a
+    # `jax.checkpoint`: JAX's transposition of the checkpoint leaves the unused
+    # region out, and the tag's cotangent site with it (`_dropped_unused`; a
+    # known gap: docs/sharp-bits.md, and the strict xfail in
+    # test_derivatives.py).
     no_cotangent: bool = dataclasses.field(default=False, compare=False)
 
     @property
@@ -767,7 +768,7 @@ def counts(node) -> dict[str, int]:
 def analyse(program: Program) -> dict[str, NameInfo]:
     infos: dict[str, NameInfo] = {}
 
-    # The checkpoints and scans around the node, outermost first.
+    # The nodes around the node but sequences and forks, outermost first.
     path: list = []
 
     def walk(node, shape, context, custom, looped, dead, invariant=False):
@@ -781,9 +782,9 @@ def analyse(program: Program) -> dict[str, NameInfo]:
             old.dead = old.dead or dead
             old.invariant = old.invariant or invariant
             old.unseen_under_grad |= _unseen(path)
-            old.no_cotangent |= dead and _cond_in_checkpoint(path)
+            old.no_cotangent |= _dropped_unused(path)
             return
-        if isinstance(node, (Checkpoint, Scan, Cond)):
+        if not isinstance(node, (Seq, Fork)):
             path.append(node)
             try:
                 _walk_children(node, shape, context, custom, looped, dead)
@@ -831,10 +832,27 @@ def _unseen(path) -> bool:
     )
 
 
-def _cond_in_checkpoint(path) -> bool:
-    """Whether these checkpoints, scans and conds hold a cond in a checkpoint."""
-    inner = [i for i, node in enumerate(path) if isinstance(node, Checkpoint)]
-    return bool(inner) and any(isinstance(n, Cond) for n in path[inner[0] :])
+def _dropped_unused(path) -> bool:
+    """Whether JAX leaves the site's cotangent out (`NameInfo.no_cotangent`):
+    in a `Discard`, the checkpoints and conds holding the site, next to one
+    another (a jit or a vmap between them changes nothing), have none of their
+    outputs used, and partially evaluating a checkpoint around one of them
+    again, as transposing it does, leaves that one out, effects and all (with
+    JAX alone: tests/test_jax_facts.py::
+    test_an_unused_region_in_a_checkpoint_loses_its_effects_in_the_backward_pass)."""
+    for i, node in enumerate(path):
+        if not isinstance(node, Discard):
+            continue
+        around = any(isinstance(n, Checkpoint) for n in path[:i])
+        for inner in path[i + 1 :]:
+            if isinstance(inner, (Jit, Vmap)):
+                continue
+            if not isinstance(inner, (Checkpoint, Cond)):
+                break
+            if around:
+                return True
+            around = isinstance(inner, Checkpoint)
+    return False
 
 
 def _has_tag(node) -> bool:
@@ -2742,7 +2760,8 @@ def test_cotangents_and_tangents_of_tags_equal_the_reference(program):
     `handle(jvp of f)`: the jvp of the tagged values, by the reference. Not the
     tags under a custom derivative, where JAX runs the rule (no derivative
     site), nor narrow tags (discarded; a bool or an int has no derivative),
-    nor an unused tag in a cond in a checkpoint (`NameInfo.no_cotangent`).
+    nor an unused tag JAX leaves out of a checkpoint's backward pass
+    (`NameInfo.no_cotangent`).
     Loop-invariant tags (`hoisted`) included: their cotangents are per
     iteration."""
     expected = reference(program)
