@@ -65,6 +65,13 @@ _NOT_REACHED = (
     "For the gradient with respect to it, use "
     "`fx.intermediate_grads(f, kind='tag')`."
 )
+_TRANSPOSED = (
+    "{handler} acts on {where}, which is inside a function that "
+    "`jax.linear_transpose` transposes: the transposed program never computes "
+    "its value, nor takes its cotangent apart. Tag outside the transposed "
+    "function, or differentiate it instead (`fx.handle(jax.grad(f), "
+    "fx.Tag(of='cotangent'))` reports the tag's cotangent)."
+)
 _NOT_DIFFERENTIATED = (
     "{handler}(of={part!r}) matches the {kind} {names}, but the handled "
     "function differentiates none of them: a {part} exists where a "
@@ -666,6 +673,24 @@ def _check_recomputed_only(traced: _Traced, handlers) -> None:
                 )
 
 
+def _check_transposed(traced: _Traced, handlers) -> None:
+    """No handler acts on a site that `jax.linear_transpose` transposed (see
+    `_primitives._site_transpose`): the transposed program never computes its
+    value, nor its cotangent apart."""
+    for s in walk(traced.jaxpr).sites:
+        if not s.eqn.params.get("transposed"):
+            continue
+        probe = Site.probe(*s.key)
+        for h in handlers:
+            if any(h.matches(probe.of(part)) for part in _PARTS):
+                raise ValueError(
+                    _TRANSPOSED.format(handler=type(h).__name__, where=probe.where())
+                )
+
+
+_PARTS = ("value", "tangent", "cotangent")
+
+
 def _check_keys(traced: _Traced, handlers) -> None:
     """No handler sums a PRNG key: a key has no sum."""
     for s in walk(traced.jaxpr).sites:
@@ -953,6 +978,7 @@ def _program(
             first = str(e).splitlines()[0]
             raise ValueError(_CANNOT_BATCH.format(unbatched, first)) from e
         _check_names(traced.sites, handlers)
+        _check_transposed(traced, handlers)
         _check_derivatives(traced, handlers)
         _check_reporters(traced.sites, handlers)
         _check_loop_invariant(traced, handlers)

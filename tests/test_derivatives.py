@@ -1218,3 +1218,38 @@ def test_the_cotangents_of_two_backward_passes_are_listed_in_order(inside, outsi
     assert_trees_close(
         found["intermediates:cotangent"]["h"], (*by_hand(X), *by_hand(2 * X))
     )
+
+
+def _linear(x):
+    return fx.tag(2 * x, "h") + 3 * x
+
+
+def _transposed(c):
+    return jax.linear_transpose(_linear, jnp.zeros(3))(c)[0]
+
+
+@pytest.mark.parametrize(
+    "handler",
+    [fx.Tag(), fx.Tag(of="cotangent"), fx.Intervene({"h": lambda h: 5 * h})],
+    ids=["Tag", "cotangent", "Intervene"],
+)
+def test_a_tag_in_a_function_linear_transpose_transposes_is_refused(handler):
+    # The transposed program never computes `h` (JAX alone drops a
+    # `jax.debug.print` there): a handler of it is refused by name, where it
+    # found nothing before.
+    with pytest.raises(ValueError, match="'h'.*`jax.linear_transpose`"):
+        fx.handle(_transposed, handler)(jnp.ones(3))
+
+
+def test_a_tag_in_a_transposed_function_no_handler_matches_is_the_identity():
+    c = jnp.array([1.0, -2.0, 0.5])
+    want = jax.linear_transpose(lambda x: 5 * x, jnp.zeros(3))(c)[0]
+    for fn in [_transposed, jax.jit(_transposed)]:
+        out, found = fx.handle(fn, fx.Tag("other"))(c)
+        assert_trees_close(out, want)
+        assert found == {"other": {}}
+    # The cotangent the refusal points to: the transposed function's input.
+    _, found = fx.handle(
+        jax.grad(lambda x: jnp.vdot(c, _linear(x))), fx.Tag(of="cotangent")
+    )(jnp.zeros(3))
+    assert_trees_close(found["intermediates:cotangent"]["h"], (c,))
