@@ -13,7 +13,7 @@ import jax.core
 import jax.extend
 import jax.numpy as jnp
 import pytest
-from helpers import leak_checks, run_fresh
+from helpers import devices, leak_checks, run_fresh
 from jax.interpreters import batching
 
 
@@ -440,3 +440,34 @@ def test_an_unused_region_in_a_checkpoint_loses_its_effects_in_the_backward_pass
     f = jax.checkpoint(unused) if outer else unused
     jax.make_jaxpr(jax.grad(lambda x: jnp.sum(f(x))))(jnp.ones(3))
     assert bool(transposed) != outer, len(transposed)
+
+
+def test_indexing_by_a_vmap_index_over_an_explicitly_sharded_batch_fails():
+    # docs/sharp-bits.md, "Known gaps" (a vmap whose batch axis is sharded over
+    # an Explicit-axis mesh): a handler's value per example is the example's
+    # entry of the whole batch's, `value[index]` at the example's index
+    # (`Context.example`), which JAX refuses there, in `jnp`'s indexing and in
+    # `lax.dynamic_index_in_dim` alike. Unsharded, it works.
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh(
+        (4,), ("d",), axis_types=(AxisType.Explicit,), devices=devices(4)
+    )
+    table = jnp.arange(8.0)
+
+    def per_example(take):
+        return jax.jit(
+            jax.vmap(lambda r: r.sum() + take(jax.lax.axis_index("b")), axis_name="b")
+        )
+
+    takes = [
+        lambda i: table[i],
+        lambda i: jax.lax.dynamic_index_in_dim(table, i, keepdims=False),
+    ]
+    x = jnp.ones((8, 3))
+    for take in takes:
+        assert jnp.allclose(per_example(take)(x), 3.0 + table)
+        with jax.set_mesh(mesh):
+            sharded = jax.device_put(x, NamedSharding(mesh, PartitionSpec("d")))
+            with pytest.raises(Exception, match="shard|PartitionSpec"):
+                per_example(take)(sharded)
