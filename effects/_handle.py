@@ -28,6 +28,7 @@ from ._handlers import (
     Perturb,
     Select,
     acts_on,
+    check_static,
     found_key,
     mode_of,
 )
@@ -764,13 +765,34 @@ def _check_branches(every_branch, handlers) -> None:
             )
 
 
-def _scope(handlers, rewrite: Rewrite) -> Scope:
-    inputs = {
-        (i, name): list(entries)
-        for i, h in enumerate(handlers)
-        for name, entries in h.per_call_inputs().items()
-    }
+def _scope(handlers, rewrite: Rewrite, sites) -> Scope:
+    """The scope of the whole program, with each handler's per-execution
+    inputs under the key of the site of that name it acts at (see `Key`)."""
+    inputs, by_name = {}, None
+    for i, h in enumerate(handlers):
+        for name, entries in h.per_call_inputs().items():
+            if by_name is None:
+                by_name = {}
+                for k in sites:
+                    by_name.setdefault(k[2], []).append(k)
+            keys = by_name.get(name, ())
+            named = sorted({k[:3] for k in keys if h.matches(Site.probe(*k))})
+            if len(named) > 1:
+                where = [Site.probe(k, c, n).where() for k, c, n in named[:2]]
+                raise ValueError(
+                    _INPUTS_TWICE.format(
+                        handler=type(h).__name__, name=name, where=where
+                    )
+                )
+            inputs[i, named[0] if named else ("tag", "", name)] = list(entries)
     return Scope(handlers, inputs=inputs, rewrite=rewrite)
+
+
+_INPUTS_TWICE = (
+    "{handler} gives per-execution inputs for {name!r}, and acts at the "
+    "{where[0]} and the {where[1]}: which one the entries are for is not known. "
+    "Give the two different names, or have `matches` take one of them."
+)
 
 
 class Found(dict):
@@ -834,7 +856,7 @@ def _report(scope: Scope, handlers) -> Found:
     collection's names in the order the program first executed them."""
     for key, left in scope.inputs.items():
         if left and len(key) == 2:
-            where = scope.sites[key].where() if key in scope.sites else repr(key[1])
+            where = scope.sites[key].where() if key in scope.sites else repr(key[1][2])
             raise ValueError(
                 _LEFTOVER.format(
                     handler=type(handlers[key[0]]).__name__, where=where, n=len(left)
@@ -847,7 +869,7 @@ def _report(scope: Scope, handlers) -> Found:
         if key is not None:
             found.setdefault(key, Found())
     for key, site in scope.sites.items():  # in order of first execution
-        i, name, *within = key
+        i, (_, _, name), *within = key
         if within:  # (a handler of the value, differentiated)
             continue
         mode = modes[i]
@@ -888,7 +910,7 @@ def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:
 
         def rewritten(front, run_in, rewrite=rewrite, info=info):
             handlers = _merge(front, config.static, config.treedef)
-            scope = _scope(handlers, rewrite)
+            scope = _scope(handlers, rewrite, traced.sites)
             try:
                 outs = run_in(scope)
             except Exception:
@@ -938,6 +960,8 @@ class _Config:
 
     @classmethod
     def of(cls, handlers) -> tuple[_Config, list[Any]]:
+        for h in handlers:
+            check_static(h)
         leaves, static, treedef = _split(handlers)
         batched = frozenset(n for h in handlers for n in h.per_call_inputs())
         key = _hashable((treedef, tuple(map(_static_key, static))))

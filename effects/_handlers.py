@@ -15,11 +15,12 @@ from typing import Any, ClassVar, TypeAlias, dataclass_transform
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jaxtyping import PyTree
 
 from . import _compat
-from ._site import Site, describe
+from ._site import Site, describe, shape_dtype
 
 Names: TypeAlias = (
     None | str | list[str] | tuple[str, ...] | Set[str] | Callable[[str], bool]
@@ -406,6 +407,7 @@ def _register(cls) -> None:
     meta = tuple(f.name for f in fields if f.metadata.get("static", False))
     cls._field_values = staticmethod(_getter(tuple(f.name for f in fields)))
     get_data, get_meta = _getter(data), _getter(meta)
+    cls._static_values = staticmethod(lambda h: zip(meta, get_meta(h)))
     keys = tuple(jax.tree_util.GetAttrKey(n) for n in data)
 
     def flatten(handler):
@@ -421,6 +423,21 @@ def _register(cls) -> None:
         return handler
 
     jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+
+
+def check_static(handler) -> None:
+    """No static field holds an array: a static field is part of the tree
+    structure, compared by value at every call, which an array's `==` does not
+    give (JAX: "arrays cannot be passed as metadata fields")."""
+    for name, value in type(handler)._static_values(handler):
+        if isinstance(value, (jax.Array, np.ndarray)):
+            raise TypeError(
+                f"{type(handler).__name__}.{name} is a static field holding an "
+                f"array ({describe(shape_dtype(value))}); a static field is "
+                "part of the handler's configuration, compared at every call. "
+                "Remove its `static` mark (an array field is an input of the "
+                "program), or hold a Python number."
+            )
 
 
 def _getter(names: tuple[str, ...]) -> Callable[[Any], tuple]:
@@ -565,6 +582,7 @@ class Handler:
     _custom_init: ClassVar[bool] = False
     # Its fields' values, as a tuple (set per class by `_register`).
     _field_values: ClassVar[Callable[[Any], tuple]]
+    _static_values: ClassVar[Callable[[Any], Any]]
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -368,8 +368,8 @@ def handle_site(params, avals, invals, scope: Scope) -> list[Any]:
     if site.part != "value":
         return _derivative(site, params, avals, list(invals), scope)
     if not scope.replaying:
-        values = scope.rewrite.values
-        values[site.name] = values.get(site.name, 0) + 1
+        values, named = scope.rewrite.values, (site.kind, site.collection, site.name)
+        values[named] = values.get(named, 0) + 1
     leaves, consumed = _act(site, list(invals), scope)
     if consumed or not handling.value:
         return leaves

@@ -116,9 +116,10 @@ class Plan:
             )
 
     @classmethod
-    def merged(cls, plans: list[Plan]) -> Plan:
+    def merged(cls, plans: list[Plan], handlers=None) -> Plan:
         """One plan for several: the branches of a cond (every branch threads
-        what any of them emits), or a plan and what a trace found."""
+        what any of them emits), or a plan and what a trace found. (`handlers`
+        name the one whose reports differ across branches.)"""
         merged = cls()
         for plan in plans:
             merged.sites.update(plan.sites)
@@ -140,11 +141,16 @@ class Plan:
                     have = ours.setdefault(key, [])
                     for (one, lead), (other, at) in zip(specs, have):
                         if (types_key(one), lead) != (types_key(other), at):
+                            h = handlers and type(handlers[key[0]]).__name__
                             raise ValueError(
                                 _BRANCHES_DIFFER.format(
+                                    handler=h or "A handler",
+                                    what="reports"
+                                    if ours is merged.entries
+                                    else "takes",
                                     where=plan.sites[key].where(),
-                                    one=describe(one),
-                                    other=describe(other),
+                                    one=describe(other),  # (the first's)
+                                    other=describe(one),
                                 )
                             )
                     have += specs[len(have) :]
@@ -170,8 +176,9 @@ _INPUT_IN_WHILE = (
     "per_call), or use a lax.scan."
 )
 _BRANCHES_DIFFER = (
-    "{where} has {one} in one branch of a lax.cond and {other} in another; a "
-    "tag's shape and dtype must agree across branches."
+    "{handler} {what} {one} at {where} in one branch of a lax.cond and {other} "
+    "in another; what a handler reports or takes for one name must have one "
+    "shape and dtype in every branch (for Tag(), the tag's value)."
 )
 
 
@@ -284,7 +291,7 @@ class Region:
             first.provisional = True
             traced = [first.trace(j, c, in_avals) for j, c in bodies]
             plans = first.found
-            plan = Plan.merged(plans)
+            plan = Plan.merged(plans, scope.handlers)
             if loop is not None:
                 plan.forbid(loop, scope)
             complete = all(map(Plan().covers, plans))
@@ -305,7 +312,7 @@ class Region:
                 if not complete:
                     cls(scope, plan, boundary, None, loop, outside)
                 return first, traced
-        plan = Plan.merged(plans)
+        plan = Plan.merged(plans, scope.handlers)
         accs = None if enter is None else enter(plan)
         region = cls(scope, plan, boundary, accs, loop, outside)
         traced = [

@@ -19,13 +19,15 @@ from ._handlers import NO_INPUT, Context, Handler, Misfit, mode_label, mode_of
 from ._layout import Axes, grow, to_program
 from ._site import Site, describe, shape_dtype, strong
 
-# (handler index, site name); with a third element, the part ("tangent",
-# "cotangent") at whose site a handler of the value is differentiated: its
-# per-execution inputs and call numbers there are counted apart.
+# (handler index, (site kind, collection, name)); with a third element, the
+# part ("tangent", "cotangent") at whose site a handler of the value is
+# differentiated: its per-execution inputs and call numbers there are counted
+# apart.
 Key = tuple[Any, ...]
 
 _STRICT_TWICE = (
-    "{where} was executed more than once, but {mode} collects a single value. "
+    "{where} was executed more than once (or reported twice in one execution), "
+    "but {mode} collects a single value. "
     "Use mode='append' to collect every execution, or 'last'."
 )
 _ACC_CHANGED = (
@@ -149,8 +151,9 @@ class Rewrite:
     # Per site name: a handler changes it per example where a vmap does not
     # batch it (see `Unbatched`).
     unbatched: dict = dataclasses.field(default_factory=dict)
-    # Per site name: its value's executions met so far (a recomputation's
-    # left out), which tell one backward pass's cotangents from the next's.
+    # Per site (kind, collection, name): its value's executions met so far (a
+    # recomputation's left out), which tell one backward pass's cotangents
+    # from the next's.
     values: dict = dataclasses.field(default_factory=dict)
     # Whether regions whose handlers keep every value are spliced (see
     # `_rewrite.trace_rewrite`), and whether a handler changed one there after
@@ -430,7 +433,7 @@ class Scope:
                     mode=mode_label(self.handlers[key[0]]),
                     acc=describe(jax.tree.map(shape_dtype, acc)),
                     value=describe(jax.tree.map(shape_dtype, value)),
-                    error=str(e).splitlines()[0],
+                    error=str(e).splitlines()[0].rstrip("."),
                 )
             ) from e
         if types_of(new) != types_of(acc):
@@ -620,7 +623,8 @@ def act(
     nothing, and counts its executions and inputs apart."""
     handlers = scope.handlers
     handler, mode = handlers[index], handlers.modes[index]
-    key: Key = (index, site.name) if within is None else (index, site.name, within)
+    named = (site.kind, site.collection, site.name)  # (one name, two collections)
+    key: Key = (index, named) if within is None else (index, named, within)
     quiet = within is not None or (scope.replaying and site.part == "value")
     mode = None if quiet else mode
     scope.sites.setdefault(key, site)

@@ -1922,3 +1922,109 @@ def test_an_error_in_a_handlers_apply_says_which_handler_and_tag():
     assert caught.value.__notes__[0] == (
         "(raised in Boom.apply at tag 'second' (collection 'intermediates'))"
     )
+
+
+class _EveryTag(fx.Handler):
+    """A handler whose `matches` is a method: tags of every collection."""
+
+    mode = "append"
+    shift: dict = dataclasses.field(default_factory=dict)
+
+    def matches(self, site):
+        return site.kind == "tag" and site.part == "value"
+
+    def per_call_inputs(self):
+        return self.shift
+
+    def apply(self, site, value, ctx):
+        if site.name in self.shift:
+            value = value + ctx.next_input()
+        ctx.emit(value)
+        return value
+
+
+def _one_name_two_collections(x):
+    a = fx.tag(x, "big")
+    b = fx.tag(2 * x, "big", collection="other")
+    c = fx.tag(3 * x, "solo", collection="other")
+    return lax.scan(
+        lambda c, _: (fx.tag(c + 1, "big", collection="other"), None),
+        a + b + c,
+        None,
+        length=2,
+    )[0]
+
+
+def test_a_method_handler_reports_one_name_of_two_collections_apart():
+    # Its entries were keyed by name alone: the second collection's `big`
+    # went into the first's, silently.
+    x = jnp.float32(1.0)
+    for fn in [
+        fx.handle(_one_name_two_collections, _EveryTag()),
+        jax.jit(fx.handle(_one_name_two_collections, _EveryTag())),
+    ]:
+        _, found = fn(x)
+        f32 = np.float32
+        want = {
+            "intermediates": {"big": (f32(1.0),)},
+            "other": {
+                "big": (f32(2.0), np.array([7.0, 8.0], f32)),
+                "solo": (f32(3.0),),
+            },
+        }
+        assert_trees_close(found, want)
+    _, tags = fx.handle(_one_name_two_collections, fx.Tag(), fx.Tag("other"))(x)
+    assert_trees_close(found, tags)
+
+
+def test_inputs_for_a_name_a_handler_sees_in_two_collections_are_refused():
+    with pytest.raises(
+        ValueError,
+        match="_EveryTag.*'big'.*collection 'intermediates'.*collection 'other'",
+    ):
+        fx.handle(_one_name_two_collections, _EveryTag({"big": (1.0,)}))(1.0)
+    shifted = _EveryTag({"solo": (jnp.float32(0.5),)})
+    _, found = fx.handle(_one_name_two_collections, shifted)(jnp.float32(1.0))
+    assert_trees_close(found["other"]["solo"], (np.float32(3.5),))
+
+
+class _Scaled(fx.Handler):
+    w: Any = dataclasses.field(default=None, metadata={"static": True})
+
+    def apply(self, site, value, ctx):
+        return value * self.w
+
+
+@pytest.mark.parametrize("w", [jnp.float32(7.0), np.ones(3)])
+def test_an_array_in_a_static_field_is_refused_naming_the_field(w):
+    # It worked once, then failed inside JAX's comparison of tree structures,
+    # naming neither the handler nor the field.
+    f = lambda x: fx.tag(x, "h")  # noqa: E731
+    for _ in range(2):
+        with pytest.raises(
+            TypeError, match=r"_Scaled\.w is a static field holding an array"
+        ):
+            fx.handle(f, _Scaled(w))(jnp.ones(3))
+    assert_trees_close(
+        fx.handle(f, _Scaled(2.0))(jnp.ones(3))[0], np.full(3, 2.0, np.float32)
+    )
+
+
+def test_reports_of_different_shapes_in_two_branches_name_the_handler():
+    sizes = iter([4, 3])
+
+    class Grows(fx.Handler):
+        mode = "append"
+
+        def apply(self, site, value, ctx):
+            ctx.emit(jnp.zeros(next(sizes)))  # one size per branch traced
+            return value
+
+    def f(x, p):
+        return lax.cond(p, lambda x: fx.tag(x, "h"), lambda x: fx.tag(x + 1, "h"), x)
+
+    with pytest.raises(
+        ValueError,
+        match="Grows reports float32\\[4\\] at tag 'h'.* float32\\[3\\] in another",
+    ):
+        fx.handle(f, Grows())(jnp.ones(3), jnp.array(True))
