@@ -605,7 +605,7 @@ _COUNTER = Reduce(_count, lambda _: (jnp.int32(0), jnp.int32(-1)), per_example=F
 _EXECUTIONS = Reduce(lambda n, _: n + 1, lambda _: jnp.int32(0), per_example=False)
 
 
-class _Check(Handler):
+class NonfiniteCheck(Handler):
     """At every tag in `keys`: a `checkify` check that its value is finite, the
     first failing check in execution order being the one reported, with the
     tag's index in `keys` as its code; with `backward`, an identity whose
@@ -804,7 +804,7 @@ def _first_failure(fn, args, kwargs, backward: bool, numbered):
             # (a vmap inside ran every branch, or iteration, for every example)
             if not any(m in str(e) for m in _EVERY_EXAMPLE):
                 raise
-            said = str(e).removeprefix(f"{_Check.__name__}: ").split(". ")[0]
+            said = str(e).removeprefix(f"{NonfiniteCheck.__name__}: ").split(". ")[0]
             raise ValueError(_PER_EXAMPLE.format(said)) from e
         message = err.get()
         if message is None or _CODE in message:
@@ -862,7 +862,7 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dyna
 
     def output(zero, dynamic):
         numbering = numbered is not None
-        checks = _Check(keys, True, zero, skip=custom, numbered=numbering)
+        checks = NonfiniteCheck(keys, True, zero, skip=custom, numbered=numbering)
         out, _ = handle(call, checks)(dynamic)
         if not (isinstance(out, jax.Array) and out.shape == ()):
             got = jax.tree.map(
@@ -875,7 +875,7 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dyna
         return out
 
     def check(dynamic):
-        handlers = (_Check(keys), *(Tag(c, mode=_COUNTER) for c in listed))
+        handlers = (NonfiniteCheck(keys), *(Tag(c, mode=_COUNTER) for c in listed))
         found = handle(call, *handlers)(dynamic)[1]
         if backward:
             # After the forward checks, in the same program: checkify reports

@@ -997,6 +997,12 @@ def _program(
         try:
             traced = _traced(cache, fn, static, treedef, dynamic, sig, batched)
         except ValueError as e:
+            if unbatched is None and batched:
+                # (the sites given inputs per execution, batched from the
+                # start, cannot be: traced as they are, the rewrite names the
+                # site that needs it, `Unbatched`)
+                batched = frozenset()
+                continue
             if unbatched is None:
                 raise
             first = str(e).splitlines()[0]

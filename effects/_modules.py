@@ -13,7 +13,8 @@ without patching any class.
   are a static field of the copy. Names are attribute paths joined by ".",
   sequence indices as numbers (`"layers.0"`), from JAX's key paths (Equinox) or
   NNX's graph attributes. An NNX copy shares the model's Variables, so updates
-  made through either reach both.
+  made through either reach both; a Variable a call adds (`sow`) is the
+  copy's, as attributes set on its module objects are.
 """
 
 from __future__ import annotations

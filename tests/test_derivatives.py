@@ -1253,3 +1253,23 @@ def test_a_tag_in_a_transposed_function_no_handler_matches_is_the_identity():
         jax.grad(lambda x: jnp.vdot(c, _linear(x))), fx.Tag(of="cotangent")
     )(jnp.zeros(3))
     assert_trees_close(found["intermediates:cotangent"]["h"], (c,))
+
+
+def test_intermediate_grads_of_a_value_a_vmap_returns_unbatched_names_the_tag():
+    # With the delta of `s` per example, the vmap's `out_axes=None` cannot hold
+    # it: JAX's own message ("got axis spec None but output was batched")
+    # named no tag. The tags the vmap batches are found as before.
+    w = jnp.arange(3.0)
+
+    def loss(xs):
+        def per_example(x):
+            return fx.tag(jnp.sin(x) * w, "h"), fx.tag(w * 2.0, "s")
+
+        h, s = jax.vmap(per_example, out_axes=(0, None))(xs)
+        return jnp.sum(h**2) + jnp.sum(s)
+
+    xs = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    with pytest.raises(ValueError, match="Perturb changes tag 's'.*does not batch"):
+        fx.intermediate_grads(loss, kind="tag")(xs)
+    _, grads = fx.intermediate_grads(loss, kind="tag", names=["h"])(xs)
+    assert_trees_close(grads, {"h": (2.0 * jnp.sin(xs) * w,)})
