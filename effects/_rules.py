@@ -566,11 +566,23 @@ def _while_rule(eqn, invals, scope: Scope) -> list[Any]:
     region, [(new_body, hoisted)] = Region.traced(
         scope, [(body.jaxpr, body.consts)], body.in_avals, loop="lax.while_loop"
     )
-    if region.counter and cond.out_avals[0].shape:
+    batch = cond.out_avals[0].shape
+    if batch:
         # (a vmap batched the predicate: each example runs its own number of
-        # iterations, and JAX's loop keeps one count for them all)
-        where = next(iter(region.plan.sites.values())).where()
-        raise ValueError(_AT_IN_BATCHED_WHILE.format(where=where))
+        # iterations, and JAX's loop keeps each example's carry, so what the
+        # handlers thread must be per example too: neither one count of the
+        # iterations nor a reduction over the whole batch)
+        if region.counter:
+            where = next(iter(region.plan.sites.values())).where()
+            raise ValueError(_AT_IN_BATCHED_WHILE.format(where=where))
+        for key, axes in region.plan.acc_batch.items():
+            if axes[: len(batch)] != batch:
+                raise ValueError(
+                    _WHOLE_BATCH_IN_BATCHED_WHILE.format(
+                        handler=type(scope.handlers[key[0]]).__name__,
+                        where=region.plan.sites[key].where(),
+                    )
+                )
     # (hoisted, body_consts, carry, accs) -> (carry, accs): the accumulators
     # extend the carry; cond_fun ignores them.
     new_cond = _jaxpr.insert_invars(
@@ -595,6 +607,12 @@ _AT_IN_BATCHED_WHILE = (
     "predicate a jax.vmap inside the handled function batches: each example "
     "runs its own number of iterations. Put the handler inside the vmap "
     "(`jax.vmap(fx.handle(f, ...))`), which gives each example its own."
+)
+_WHOLE_BATCH_IN_BATCHED_WHILE = (
+    "{handler} reduces {where} over the whole batch (`per_example=False`) in "
+    "a lax.while_loop whose predicate a jax.vmap inside the handled function "
+    "batches: each example runs its own number of iterations. Put the handler "
+    "inside the vmap (`jax.vmap(fx.handle(f, ...))`), or reduce per example."
 )
 
 #

@@ -1502,6 +1502,27 @@ def test_a_sum_over_a_lax_map_remainder_names_the_cause_and_the_ways_out():
     assert_trees_close(found, found_of(h=np.sin(xs).sum()))
 
 
+def test_a_whole_batch_reduction_in_a_while_loop_a_vmap_batches_is_refused():
+    # A vmap batching a while loop's predicate keeps each example's carry
+    # (each runs its own number of iterations): a reduction over the whole
+    # batch added to that carry failed inside JAX's lowering with a bare
+    # AssertionError. Per example, the reduction is each example's own.
+    def g(x):
+        return lax.while_loop(lambda h: h < 3, lambda h: fx.tag(h + 1, "w"), x)
+
+    xs = jnp.array([0.5, 2.0])
+    whole = fx.Reduce(lambda a, x: a + x.sum(), lambda z: z.sum(), per_example=False)
+    with pytest.raises(ValueError, match="Tag reduces tag 'w'.*over the whole batch"):
+        fx.handle(jax.vmap(g), fx.Tag(mode=whole))(xs)
+    # The reference: each example's iterations, by hand.
+    want = np.array([1.5 + 2.5 + 3.5, 3.0], np.float32)
+    _, found = fx.handle(jax.vmap(g), fx.Tag(mode="sum"))(xs)
+    assert_trees_close(found, found_of(w=want))
+    assert_trees_close(
+        jax.vmap(lambda x: fx.handle(g, fx.Tag(mode="sum"))(x)[1])(xs), found_of(w=want)
+    )
+
+
 @pytest.mark.parametrize("mode", ["last", "sum", "append"])
 def test_every_mode_of_a_sharded_scan_under_an_explicit_mesh(mode):
     # Under an Explicit-axis mesh a value's type carries its sharding: a
