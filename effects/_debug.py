@@ -681,7 +681,10 @@ def find_nonfinite(
     `fn(*args, **kwargs)` once, compiled, with a check at every tag.
 
     Returns the first failing tag in execution order, so never a tag that is
-    non-finite only because an earlier one was. Works through `jit`, `scan`,
+    non-finite only because an earlier one was. The program is compiled
+    without XLA's fusion of operations, whose compile time on CPU grows with
+    the square of the number of checks: each operation rounds on its own, as
+    when JAX runs the function one operation at a time. Works through `jit`, `scan`,
     `cond` and `while_loop`; pass a model from
     [`fx.tag_modules`][effects.tag_modules] to check every layer. Every tag
     counts, whatever its collection, `jax.ad_checkpoint.checkpoint_name`s
@@ -812,9 +815,9 @@ def _first_failure(fn, args, kwargs, backward: bool, numbered):
     raise AssertionError("unreachable")
 
 
-# What `handle` (a branch) and checkify (a while loop) say of a predicate a
-# vmap inside the function batches.
-_EVERY_EXAMPLE = ("predicate a `jax.vmap` inside", "batched while-loops")
+# What `handle` says of a predicate a vmap inside the function batches (a
+# branch's, and a while loop's, where the checks count executions).
+_EVERY_EXAMPLE = ("predicate a `jax.vmap` inside", "whose predicate a jax.vmap inside")
 _PER_EXAMPLE = (
     "find_nonfinite: a `jax.vmap` inside the function batches the predicate of "
     "a `lax.cond` or `lax.while_loop`, and runs every branch (or iteration) "
@@ -886,7 +889,20 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dyna
             jax.grad(output)(jnp.float32(0), dynamic)
         return found
 
-    return listed, keys, jax.jit(checkify.checkify(check, errors=checkify.user_checks))
+    checked = checkify.checkify(check, errors=checkify.user_checks)
+    return listed, keys, jax.jit(checked, compiler_options=_NO_FUSION)
+
+
+# Compiled without XLA's fusion pass. On CPU it copies a chain of cheap
+# operations into every fusion that reads a value of it, and a check of every
+# cotangent reads each value of the backward pass's chain: the program grows
+# with the square of the number of tags (tests/test_jax_facts.py::
+# test_xla_fusion_copies_the_backward_chain_into_each_cotangent_output). With
+# backward=True, 400 tags took 66 s to compile, 10 s without it. Run once to
+# find a NaN, the program's unfused run costs less than that. Its operations
+# are the function's, each rounded on its own as when JAX runs them one by one
+# (fused, a multiply and an add may round once).
+_NO_FUSION = {"xla_disable_hlo_passes": "fusion"}
 
 
 def _without_checks(checkify, call):

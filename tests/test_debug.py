@@ -949,8 +949,9 @@ def test_find_nonfinite_in_a_reversed_scan_gives_the_position(reverse, backward)
 
 @pytest.mark.parametrize("control", ["cond", "while_loop"])
 def test_find_nonfinite_of_a_vmap_batching_a_predicate_says_to_check_examples(control):
-    # (checkify's own "batched while-loops" error, or a refusal naming the
-    # internal handler and advising `jax.vmap(fx.handle(...))`)
+    # (not `handle`'s refusal, naming an internal handler and advising
+    # `jax.vmap(fx.handle(...))`, nor JAX's bare AssertionError of a count over
+    # the whole batch in such a while loop)
     def g(x):
         h = fx.tag(jnp.log(x), "h")
         if control == "cond":

@@ -471,3 +471,45 @@ def test_indexing_by_a_vmap_index_over_an_explicitly_sharded_batch_fails():
             sharded = jax.device_put(x, NamedSharding(mesh, PartitionSpec("d")))
             with pytest.raises(Exception, match="shard|PartitionSpec"):
                 per_example(take)(sharded)
+
+
+def test_xla_fusion_copies_the_backward_chain_into_each_cotangent_output():
+    # `effects._debug._NO_FUSION`: with `backward=True`, `find_nonfinite`
+    # checks the cotangent of every tag, and so reads every value of the
+    # backward pass's chain. On CPU, XLA's fusion pass copies the chain of
+    # cheap operations each value is computed by into the fusion that reads
+    # it: the compiled program grows with the square of the chain's length
+    # (its multiplies, here), without the pass linearly.
+    if jax.default_backend() != "cpu":
+        pytest.skip("XLA's CPU fusion pass")
+
+    def cotangents(n, **jit):
+        def loss(zs, x):
+            for z in zs:
+                x = jnp.tanh(1.01 * x + 0.1) + z
+            return jnp.sum(x)
+
+        every = jax.jit(lambda x: jax.grad(loss)([jnp.zeros(8)] * n, x), **jit)
+        return every.lower(jnp.ones(8)).compile().as_text().count(" multiply(")
+
+    unfused = {"compiler_options": {"xla_disable_hlo_passes": "fusion"}}
+    fused = [cotangents(n) for n in (20, 40)]
+    plain = [cotangents(n, **unfused) for n in (20, 40)]
+    assert fused[1] > 3.5 * fused[0]  # doubling the chain: about 4x
+    assert plain[1] < 2.5 * plain[0]  # about 2x
+    assert fused[1] > 10 * plain[1]
+    x = jnp.linspace(-1.0, 1.0, 8)
+
+    def grads(**jit):
+        def loss(zs):
+            y = x
+            for z in zs:
+                y = jnp.tanh(1.01 * y + 0.1) + z
+            return jnp.sum(y)
+
+        return jax.jit(jax.grad(loss), **jit)([jnp.zeros(8)] * 20)
+
+    # The same values up to rounding (fused, a multiply and an add may round
+    # once, as one operation).
+    for a, b in zip(grads(), grads(**unfused)):
+        assert jnp.allclose(a, b, rtol=1e-5, atol=0)
