@@ -473,15 +473,32 @@ def test_indexing_by_a_vmap_index_over_an_explicitly_sharded_batch_fails():
                 per_example(take)(sharded)
 
 
-def test_xla_fusion_copies_the_backward_chain_into_each_cotangent_output():
-    # `effects._debug._NO_FUSION`: with `backward=True`, `find_nonfinite`
-    # checks the cotangent of every tag, and so reads every value of the
-    # backward pass's chain. On CPU, XLA's fusion pass copies the chain of
-    # cheap operations each value is computed by into the fusion that reads
-    # it: the compiled program grows with the square of the chain's length
-    # (its multiplies, here), without the pass linearly.
+def test_xla_fusion_copies_a_chain_into_each_of_its_values_a_program_returns():
+    # docs/performance.md, "Many values of one chain" (`Tag()` of every step
+    # returns them all), and `effects._debug._NO_FUSION`: with
+    # `backward=True`, `find_nonfinite` checks the cotangent of every tag, and
+    # so reads every value of the backward pass's chain. On CPU, XLA's fusion
+    # pass copies the chain of operations it deems cheap (`sin`, `add`,
+    # `multiply`; not `tanh`) that each value is computed by into the fusion
+    # that computes it: the compiled program grows with the square of the
+    # chain's length, without the pass linearly.
     if jax.default_backend() != "cpu":
         pytest.skip("XLA's CPU fusion pass")
+    unfused = {"compiler_options": {"xla_disable_hlo_passes": "fusion"}}
+
+    def every_value(n, **jit):
+        def f(x):
+            values = []
+            for _ in range(n):
+                x = jnp.sin(x) + 0.1
+                values.append(x)
+            return values
+
+        compiled = jax.jit(f, **jit).lower(jnp.ones(4)).compile()
+        return compiled.as_text().count(" sine(")
+
+    assert [every_value(n) for n in (20, 40)] == [210, 820]  # n (n + 1) / 2
+    assert [every_value(n, **unfused) for n in (20, 40)] == [20, 40]
 
     def cotangents(n, **jit):
         def loss(zs, x):
@@ -492,7 +509,7 @@ def test_xla_fusion_copies_the_backward_chain_into_each_cotangent_output():
         every = jax.jit(lambda x: jax.grad(loss)([jnp.zeros(8)] * n, x), **jit)
         return every.lower(jnp.ones(8)).compile().as_text().count(" multiply(")
 
-    unfused = {"compiler_options": {"xla_disable_hlo_passes": "fusion"}}
+    # The backward pass's chain, every value of it returned.
     fused = [cotangents(n) for n in (20, 40)]
     plain = [cotangents(n, **unfused) for n in (20, 40)]
     assert fused[1] > 3.5 * fused[0]  # doubling the chain: about 4x
