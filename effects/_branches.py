@@ -30,8 +30,10 @@ from . import _compat
 from ._primitives import site_p
 from ._walk import walk
 
-# (kind, collection, name, call path of the `tag`)
-Key = tuple[str, str, str, tuple]
+# (kind, collection, name, call path of the `tag`, part): a tangent or
+# cotangent site a vmap ran for every branch is one too (a `jax.grad` inside
+# the vmap: the branches of the forward pass's cond, and of its transpose).
+Key = tuple[str, str, str, tuple, str]
 
 
 def suspects(jaxpr) -> frozenset[Key]:
@@ -59,7 +61,9 @@ def marked(jaxpr) -> frozenset[Key]:
 
 
 def _key(located) -> Key:
-    return (*located.key[:3], _compat.call_path(located.eqn.source_info.traceback))
+    kind, collection, name, part = located.key
+    path = _compat.call_path(located.eqn.source_info.traceback)
+    return kind, collection, name, path, part
 
 
 def where(key: Key) -> str:

@@ -707,6 +707,33 @@ def test_a_tag_in_a_batched_cond_is_refused_from_the_one_trace():
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("part", ["tangent", "cotangent"])
+def test_a_derivative_of_a_tag_in_a_batched_cond_is_refused(part):
+    # A handler of the tangent or cotangent outside a vmap of a derivative:
+    # the vmap runs every branch of the forward pass's cond (and of its
+    # transpose) for every example. It was not refused, and reported the
+    # derivative of an example that did not take the branch.
+    def f(x):
+        y = jax.lax.cond(jnp.sum(x) > 0, lambda v: fx.tag(v * 2.0, "t"), jnp.sin, x)
+        return jnp.sum(jnp.sin(y))
+
+    if part == "cotangent":
+        g = jax.grad(f)
+    else:
+        g = lambda x: jax.jvp(f, (x,), (jnp.ones_like(x),))[1]  # noqa: E731
+    xs = jnp.stack([X, -X])  # the first takes the branch, the second does not
+    assert bool(jnp.sum(xs[0]) > 0) and not bool(jnp.sum(xs[1]) > 0)
+    tag = fx.Tag(of=part)
+    with pytest.raises(ValueError, match="'t'.*inside the vmap"):
+        fx.handle(jax.vmap(g), tag)(xs)
+    # Inside the vmap, each example's own: zeros where the branch did not run.
+    _, found = jax.vmap(fx.handle(g, tag))(xs)
+    # (d sum(sin(t)) / d t, and the tangent of t = 2 v along ones)
+    want = jnp.cos(2.0 * X) if part == "cotangent" else 2.0 * jnp.ones_like(X)
+    got = found[f"intermediates:{part}"]["t"][0]
+    assert_trees_close(got, jnp.stack([want, jnp.zeros_like(X)]))
+
+
 def test_a_tag_in_a_batched_cond_in_a_batched_while_loop_is_refused():
     # A cond in a while loop whose predicate a vmap batches (the loop masks its
     # carry per example): the tag is found by its mark (see `_branches`).
