@@ -2621,6 +2621,16 @@ class Bend(fx.Handler):
         return jax.tree.map(_bend, value)
 
 
+def _value_names(fn, x) -> set[str]:
+    """The names of the value sites `fx.sites` lists in `fn(x)`."""
+    return {
+        name
+        for names in fx.sites(fn)(x).values()
+        for name, infos in names.items()
+        if any(i.part == "value" for i in infos)
+    }
+
+
 def _value_changer(infos, data, f, x):
     """A handler changing the values at some sites (drawn with `data`), and the
     arguments of `substituted_reference` saying what it does. Not at tags under
@@ -2722,13 +2732,7 @@ def test_value_handlers_commute_with_grad_and_jvp(program, data):
         # output is discarded, in a scan, loses its effects (the site's value
         # with them; a `jax.debug.print` there too, with JAX alone, jax 0.10.2
         # and 0.12): the name is then missing from the differentiated program.
-        listed = fx.sites(jax.grad(loss))(x)
-        present = {
-            name
-            for names in listed.values()
-            for name, infos_ in names.items()
-            if any(i.part == "value" for i in infos_)
-        }
+        present = _value_names(jax.grad(loss), x)
         assert set(handler.matches.required()[0]) - present, error
         assert _has(program.body, ShardMap) and _has(program.body, Scan), error
         event("JAX drops a discarded shard_map's effects in a scan under grad")
@@ -3270,6 +3274,23 @@ def _finite(tree):
     )
 
 
+def _draw_emission(draw, transform: str, args: dict) -> tuple[str, list[str]]:
+    """What a drawn handler emits, and the modes that can report it (`args`
+    gets a scaling transform's factor)."""
+    if transform == "scale":
+        args["factor"] = draw(st.sampled_from([1.5, -0.5, 0.75]))
+    emit = draw(st.sampled_from(HANDLER_EMITS))
+    return emit, list(SCALAR_MODES if emit == "sumsq" else VALUE_MODES)
+
+
+def _draw_names(draw, pool) -> tuple:
+    """Some names of `pool`: none one time in eight where there are any."""
+    names = tuple(n for n in pool if draw(st.booleans()))
+    if not names and pool and draw(st.integers(0, 7)):
+        names = (draw(st.sampled_from(pool)),)
+    return names
+
+
 @st.composite
 def user_handlers(draw, infos, *, vmap=False, grad=False, part="value"):
     """A `UserHandler` for a program with these `infos`, within what the docs
@@ -3333,18 +3354,12 @@ def user_handlers(draw, infos, *, vmap=False, grad=False, part="value"):
         else:
             matcher = "method"
     if matcher != "predicate":
-        names = tuple(n for n in pool if draw(st.booleans()))
-        if not names and pool and draw(st.integers(0, 7)):
-            names = (draw(st.sampled_from(pool)),)  # (none, one time in eight)
+        names = _draw_names(draw, pool)
         args = {"names": names}
     args |= {"collection": collection, "kind": kind}
-    if transform == "scale":
-        args["factor"] = draw(st.sampled_from([1.5, -0.5, 0.75]))
-
-    emit = draw(st.sampled_from(HANDLER_EMITS))
+    emit, modes = _draw_emission(draw, transform, args)
     mode = "none"
     if emit != "none":
-        modes = list(SCALAR_MODES if emit == "sumsq" else VALUE_MODES)
         if any(infos[n].in_while for n in names):
             modes = [m for m in modes if m not in ("append", "Append", "strict")]
         once = all(
@@ -3405,16 +3420,11 @@ def derivative_handlers(draw, infos, part: str):
     pool = pools[(kind, collection)]
     transform = draw(st.sampled_from(DERIVATIVE_TRANSFORMS))
     matcher = draw(st.sampled_from(["select", "method"]))
-    names = tuple(n for n in pool if draw(st.booleans()))
-    if not names and pool and draw(st.integers(0, 7)):
-        names = (draw(st.sampled_from(pool)),)
+    names = _draw_names(draw, pool)
     args = {"names": names, "collection": collection, "kind": kind}
-    if transform == "scale":
-        args["factor"] = draw(st.sampled_from([1.5, -0.5, 0.75]))
-    emit = draw(st.sampled_from(HANDLER_EMITS))
+    emit, modes = _draw_emission(draw, transform, args)
     mode = "none"
     if emit != "none":
-        modes = list(SCALAR_MODES if emit == "sumsq" else VALUE_MODES)
         once = all(infos[n].count == 1 and not infos[n].in_scan for n in names)
         if not (names and once):
             modes = [m for m in modes if m != "strict"]
@@ -3627,13 +3637,7 @@ def test_a_generated_handler_keeps_the_gradient_laws(program, data):
     elif "named" in str(error):
         # JAX's: a discarded shard_map in a scan loses its effects under
         # `jax.grad` (see `test_value_handlers_commute_with_grad_and_jvp`).
-        listed = fx.sites(jax.grad(loss))(x)
-        present = {
-            name
-            for names in listed.values()
-            for name, infos_ in names.items()
-            if any(i.part == "value" for i in infos_)
-        }
+        present = _value_names(jax.grad(loss), x)
         assert set(drawn.names) - present, error
         assert _has(program.body, ShardMap) and _has(program.body, Scan), error
         event("JAX drops a discarded shard_map's effects in a scan under grad")
@@ -3768,19 +3772,22 @@ def test_two_generated_handlers_equal_nested_handles(program, data):
     event(f"handle(f, A, B), generated: {_two_handlers(program, a, b)}")
 
 
+# A fixed sample of draws, at any example count the suite runs with.
+_SAMPLING = dict(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+
+
 def test_the_handler_generator_covers_every_part():
     """A sample of `user_handlers`' draws holds every matcher, transform,
     emission, mode, target collection, and both spellings and consumes; of
     its handlers of derivatives, both parts, every transform and mode."""
     seen: set = set()
 
-    @settings(
-        max_examples=600,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @settings(max_examples=600, **_SAMPLING)
     @given(programs(), st.data())
     def sample(program, data):
         drawn = data.draw(user_handlers(analyse(program)))
@@ -3812,13 +3819,7 @@ def test_the_handler_generator_covers_every_part():
 
     derivatives: set = set()
 
-    @settings(
-        max_examples=300,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @settings(max_examples=300, **_SAMPLING)
     @given(
         programs(holding="tag"), st.sampled_from(["tangent", "cotangent"]), st.data()
     )
