@@ -28,6 +28,7 @@ import jax
 
 from . import _compat
 from ._primitives import site_p
+from ._site import Site
 from ._walk import walk
 
 # (kind, collection, name, call path of the `tag`, part): a tangent or
@@ -64,6 +65,12 @@ def _key(located) -> Key:
     kind, collection, name, part = located.key
     path = _compat.call_path(located.eqn.source_info.traceback)
     return kind, collection, name, path, part
+
+
+def probe(key: Key) -> Site:
+    """The site a key is, for handlers to match."""
+    kind, collection, name, _, part = key
+    return Site.probe(kind, collection, name, part)
 
 
 def where(key: Key) -> str:

@@ -393,7 +393,7 @@ def _every_branch(traced: _Traced, handlers, fn, static, treedef, dynamic):
     marked in the first trace too: found by tracing `fn` again in a trace
     context of its own (see `_branches`), once, where a handler matches a
     site that may sit in one unmarked."""
-    suspects = (Site.probe(k, c, n, part) for k, c, n, _, part in traced.suspects)
+    suspects = map(_branches.probe, traced.suspects)
     if not any(h.matches(p) for p in suspects for h in handlers):
         return frozenset()
     if not traced.retraced:
@@ -750,9 +750,7 @@ def _check_branches(every_branch, handlers) -> None:
     """No handler sees a site that a vmap inside the function ran for every
     branch of a cond: it would report values of branches that did not run."""
     for h in handlers:
-        hit = sorted(
-            s for s in every_branch if h.matches(Site.probe(s[0], s[1], s[2], s[4]))
-        )
+        hit = sorted(s for s in every_branch if h.matches(_branches.probe(s)))
         if hit:
             kind, collection = hit[0][:2]
             raise ValueError(
