@@ -100,6 +100,12 @@ _CONSUMED_BEFORE = (
     "handler's `names`, or handle in two steps: "
     "`fx.handle(fx.handle(f, {before_type}(...)), {handler}(...))`."
 )
+_CONSUMED_INSIDE = (
+    "{handler}: {where} is reported by a handler of the `fx.handle` inside "
+    "this one, which consumes it: the first handler that matches a site "
+    "consumes it. Narrow the inner handler's `names`, or move {handler} into "
+    "that `fx.handle`, before it."
+)
 _TWO_REPORTERS = (
     "{first} and {second} both report the {where} into found[{collection!r}]: "
     "{why}, so both see it, and one report would overwrite the other. Narrow "
@@ -423,11 +429,13 @@ class _Program:
         return sum(s is None for s in self.traced.out_static)
 
 
-def _check_names(sites, handlers) -> None:
+def _check_names(traced: _Traced, handlers) -> None:
     """Each handler's required names exist among the sites it sees: those no
     handler before it consumes, as in `handle(handle(f, A), B)` (a
-    `checkpoint_name` is never consumed)."""
-    probes = None  # built only where a handler requires names: one per site
+    `checkpoint_name` is never consumed), nor a handler of a `handle` inside
+    this one (a derivative it reported stays for the handlers of the value)."""
+    # (built where a handler requires names: one probe per site)
+    sites, probes, inside = traced.sites, None, frozenset()
     for i, h in enumerate(handlers):
         select = h.matches
         exact, globs = select.required() if isinstance(select, Select) else ((), ())
@@ -435,11 +443,19 @@ def _check_names(sites, handlers) -> None:
             continue
         if probes is None:
             probes = [Site.probe(*s) for s in sorted(sites)]
+            inside = frozenset(
+                s.key
+                for s in walk(traced.jaxpr).sites
+                if s.eqn.params.get("derivative_consumed")
+            )
 
         def consumer(site):
-            """The handler before `h` that consumes `site`, if any."""
+            """The handler before `h` that consumes `site`, if any (-1: one
+            of a `handle` inside this one)."""
             if site.collection == CHECKPOINT_NAME:
                 return None
+            if probes_key(site) in inside:
+                return -1
             before = enumerate(handlers[:i])
             consumers = ((j, g) for j, g in before if _consumes(g))
             return next((j for j, g in consumers if g.matches(site)), None)
@@ -453,6 +469,12 @@ def _check_names(sites, handlers) -> None:
             if all(consumer(p) is not None for p in mine):
                 j = consumer(mine[0])
                 assert j is not None
+                if j < 0:
+                    raise ValueError(
+                        _CONSUMED_INSIDE.format(
+                            handler=type(h).__name__, where=mine[0].where()
+                        )
+                    )
                 before = type(handlers[j]).__name__
                 raise ValueError(
                     _CONSUMED_BEFORE.format(
@@ -1007,7 +1029,7 @@ def _program(
                 raise
             first = str(e).splitlines()[0]
             raise ValueError(_CANNOT_BATCH.format(unbatched, first)) from e
-        _check_names(traced.sites, handlers)
+        _check_names(traced, handlers)
         _check_transposed(traced, handlers)
         _check_derivatives(traced, handlers)
         _check_reporters(traced.sites, handlers)

@@ -401,7 +401,10 @@ def _derivative(site: Site, params, avals, invals, scope: Scope):
     higher = bool(params.get("higher"))
     # The handlers acting, in order, and whether each is one of the value.
     steps: list[tuple[int, bool]] = []
-    sees_value, consumed = not params.get("value_consumed"), False
+    # (what a `handle` inside this one consumed: the value, or the derivative,
+    # whose handlers of the value are still differentiated here)
+    sees_value = not params.get("value_consumed")
+    consumed = bool(params.get("derivative_consumed"))
     consumable = site.collection != CHECKPOINT_NAME
     for i, matches in enumerate(handlers.matches):
         if matches(value):  # a handler of the value: differentiated here
@@ -411,13 +414,17 @@ def _derivative(site: Site, params, avals, invals, scope: Scope):
         elif not (higher or consumed) and matches(site):
             steps.append((i, False))
             consumed = handlers.consumes[i] and consumable
-    # An enclosing `handle` sees the site (a value no handler here consumed
-    # is its to change); with none, it is dropped, and so is the value the
-    # backward pass kept for it.
-    outer = not consumed and bool(handling.value)
+    # An enclosing `handle` sees the site while the derivative, or the value
+    # (whose handlers are differentiated here), is its to change; with none,
+    # it is dropped, and so is the value the backward pass kept for it.
+    outer = (sees_value or not consumed) and bool(handling.value)
     if not (outer or consumed):
         scope.rewrite.dropped = True
-    again = dict(params, value_consumed=True) if not sees_value else params
+    again = dict(params)
+    if not sees_value:
+        again["value_consumed"] = True
+    if consumed:
+        again["derivative_consumed"] = True
 
     def rebind(p, d):
         return bind_site([*p, *d], again, bool(handling.value))
