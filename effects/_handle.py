@@ -118,8 +118,10 @@ _EVERY_BRANCH = (
     "`lax.cond` or `lax.switch` whose predicate a `jax.vmap` inside the handled "
     "function batches. That vmap runs every branch for every example and keeps "
     "each example's own outputs, so a handler outside it would report branches "
-    "that did not run. Put the handler inside the vmap instead: "
-    "`jax.vmap(fx.handle(f, ...))` reports each example's own branch."
+    "that did not run (a `lax.map` with a `batch_size` runs its chunks under "
+    "such a vmap). Put the handler inside the vmap instead: "
+    "`jax.vmap(fx.handle(f, ...))`, or `lax.map(fx.handle(g, ...), xs, "
+    "batch_size=...)`, reports each example's own branch."
 )
 _CANNOT_BATCH = (
     '{} The function cannot be traced with it batched: JAX says "{}". A '
@@ -758,13 +760,16 @@ _RECOMPUTED_ONLY = (
     "apart: call the `custom_vjp` function outside the checkpoint."
 )
 _HOISTED = (
-    "{handler} matches {where}, whose value a loop body (`lax.scan`, "
-    "`fori_loop`) computes from what the loop closes over only. Under the "
-    "`jax.grad` inside the handled function, JAX computes such a value once, "
-    "before the loop, so {handler} would see one execution where "
-    "`fx.handle(f, ...)` sees one per iteration. Handle the function before "
-    "differentiating it (`jax.grad(lambda *a: fx.handle(f, ...)(*a)[0])`), or "
-    "tag a value the loop computes from its carry."
+    "{handler} matches {where}, which executes once, outside a `lax.scan` (or "
+    "`fori_loop`) that holds its derivative. Either its value is what a loop "
+    "body computes from what the loop closes over only, and under the "
+    "`jax.grad` inside the handled function JAX computes it once, before the "
+    "loop ({handler} would see one execution where `fx.handle(f, ...)` sees "
+    "one per iteration), or a function `jax.linearize` or `jax.vjp` made "
+    "outside the loop is applied in it: the two look alike in the program. "
+    "Handle the function before differentiating it "
+    "(`jax.grad(lambda *a: fx.handle(f, ...)(*a)[0])`, or `jax.linearize` of "
+    "the handled function), or tag a value the loop computes from its carry."
 )
 
 

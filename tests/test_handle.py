@@ -707,6 +707,26 @@ def test_a_tag_in_a_batched_cond_is_refused_from_the_one_trace():
     assert len(calls) == 1
 
 
+def test_a_tag_in_a_cond_in_a_lax_map_with_a_batch_size_names_the_way_out():
+    # `lax.map` runs its chunks under a vmap, which turns the cond into a
+    # select: refused, with the handled function mapped as the way out.
+    def g(x):
+        tagged = lambda y: fx.tag(jnp.tanh(y), "pos")  # noqa: E731
+        return jax.lax.cond(jnp.sum(x) > 0, tagged, jnp.negative, x).sum()
+
+    xs = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    mapped = lambda xs: jax.lax.map(g, xs, batch_size=2)  # noqa: E731
+    with pytest.raises(ValueError, match=r"'pos'.*lax\.map.*batch_size"):
+        fx.handle(mapped, fx.Tag())(xs)
+    out, found = jax.lax.map(
+        fx.handle(g, fx.Tag(names="pos", mode="sum")), xs, batch_size=2
+    )
+    assert_trees_close(out, mapped(xs))
+    taken = np.asarray(xs).sum(axis=1) > 0
+    want = np.where(taken[:, None], np.tanh(np.asarray(xs)), 0.0).astype(np.float32)
+    assert_trees_close(found, {"intermediates": {"pos": want}})
+
+
 @pytest.mark.parametrize("part", ["tangent", "cotangent"])
 def test_a_derivative_of_a_tag_in_a_batched_cond_is_refused(part):
     # A handler of the tangent or cotangent outside a vmap of a derivative:

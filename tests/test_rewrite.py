@@ -1810,6 +1810,43 @@ def test_a_loop_invariant_tag_under_handle_of_grad_is_refused():
     assert_trees_close(found, found_of(inv=(want,)))
 
 
+def test_a_function_linearized_outside_a_scan_and_applied_in_it_names_both_causes():
+    # The tag executes once, its tangent once per iteration: in the program
+    # this is what JAX's hoisting under `jax.grad` leaves, and it is refused so
+    # (a false refusal, documented); the message names both causes and the
+    # way out, which gives the values by hand.
+    w = jnp.array([[0.5, -0.3], [0.2, 0.8]])
+
+    def f(x):
+        return jnp.sum(fx.tag(jnp.tanh(x @ w), "h") ** 2)
+
+    def g(x):
+        _, lin = jax.linearize(f, x)
+        return lax.scan(lambda c, t: (c + lin(t), None), 0.0, jnp.eye(2))[0]
+
+    x = jnp.array([0.3, -1.2])
+    with pytest.raises(ValueError, match="'h'.*`jax.linearize` or `jax.vjp`"):
+        fx.handle(g, fx.Tag())(x)
+    _, lin = jax.linearize(lambda x: fx.handle(f, fx.Tag())(x), x)
+    (out, found) = lin(jnp.ones(2))
+    want = jax.jvp(f, (x,), (jnp.ones(2),))[1]
+    assert_trees_close(out, want)
+    assert_trees_close(
+        found["intermediates"]["h"][0],
+        jax.jvp(lambda x: jnp.tanh(x @ w), (x,), (jnp.ones(2),))[1],
+    )
+
+    # Applied in a while loop, it is handled: the value once, before the loop.
+    def in_while(x):
+        _, lin = jax.linearize(f, x)
+        step = lambda ic: (ic[0] + 1, ic[1] + lin(jnp.eye(2)[ic[0]]))  # noqa: E731
+        return lax.while_loop(lambda ic: ic[0] < 2, step, (0, 0.0))[1]
+
+    out, found = fx.handle(in_while, fx.Tag())(x)
+    assert_trees_close(out, in_while(x))
+    assert_trees_close(found["intermediates"]["h"], (jnp.tanh(x @ w),))
+
+
 def test_a_jitted_function_differentiated_in_a_scan_and_out_is_not_loop_invariant():
     # JAX differentiates a `jax.jit` function once for all its calls, here one
     # before a scan and one per iteration on the carry: all share one `pair`.
