@@ -1810,6 +1810,25 @@ def test_a_loop_invariant_tag_under_handle_of_grad_is_refused():
     assert_trees_close(found, found_of(inv=(want,)))
 
 
+def test_a_loop_invariant_tag_whose_cotangent_an_inner_handle_reports_is_refused():
+    # The cotangent left in the loop tells the rewriter the value was moved
+    # out of it: reported by an inner `handle`, it is still there for the
+    # outer one, which refuses as one `handle` of both does.
+    def f(w, xs):
+        def body(c, x):
+            return c * fx.tag(jnp.sin(w) * 2.0, "inv") + x, None
+
+        return lax.scan(body, 0.0, xs)[0]
+
+    xs, report = jnp.arange(4.0), fx.Tag(of="cotangent")
+    for handled in (
+        fx.handle(jax.grad(f), report, fx.Tag()),
+        fx.handle(fx.handle(jax.grad(f), report), fx.Tag()),
+    ):
+        with pytest.raises(ValueError, match="tag 'inv'.*once, before the loop"):
+            handled(1.0, xs)
+
+
 def test_a_function_linearized_outside_a_scan_and_applied_in_it_names_both_causes():
     # The tag executes once, its tangent once per iteration: in the program
     # this is what JAX's hoisting under `jax.grad` leaves, and it is refused so
