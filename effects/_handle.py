@@ -460,7 +460,11 @@ def _check_names(traced: _Traced, handlers) -> None:
                 return -1
             before = enumerate(handlers[:i])
             consumers = ((j, g) for j, g in before if _consumes(g))
-            return next((j for j, g in consumers if g.matches(site)), None)
+            # (one that matches the value at a derivative site is a handler
+            # of the value there, differentiated: it consumes the value only)
+            return next(
+                (j for j, g in consumers if acts_on(g, site) == site.part), None
+            )
 
         # Each name must exist, and a filter of glob patterns alone select a
         # site, so a pattern with a typo is not an empty `found`.

@@ -326,6 +326,41 @@ def test_a_derivative_reported_inside_is_an_error_for_a_name_outside(part):
     assert outer == {f"intermediates:{part}": {}}
 
 
+def test_a_handler_matching_every_part_by_a_method_consumes_only_the_value():
+    # A handler that matches a site's value is a handler of the value at its
+    # tangent site too, differentiated there: the tangent is the next
+    # handler's to change, in one `handle` as nested, as by hand.
+    class Clip(fx.Handler):
+        mode = "sum"  # how many elements it clipped
+
+        def matches(self, site):  # every part of every tag
+            return site.kind == "tag"
+
+        def apply(self, site, value, ctx):
+            clipped = jnp.clip(value, -0.5, 0.5)
+            ctx.emit(jnp.sum(clipped != value))
+            return clipped
+
+    class Triple(fx.Handler):
+        matches = fx.Select("h", part="tangent")
+
+        def apply(self, site, value, ctx):
+            return value * 3.0
+
+    x = np.array([0.1, 0.7, -0.2], f32)
+    d = lambda x: jax.jvp(lambda x: jnp.sin(fx.tag(x, "h")), (x,), (V,))  # noqa: E731
+    clipped = np.clip(x, -0.5, 0.5)
+    want = (np.sin(clipped), np.cos(clipped) * (np.abs(x) <= 0.5) * 3.0 * V)
+    merged, found = fx.handle(d, Clip(), Triple())(x)
+    (nested, inner), outer = fx.handle(fx.handle(d, Clip()), Triple())(x)
+    for got in (merged, nested):
+        assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_trees_close(found, inner)
+    # ("sum" folds into zeros shaped like the value: the count broadcast)
+    assert_trees_close(found["intermediates"]["h"], np.ones(3, f32))
+    assert outer == {}
+
+
 def test_a_gradient_clip_at_one_layer():
     # A user's handler of the cotangent, against the gradient of a function
     # clipped by hand (an identity whose backward pass clips).
