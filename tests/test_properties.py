@@ -109,7 +109,9 @@ handler classes of its own, built from parts (how they match, what `apply`
 returns, what it emits and under which mode; or a handler of the tangent or
 cotangent), rendered as source a user would write: five properties check
 them against the reference and in the vmap, gradient and nesting laws (see
-the section "Generated user handlers"). One property handles a program's
+the section "Generated user handlers"). Their programs' tags may also hold
+pytrees (a tuple or a dict of arrays, `PYTREES`), which the other
+properties' programs never hold. One property handles a program's
 function again after `jax.grad(handle(f))` and `jax.linearize` of it
 (whatever was cached for that function object) and compares with a fresh
 copy of the program; its
@@ -202,7 +204,9 @@ class Site:
     name: str
     collection: str  # CN: a `checkpoint_name(v, name)` (which handlers see as a tag)
     # A tag of a narrow value derived from the current one and discarded (the
-    # current value goes on unchanged): one of NARROW, or "float32" (the value).
+    # current value goes on unchanged): one of NARROW; a tag of a pytree of
+    # float32 arrays built from it, from which the current value goes on: one
+    # of PYTREES; or "float32" (the value).
     dtype: str = "float32"
 
 
@@ -213,6 +217,21 @@ NARROW = {
     "int8": "({} > 0).astype(jnp.int8)",
     "bfloat16": "{}.astype(jnp.bfloat16)",
 }
+# The pytree tags: the value tagged, a pytree built from the current value
+# `{0}`, and the value that goes on, computed from the tagged pytree `{0}`
+# (drawn only where a program is drawn with `pytrees=True`: the generated
+# handlers' programs). A handler's change of any leaf reaches the output.
+PYTREES = {
+    "tuple": ("({0}, {0} * 0.5)", "{0}[0] * 0.5 + {0}[1]"),
+    "dict": ('{{"h": {0}, "s": jnp.sum({0})}}', '{0}["h"] + 0.1 * jnp.tanh({0}["s"])'),
+}
+
+
+@functools.cache
+def _pytree_fn(source: str):
+    """One of PYTREES' expressions as a function of the value and of `jnp`
+    (NumPy for the reference in float64)."""
+    return eval(f"lambda v, jnp: {source.format('v')}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,14 +417,23 @@ def _render(w: _Writer, node, v: str, i, shape: tuple, fx_on: bool) -> str:
         w.line(f"{o} = {expr}")
         return o
     if isinstance(node, Site):
+        default = "intermediates" if node.kind == "tag" else "perturbations"
+        coll = "" if node.collection == default else f", collection={node.collection!r}"
+        if node.dtype in PYTREES:  # a pytree tagged, the value going on from it
+            value, back = PYTREES[node.dtype]
+            t, o = w.fresh(), w.fresh()
+            value = value.format(v)
+            tagged = f"fx.{node.kind}({value}, {node.name!r}{coll})"
+            # (without `fx`, a custom rule's function computes the same)
+            w.line(f"{t} = {tagged if fx_on else value}")
+            w.line(f"{o} = {back.format(t)}")
+            return o
         if not fx_on:
             return v
         if node.collection == CN:
             o = w.fresh()
             w.line(f"{o} = checkpoint_name({v}, {node.name!r})")
             return o
-        default = "intermediates" if node.kind == "tag" else "perturbations"
-        coll = "" if node.collection == default else f", collection={node.collection!r}"
         if node.dtype in NARROW:  # tagged and discarded
             value = NARROW[node.dtype].format(v)
             w.line(f"fx.{node.kind}({value}, {node.name!r}{coll})")
@@ -737,14 +765,36 @@ class NameInfo:
         ctx = self.context
         return [a for kind in kinds for a in range(len(ctx)) if ctx[a][0] == kind]
 
-    def layout(self):
+    def layout(self, ndim=None):
         """The permutation from nesting order to the documented layout: vmap
-        axes, then shard_map axes, then scan axes, each outermost first."""
-        site = [len(self.context) + a for a in range(len(self.shape))]
+        axes, then shard_map axes, then scan axes, each outermost first (for
+        a leaf of `ndim` axes of its own: by default, the tagged value's)."""
+        ndim = len(self.shape) if ndim is None else ndim
+        site = [len(self.context) + a for a in range(ndim)]
         return self.axes("vmap", "shard", "scan") + site
+
+    def to_layout(self, tree):
+        """An entry in nesting order (context axes, then the value's own, leaf
+        by leaf) in the documented layout."""
+        n = len(self.context)
+        return jax.tree.map(lambda a: np.transpose(a, self.layout(a.ndim - n)), tree)
+
+    def to_nested(self, tree):
+        """An entry in the documented layout in nesting order."""
+        n = len(self.context)
+        back = lambda a: np.transpose(a, np.argsort(self.layout(a.ndim - n)))  # noqa: E731
+        return jax.tree.map(back, tree)
 
     def nested_shape(self):
         return tuple(s for _, s in self.context) + self.shape
+
+    def template(self):
+        """Zeros shaped like one execution's value (a pytree of them for a
+        tag of `PYTREES`)."""
+        zeros = np.zeros(self.shape)
+        if self.dtype in PYTREES:
+            return _pytree_fn(PYTREES[self.dtype][0])(zeros, np)
+        return zeros
 
     def reduced_shape(self):
         """Reductions fold scan iterations, and keep vmap and shard axes."""
@@ -899,10 +949,22 @@ class _Reference:
     `subs` (the value recorded is the new one), and `shifts[name][entry][index
     path]` is added (after `scales[name][entry][index path]` multiplies it). In
     both, `fns[name]` first transforms the value at each site of a name in
-    `fns`."""
+    `fns`, then `placed[name](value, at, index path)`, `at` being what
+    `ctx.at` says there: `(entry, *iterations)`, the iteration of each scan
+    and while loop around the site, outermost first (a reverse scan's
+    position); `at` lists it for every execution, beside `log`. A pytree
+    tag's value (`PYTREES`) is a pytree there, and so are the entries of
+    `subs`, `shifts`, `scales` and `deltas` for it."""
 
     def __init__(
-        self, deltas=None, decisions=None, subs=None, shifts=None, fns=None, scales=None
+        self,
+        deltas=None,
+        decisions=None,
+        subs=None,
+        shifts=None,
+        fns=None,
+        scales=None,
+        placed=None,
     ):
         self.jax = deltas is not None
         self.xp = jnp if self.jax else np
@@ -911,8 +973,11 @@ class _Reference:
         self.shifts = {} if shifts is None else shifts
         self.scales = {} if scales is None else scales
         self.fns = {} if fns is None else fns
+        self.placed = {} if placed is None else placed
         self.log: list = []
+        self.at: list = []  # each execution's `at`, beside `log`
         self.decisions = {} if decisions is None else decisions
+        self.loops: list[int] = []  # the iterations of the loops around
 
     def run(self, node, v, i, offsets, idx, path):
         xp = self.xp
@@ -933,6 +998,9 @@ class _Reference:
             if node.dtype in NARROW:  # tagged and discarded
                 self.site(node, self._narrow(node.dtype, v), offsets, idx)
                 return v
+            if node.dtype in PYTREES:
+                value, back = (_pytree_fn(e) for e in PYTREES[node.dtype])
+                return back(self.site(node, value(v, xp), offsets, idx), xp)
             return self.site(node, v, offsets, idx)
         if isinstance(node, Fork):
             a = self.run(node.left, v, i, offsets, idx, path)
@@ -968,16 +1036,20 @@ class _Reference:
             for k in reversed(order) if node.reverse else order:
                 x = v * scales[k] + shifts[k]
                 u = c * 0.5 + x
+                self.loops.append(k)
                 if invariant is not None:
                     t = self.run(invariant, v * 0.5, k, offsets, idx + (k,), path)
                     u = u + t
                 c = self.run(node.body, u, k, after, idx + (k,), path + (k,))
+                self.loops.pop()
                 ys[k] = c * 0.5
             return c + sum(ys) if node.use_ys else c
         if isinstance(node, While):
             w = lax.stop_gradient(v) if self.jax else v
             for k in range(node.trips):
+                self.loops.append(k)
                 w = self.run(node.body, w, k, offsets, idx, path + (k,))
+                self.loops.pop()
             return v * 0.5 + w
         if isinstance(node, Vmap):
             a = node.in_axis
@@ -1010,21 +1082,29 @@ class _Reference:
         raise AssertionError(node)
 
     def site(self, node: Site, v, offsets, idx):
-        entry = offsets.get(node.name, 0)
-        if node.name in self.fns:
-            v = self.fns[node.name](v)
+        entry, name = offsets.get(node.name, 0), node.name
+
+        def here(values):  # this execution's part of `values[name]`
+            return jax.tree.map(lambda a: a[idx], values[name][entry])
+
+        at = (entry, *self.loops)
+        self.at.append(at)
+        if name in self.fns:
+            v = self.fns[name](v)
+        if name in self.placed:
+            v = self.placed[name](v, at, idx)
         if not self.jax:
-            if node.name in self.subs:
-                v = self.subs[node.name][entry][idx]
-            if node.name in self.scales:
-                v = v * self.scales[node.name][entry][idx]
-            if node.name in self.shifts:
-                v = v + self.shifts[node.name][entry][idx]
-            self.log.append((node.name, entry, idx, np.array(v)))
+            if name in self.subs:
+                v = here(self.subs)
+            if name in self.scales:
+                v = jax.tree.map(np.multiply, v, here(self.scales))
+            if name in self.shifts:
+                v = jax.tree.map(np.add, v, here(self.shifts))
+            self.log.append((name, entry, idx, jax.tree.map(np.array, v)))
             return v
-        if node.name in self.deltas:
-            v = v + self.deltas[node.name][entry][idx]
-        self.log.append((node.name, entry, idx, v))
+        if name in self.deltas:
+            v = jax.tree.map(jnp.add, v, here(self.deltas))
+        self.log.append((name, entry, idx, v))
         return v
 
     def _narrow(self, dtype: str, v):
@@ -1070,6 +1150,7 @@ class Expected:
     log: list
     decisions: dict
     infos: dict
+    at: list = dataclasses.field(default_factory=list)  # beside `log`
 
     def append(self, name):
         info = self.infos[name]
@@ -1107,16 +1188,23 @@ def reference(program: Program, seed_offset=0) -> Expected:
 
 
 def substituted_reference(
-    program: Program, subs: dict, seed_offset=0, shifts=None, fns=None, scales=None
+    program: Program,
+    subs: dict,
+    seed_offset=0,
+    shifts=None,
+    fns=None,
+    scales=None,
+    placed=None,
 ) -> Expected:
     """The reference with the values `subs` (by name, as `Tag()` reports them)
     substituted at the sites, `shifts` (alike) added to them, `scales` (alike)
-    multiplying them, and `fns[name]` applied to them; raises `Ambiguous`."""
+    multiplying them, and `fns[name]` and `placed[name]` applied to them (see
+    `_Reference`); raises `Ambiguous`."""
     infos = analyse(program)
 
     def nested(values):
         return {
-            n: tuple(np.transpose(e, np.argsort(infos[n].layout())) for e in entries)
+            n: tuple(infos[n].to_nested(e) for e in entries)
             for n, entries in values.items()
         }
 
@@ -1125,10 +1213,11 @@ def substituted_reference(
         shifts=nested(shifts or {}),
         fns=fns,
         scales=nested(scales or {}),
+        placed=placed,
     )
     x = program.x(seed_offset).astype(np.float64)
     out = ref.run(program.body, x, None, {}, (), ())
-    return Expected(out, ref.log, ref.decisions, infos)
+    return Expected(out, ref.log, ref.decisions, infos, ref.at)
 
 
 def reference_perturbation_grads(program: Program, expected: Expected, names, fns=None):
@@ -1204,6 +1293,7 @@ class _Scope:
     in_root: bool = False
     in_checkpoint: bool = False
     while_in_checkpoint: bool = False  # in a while_loop inside a jax.checkpoint
+    pytrees: bool = False  # tags of pytrees (`PYTREES`) are drawn too
 
     def inner(self, **changes):
         return dataclasses.replace(self, depth=self.depth + 1, **changes)
@@ -1316,8 +1406,10 @@ def _draw_item(draw, scope: _Scope, counter: list):
     if kind == "checkpoint_name":
         return Site("tag", f"n{counter[0]}", CN)
     if kind == "tag":
-        # Of the value, or of a narrow value derived from it (`NARROW`).
-        dtype = draw(st.sampled_from(TAG_DTYPES))
+        # Of the value, of a narrow value derived from it (`NARROW`), or (where
+        # asked, four times in thirteen) of a pytree built from it (`PYTREES`).
+        dtypes = TAG_DTYPES + (tuple(PYTREES) * 2 if scope.pytrees else ())
+        dtype = draw(st.sampled_from(dtypes))
         return Site("tag", f"t{counter[0]}", _tag_collection(scope), dtype)
     collection = "custom_perturbations" if scope.in_custom else "perturbations"
     return Site("perturb", f"p{counter[0]}", collection)
@@ -1437,25 +1529,32 @@ def _draw_cond(draw, scope: _Scope, counter: list) -> Cond:
 
 
 @st.composite
-def programs(draw, holding: str | None = None):
+def programs(draw, holding: str | None = None, pytrees: bool = False):
     """A program; with `holding` (a kind of `_STRUCTURES`, or "tag"), one that
-    holds that at its top level, at least."""
+    holds that at its top level, at least (for "while", a while loop whose
+    body starts with a tag); with `pytrees`, one whose tags may hold pytrees
+    (`PYTREES`), which only the properties of generated handlers take."""
     shape = draw(st.sampled_from([(3,), (2, 3), (4,)]))
     counter = [0]
-    body = _draw_body(draw, _Scope(shape), counter)
+    scope = _Scope(shape, pytrees=pytrees)
+    body = _draw_body(draw, scope, counter)
     if holding is not None:
         if holding == "tag":
             counter[0] += 1
             node = Site("tag", f"t{counter[0]}", "intermediates")
         else:
-            node = _draw_structure(draw, holding, _Scope(shape), counter)
+            node = _draw_structure(draw, holding, scope, counter)
+        if holding == "while":
+            counter[0] += 1
+            tag = Site("tag", f"t{counter[0]}", "loop")
+            node = dataclasses.replace(node, body=Seq((tag, *node.body.items)))
         k = draw(st.integers(0, len(body.items)))
         body = Seq((*body.items[:k], node, *body.items[k:]))
     return Program(body, shape, draw(st.integers(0, 2**16)))
 
 
-def _holding(kind: str):
-    return programs(holding=kind)
+def _holding(kind: str, pytrees: bool = False):
+    return programs(holding=kind, pytrees=pytrees)
 
 
 # An explicit example of the properties without other draws: a few examples
@@ -2355,33 +2454,38 @@ class AtShift(Shift):
 
 def shift_offsets(infos, names) -> dict:
     """Offsets for `Shift`: for each name one entry per execution, in the layout
-    `Tag()` reports."""
+    `Tag()` reports (a pytree, leaf by leaf, for a pytree tag)."""
     out = {}
     for k, name in enumerate(names):
         info = infos[name]
-        shape = tuple(np.transpose(np.zeros(info.nested_shape()), info.layout()).shape)
-        size = int(np.prod(shape))
+        context = tuple(s for _, s in info.context)
+        leaves, tree = jax.tree.flatten(info.template())
         entries = []
         for e in range(info.count):
-            o = 0.25 * np.cos(np.arange(size) * 0.7 + k + 2.0 * e).reshape(shape)
-            entries.append(o.astype(np.float32))
+            entry = []
+            for j, leaf in enumerate(leaves):
+                shape = info.to_layout(np.zeros(context + np.shape(leaf))).shape
+                size = int(np.prod(shape))
+                phase = np.arange(size) * 0.7 + k + 2.0 * e + 0.3 * j
+                entry.append((0.25 * np.cos(phase)).reshape(shape).astype(np.float32))
+            entries.append(tree.unflatten(entry))
         out[name] = tuple(entries)
     return out
 
 
-def handled_reference_grad(program, expected, x, offsets=None, fns=None):
+def handled_reference_grad(program, expected, x, offsets=None, fns=None, placed=None):
     """The gradient of `scalar_loss` of the program with `offsets` added at the
-    sites, and `fns` applied to them (as `_Reference`), by the reference in
-    `jax.numpy` (the branches `expected` took)."""
+    sites, and `fns` and `placed` applied to them (as `_Reference`), by the
+    reference in `jax.numpy` (the branches `expected` took)."""
     infos = expected.infos
     deltas = {
-        n: tuple(jnp.transpose(e, np.argsort(infos[n].layout())) for e in entries)
+        n: tuple(jax.tree.map(jnp.asarray, infos[n].to_nested(e)) for e in entries)
         for n, entries in (offsets or {}).items()
     }
     w = loss_weights(program.shape)
 
     def loss(x):
-        ref = _Reference(deltas, expected.decisions, fns=fns)
+        ref = _Reference(deltas, expected.decisions, fns=fns, placed=placed)
         return jnp.sum(ref.run(program.body, x, None, {}, (), ()) * w)
 
     return jax.jit(jax.grad(loss))(x)
@@ -2505,10 +2609,11 @@ def test_two_handlers_equal_nested_handles(program, data):
     event(f"handle(f, A, B): {_two_handlers(program, a, b)}")
 
 
-def _two_handlers(program, a, b) -> str:
-    """Checks `handle(f, a, b)` against `handle(handle(f, a), b)`; returns
-    which case it was: "both report", "equal" or "same error"."""
-    f, x = program.function(), program.x()
+def _two_handlers(program, a, b, f=None) -> str:
+    """Checks `handle(f, a, b)` against `handle(handle(f, a), b)`, `f` the
+    program's function unless given; returns which case it was: "both
+    report", "equal" or "same error"."""
+    f, x = program.function() if f is None else f, program.x()
     merged, merged_error = _outcome(fx.handle(f, a, b), x)
     nested, nested_error = _outcome(fx.handle(fx.handle(f, a), b), x)
     if " both report " in str(merged_error):
@@ -2837,25 +2942,34 @@ def test_cotangents_and_tangents_of_tags_equal_the_reference(program):
 #   of perturb sites (`"perturbations"`, `"custom_perturbations"`);
 # - what `apply` returns: the value itself, `_bend` of it, the value times a
 #   static factor, the value plus an input per execution
-#   (`per_call_inputs()`, `ctx.next_input()`), or plus a function of
-#   `ctx.at`;
+#   (`per_call_inputs()`, `ctx.next_input()`), plus a function of `ctx.at`
+#   (in a scan or a while loop too), of `ctx.batch_index`, or plus
+#   `ctx.example` of a table in the layout `Tag()` reports; leaf by leaf
+#   (`jax.tree.map`) where it matches a tag holding a pytree (`PYTREES`);
 # - what it emits (nothing, the value it got, the value it returns, or
 #   `jnp.sum(new ** 2)`), and under which mode: `"append"`, `fx.Append()`,
 #   `"strict"`, `"last"`, `"sum"`, or an `fx.Reduce` (a running maximum of
-#   the value, a running total of the scalar), with `consumes=False` or not;
+#   the value, a running total of the scalar), with `consumes=False` or not,
+#   and for `fx.Append` and `fx.Reduce` with `per_example=False` or not (a
+#   handler of the whole batch of the vmaps inside `handle`);
 # - or, for a handler of the tangent or cotangent (`derivative_handlers`),
 #   which matches that part (`fx.Select(part=...)` or `site.part`) and
 #   multiplies what it gets by a constant or by a function of `ctx.primal`.
 #
 # It draws only what the docs promise works: values it changes are float32
-# and outside custom derivatives, "append" and "strict" never in a while loop,
-# inputs per execution and `ctx.at` never in one (the reference does not count
-# a while loop's iterations), "strict" only for names executed once. The
-# documented refusals of the rest are checked apart
-# (`_check_a_documented_refusal`).
+# (or pytrees of them) and outside custom derivatives, "append" and "strict"
+# never in a while loop, inputs per execution never in one, "strict" only for
+# names executed once; a handler of the whole batch only changes values the
+# same way for every example (no input, `batch_index` or `example`, which are
+# one example's), and not for the vmap law (which it does not keep, by
+# design), nor `batch_index` there (a vmap outside `handle` is not in it).
+# The documented refusals of the rest are checked apart
+# (`_check_a_documented_refusal`). The nesting law pairs handlers of the
+# values, and of the tangents or cotangents under a `jax.jvp` or `jax.grad`
+# (`handler_pairs`).
 
 HANDLER_MATCHERS = ("select", "method", "predicate")
-HANDLER_TRANSFORMS = ("identity", "bend", "scale", "input", "at")
+HANDLER_TRANSFORMS = ("identity", "bend", "scale", "input", "at", "batch", "example")
 # What a handler of a derivative (`part`: "tangent" or "cotangent") does to it
 # ("primal": multiplies it by `_bend`'s derivative at `ctx.primal`).
 DERIVATIVE_TRANSFORMS = ("identity", "scale", "primal")
@@ -2864,6 +2978,11 @@ HANDLER_EMITS = ("none", "in", "out", "sumsq")  # "sumsq": a scalar per executio
 # "max" and "total" are `fx.Reduce`s (of the value, of a scalar).
 VALUE_MODES = ("append", "Append", "strict", "last", "sum", "max")
 SCALAR_MODES = ("append", "Append", "strict", "total")
+# The modes a handler of the whole batch (`per_example=False`) may have, and
+# what its `apply` may do: the same to every example (no input per execution,
+# `ctx.batch_index` or `ctx.example`, which are one example's).
+WHOLE_MODES = ("Append", "max", "total")
+WHOLE_TRANSFORMS = ("identity", "bend", "scale", "at")
 # (kind, collection) of the sites a generated handler may take.
 HANDLER_TARGETS = (
     ("tag", "intermediates"),
@@ -2875,6 +2994,9 @@ HANDLER_TARGETS = (
 # The offset a handler of `at` adds: AT_CALL * (call + 1) + AT_ITERATION *
 # (k + 1) * (the iteration of the k-th loop around the site, outermost first).
 AT_CALL, AT_ITERATION = 0.1, 0.05
+# The offset a handler of `batch_index` adds: AT_BATCH * (k + 1) * (the
+# example's index along the k-th vmap inside the handled function).
+AT_BATCH = 0.02
 NEG_INF_STAND_IN = -12345.0  # what -inf compares as (`_finite`)
 
 
@@ -2891,6 +3013,8 @@ class HandlerParts:
     value_part_only: bool = False  # ("method": also checks `site.part`)
     exact: str = "frozenset"  # ("select": the names as a "frozenset" or "tuple")
     part: str = "value"  # the part of the sites it matches
+    whole: bool = False  # (WHOLE_MODES) `per_example=False`: of the whole batch
+    trees: bool = False  # `apply` written for pytree values (`jax.tree.map`)
 
     @property
     def class_name(self) -> str:
@@ -2898,11 +3022,13 @@ class HandlerParts:
         words += [self.transform, "emits", self.emit]
         words += [] if self.mode == "none" else ["as", self.mode]
         words += [] if self.consumes else ["passing"]
+        words += ["of", "batch"] if self.whole else []
         words += ["by", self.matcher]
         if self.matcher == "method" and self.value_part_only:
             words.append("of_value")
         if self.matcher == "select":
             words.append(self.exact)
+        words += ["on", "trees"] if self.trees else []
         return "_".join(w.capitalize() for w in words)
 
     def fields(self) -> list[str]:
@@ -2910,18 +3036,20 @@ class HandlerParts:
         names = ["modulus", "residue"] if self.matcher == "predicate" else ["names"]
         names += ["collection", "kind"]
         names += ["factor"] if self.transform == "scale" else []
+        names += ["tables"] if self.transform == "example" else []
         return names + (["offsets"] if self.transform == "input" else [])
 
 
 def _mode_source(parts: HandlerParts) -> str:
-    passing = "" if parts.consumes else "consumes=False"
+    options = [] if parts.consumes else ["consumes=False"]
+    options += ["per_example=False"] if parts.whole else []
+    more = "".join(f", {option}" for option in options)
     if parts.mode == "Append":
-        return f"fx.Append({passing})"
+        return f"fx.Append({', '.join(options)})"
     if parts.mode == "max":
-        more = f", {passing}" if passing else ""
-        return f"fx.Reduce(jnp.maximum, running_max_init{more})"
+        fn = "running_max" if parts.trees else "jnp.maximum"
+        return f"fx.Reduce({fn}, running_max_init{more})"
     if parts.mode == "total":
-        more = f", {passing}" if passing else ""
         return f"fx.Reduce(jnp.add, scalar_zero{more})"
     return repr(parts.mode)
 
@@ -2934,6 +3062,12 @@ def handler_source(parts: HandlerParts) -> str:
         lines += [
             "def running_max_init(zeros):",
             "    return jax.tree.map(lambda z: jnp.full_like(z, -jnp.inf), zeros)",
+            "",
+        ]
+    if parts.mode == "max" and parts.trees:
+        lines += [
+            "def running_max(acc, x):",
+            "    return jax.tree.map(jnp.maximum, acc, x)",
             "",
         ]
     if parts.mode == "total":
@@ -2950,6 +3084,10 @@ def handler_source(parts: HandlerParts) -> str:
     for field in parts.fields():
         if field == "offsets":
             lines.append("    offsets: dict  # name -> one entry per execution")
+        elif field == "tables":
+            lines.append(
+                "    tables: dict  # name -> a value in the layout Tag() reports"
+            )
         else:
             lines.append(f"    {field}: {types[field]} = {static}")
     lines.append("")
@@ -2981,25 +3119,46 @@ def handler_source(parts: HandlerParts) -> str:
     if parts.transform == "input":
         lines += ["    def per_call_inputs(self):", "        return self.offsets", ""]
     lines.append("    def apply(self, site, value, ctx):")
+
+    def each(expr: str) -> str:  # `new`: `expr` of each leaf `v` of `value`
+        if parts.trees:
+            return f"new = jax.tree.map(lambda v: {expr}, value)"
+        return f"new = {expr.replace('v', 'value')}"
+
+    def paired(fn: str, other: str) -> str:  # `new`: `fn` of `value` and `other`
+        if parts.trees:
+            return f"new = jax.tree.map({fn}, value, {other})"
+        return f"new = value + {other}"
+
     body = {
         "identity": ["new = value"],
-        "bend": ["new = value + 0.5 * jnp.sin(value)"],
-        "scale": ["new = value * self.factor"],
-        "input": ["new = value + ctx.next_input()"],
+        "bend": [each("v + 0.5 * jnp.sin(v)")],
+        "scale": [each("v * self.factor")],
+        "input": [paired("jnp.add", "ctx.next_input()")],
         "primal": ["new = value * (1 + 0.5 * jnp.cos(ctx.primal))"],
         "at": [
             "call, *iterations = ctx.at",
             f"offset = {AT_CALL} * (call + 1) + sum(",
             f"    {AT_ITERATION} * (k + 1) * i for k, i in enumerate(iterations)",
             ")",
-            "new = value + offset.astype(value.dtype)",
+            each("v + offset.astype(v.dtype)"),
         ],
+        "batch": [
+            "offset = sum(",
+            f"    {AT_BATCH} * (k + 1) * b for k, b in enumerate(ctx.batch_index)",
+            ")",
+            each("v + offset"),
+        ],
+        "example": [paired("jnp.add", "ctx.example(self.tables[site.name])")],
     }[parts.transform]
+    sumsq = "jnp.sum(new**2)"
+    if parts.trees:
+        sumsq = "sum(jnp.sum(v**2) for v in jax.tree.leaves(new))"
     body += {
         "none": [],
         "in": ["ctx.emit(value)"],
         "out": ["ctx.emit(new)"],
-        "sumsq": ["ctx.emit(jnp.sum(new**2))"],
+        "sumsq": [f"ctx.emit({sumsq})"],
     }[parts.emit]
     lines += [f"        {line}" for line in body] + ["        return new"]
     return "\n".join(lines) + "\n"
@@ -3025,30 +3184,42 @@ class UserHandler:
     kind: str
     collection: str
     names: tuple  # the names it matches, in the program it was drawn for
-    args: dict  # the constructor's, but `offsets` (computed from `offset_infos`)
-    offset_infos: dict | None = None  # ("input") the infos of the program
+    # the constructor's, but `offsets` and `tables` (from `offset_infos`)
+    args: dict
+    offset_infos: dict | None = None  # ("input", "example") the program's infos
 
     @property
     def offsets(self) -> dict:
         """The inputs per execution ("input"): `shift_offsets` of its names."""
         return shift_offsets(self.offset_infos, self.names)
 
+    @property
+    def tables(self) -> dict:
+        """What `ctx.example` takes ("example"): `example_tables` of its names."""
+        return example_tables(self.offset_infos, self.names)
+
     @functools.cached_property
     def handler(self) -> fx.Handler:
         return self.built()
 
     def built(self, batch: int | None = None) -> fx.Handler:
-        """The handler; with `batch`, its inputs per execution for the
-        function under a `jax.vmap` of that size (every example's the same)."""
+        """The handler; with `batch`, its inputs per execution and tables for
+        the function under a `jax.vmap` of that size (every example's the
+        same)."""
         args = dict(self.args)
+
+        def stacked(tree):
+            if batch is None:
+                return tree
+            return jax.tree.map(lambda a: np.stack([a] * batch), tree)
+
         if self.parts.transform == "input":
-            offsets = self.offsets
-            if batch is not None:
-                offsets = {
-                    n: tuple(np.stack([e] * batch) for e in entries)
-                    for n, entries in offsets.items()
-                }
-            args["offsets"] = offsets
+            args["offsets"] = {
+                n: tuple(stacked(e) for e in entries)
+                for n, entries in self.offsets.items()
+            }
+        if self.parts.transform == "example":
+            args["tables"] = {n: stacked(t) for n, t in self.tables.items()}
         return handler_class(self.parts)(**args)
 
     def variant(self, names, **parts) -> UserHandler:
@@ -3071,6 +3242,8 @@ class UserHandler:
         args = ", ".join(f"{k}={v!r}" for k, v in self.args.items())
         if self.parts.transform == "input":
             args += f", offsets=shift_offsets(analyse(program), {self.names!r})"
+        if self.parts.transform == "example":
+            args += f", tables=example_tables(analyse(program), {self.names!r})"
         return (
             f"\n{handler_source(self.parts)}\nhandler = {self.parts.class_name}({args})"
             f"\n# matches {self.names!r}\n"
@@ -3079,17 +3252,21 @@ class UserHandler:
     # What it does, as the reference evaluates it.
 
     def fns(self, received=None) -> dict:
-        """`fns` for `_Reference`: the transform at each of its names (the
-        identity where it adds `shifts`); with `received` (a dict), each
-        function first appends the value it gets to `received[name]`."""
-        transform = {"bend": _bend, "scale": self._scale}.get(self.parts.transform)
-        transform = transform or (lambda v: v)
+        """`fns` for `_Reference`: the transform at each of its names, leaf by
+        leaf (the identity where it adds `shifts` or is `placed`); with
+        `received` (a dict), each function first appends the value it gets to
+        `received[name]`."""
+        one = {"bend": _bend, "scale": self._scale}.get(self.parts.transform)
+
+        def transform(v):
+            return v if one is None else jax.tree.map(one, v)
+
         if received is None:
             return dict.fromkeys(self.names, transform)
 
         def recording(name):
             def fn(v):
-                received.setdefault(name, []).append(np.array(v))
+                received.setdefault(name, []).append(jax.tree.map(np.array, v))
                 return transform(v)
 
             return fn
@@ -3104,9 +3281,44 @@ class UserHandler:
         reports (`substituted_reference`'s `shifts`)."""
         if self.parts.transform == "input":
             return self.offsets
-        if self.parts.transform == "at":
-            return at_offsets(infos, self.names)
         return {}
+
+    def placed(self, infos) -> dict:
+        """`placed` for `_Reference`: what it adds by where each execution
+        is (`ctx.at`, `ctx.batch_index`, `ctx.example`), by name."""
+        transform = self.parts.transform
+
+        def adding(offset):  # `offset(info, at, index path)` added to each leaf
+            def by_name(info):
+                def fn(v, at, idx):
+                    return jax.tree.map(lambda a: a + offset(info, at, idx), v)
+
+                return fn
+
+            return {n: by_name(infos[n]) for n in self.names}
+
+        if transform == "at":
+            return adding(lambda info, at, idx: _at_offset(at))
+        if transform == "batch":
+            return adding(
+                lambda info, at, idx: sum(
+                    AT_BATCH * (k + 1) * idx[a] for k, a in enumerate(info.axes("vmap"))
+                )
+            )
+        if transform != "example":
+            return {}
+        tables = self.tables
+
+        def looked_up(name):  # the table's part for the example and shard
+            info = infos[name]
+
+            def fn(v, at, idx):
+                part = tuple(idx[a] for a in info.axes("vmap", "shard"))
+                return jax.tree.map(lambda a, t: a + t[part], v, tables[name])
+
+            return fn
+
+        return {n: looked_up(n) for n in self.names}
 
     def expected(self, program, seed_offset=0) -> tuple[Expected, dict]:
         """The reference with this handler's changes, and the values it
@@ -3120,6 +3332,7 @@ class UserHandler:
             seed_offset,
             shifts=self.shifts(infos),
             fns=self.fns(received),
+            placed=self.placed(infos),
         )
         return expected, received
 
@@ -3171,7 +3384,7 @@ class UserHandler:
             if parts.part == "cotangent":
                 records.reverse()
             shape = () if parts.emit == "sumsq" else info.shape
-            out[name] = _reported(parts.mode, info, records, shape)
+            out[name] = _reported(parts.mode, info, records, np.zeros(shape))
         if parts.matcher == "method" and not self.names:
             return {}
         return {f"{self.collection}:{parts.part}": out}
@@ -3185,15 +3398,22 @@ class UserHandler:
         infos = expected.infos
         out = {}
         for name in self.names:
-            executions = [r for r in expected.log if r[0] == name]
+            executions = [r for r in zip(expected.log, expected.at) if r[0][0] == name]
             got = received.get(name, [])
             assert len(got) == len(executions), (name, len(got), len(executions))
             records = [
                 (entry, idx, _emitted(parts.emit, before, after))
-                for (_, entry, idx, after), before in zip(executions, got)
+                for ((_, entry, idx, after), _), before in zip(executions, got)
             ]
-            shape = () if parts.emit == "sumsq" else infos[name].shape
-            out[name] = _reported(parts.mode, infos[name], records, shape)
+            info = infos[name]
+            template = np.zeros(()) if parts.emit == "sumsq" else info.template()
+            if parts.whole:
+                summed = parts.emit == "sumsq"
+                places = [at for _, at in executions]
+                info, records, template = _whole_batch(
+                    info, records, places, template, summed
+                )
+            out[name] = _reported(parts.mode, info, records, template)
         if parts.matcher == "method" and not self.names:
             return {}  # (a method reports under each site's collection)
         return {self.collection: out}
@@ -3214,12 +3434,63 @@ def _emitted(emit: str, before, after):
         return before
     if emit == "out":
         return after
-    return np.sum(np.asarray(after) ** 2)
+    return sum(np.sum(np.asarray(leaf) ** 2) for leaf in jax.tree.leaves(after))
 
 
-def _reported(mode: str, info: NameInfo, records, shape: tuple):
+def _whole_batch(info: NameInfo, records, places, template, summed: bool):
+    """What a handler of the whole batch (`per_example=False`) emits, from
+    what one per example would (`records`: `(entry, index path, emitted
+    value)` per execution and example; `places`: the `at` of each, which
+    tells the iterations of a while loop apart): per execution, the values of
+    all the examples of the vmaps around it, batch axes first (`summed`:
+    their scalars summed, as `jnp.sum` of the whole batch sums them); with
+    the info and template of the name as such a handler reports it: no vmap
+    in its context, so that its shard_map and scan axes come before the
+    batch axes, which are the emitted value's own."""
+    vmaps = info.axes("vmap")
+    if not vmaps:
+        return info, records, template
+    rest = [a for a in range(len(info.context)) if a not in vmaps]
+    batch = tuple(info.context[a][1] for a in vmaps)
+    wholes: dict = {}
+    for (entry, idx, value), at in zip(records, places):
+        key = (at, entry, tuple(idx[a] for a in rest))
+        if key not in wholes:
+            wholes[key] = jax.tree.map(lambda t: np.zeros(batch + np.shape(t)), value)
+        for w, leaf in zip(jax.tree.leaves(wholes[key]), jax.tree.leaves(value)):
+            w[tuple(idx[a] for a in vmaps)] = leaf
+    records = [
+        (entry, idx, np.sum(w) if summed else w)
+        for (_, entry, idx), w in wholes.items()
+    ]
+    if not summed:
+        template = jax.tree.map(lambda t: np.zeros(batch + np.shape(t)), template)
+    context = tuple(info.context[a] for a in rest)
+    return dataclasses.replace(info, context=context), records, template
+
+
+def _reported(mode: str, info: NameInfo, records, template):
     """One name's report under `mode`, from its executions' `(entry, index
-    path, emitted value)`, each emitted value of `shape`."""
+    path, emitted value)`, each emitted value shaped like `template` (a pytree
+    of arrays: reported leaf by leaf)."""
+    leaves, tree = jax.tree.flatten(template)
+    reports = [
+        _reported_leaf(
+            mode,
+            info,
+            [(entry, idx, jax.tree.leaves(value)[j]) for entry, idx, value in records],
+            np.shape(leaf),
+        )
+        for j, leaf in enumerate(leaves)
+    ]
+    if mode in ("append", "Append"):
+        entries = range(info.count)
+        return tuple(tree.unflatten([r[e] for r in reports]) for e in entries)
+    return tree.unflatten(reports)
+
+
+def _reported_leaf(mode: str, info: NameInfo, records, shape: tuple):
+    """`_reported` of one leaf, of `shape`."""
     context = tuple(s for _, s in info.context)
     if mode in ("append", "Append", "strict"):
         entries = [np.zeros(context + shape) for _ in range(info.count)]
@@ -3243,25 +3514,31 @@ def _reported(mode: str, info: NameInfo, records, shape: tuple):
     return acc
 
 
-def at_offsets(infos, names) -> dict:
-    """What a handler of `at` adds at each execution of `names`, in the layout
-    `Tag()` reports (`AT_CALL`, `AT_ITERATION`): the iterations are those of
-    the scans around the site (the names are never in a while loop)."""
+def _at_offset(at) -> float:
+    """What a handler of `at` adds at the execution `at` (`(call,
+    *iterations)`, as the reference counts them: `_Reference`)."""
+    call, *iterations = at
+    return AT_CALL * (call + 1) + sum(
+        AT_ITERATION * (k + 1) * i for k, i in enumerate(iterations)
+    )
+
+
+def example_tables(infos, names) -> dict:
+    """What a handler of `ctx.example` adds: for each name, one value in the
+    layout `Tag()` reports for one execution (the vmap axes, then the
+    shard_map axes, then the value's own; leaf by leaf for a pytree tag), the
+    same at every execution."""
     out = {}
-    for name in names:
+    for k, name in enumerate(names):
         info = infos[name]
-        sizes = tuple(s for _, s in info.context)
-        scans = info.axes("scan")
-        grid = np.indices(sizes) if sizes else np.zeros((0,))
-        entries = []
-        for e in range(info.count):
-            offset = np.full(sizes, AT_CALL * (e + 1))
-            for k, a in enumerate(scans):
-                offset = offset + AT_ITERATION * (k + 1) * grid[a]
-            offset = offset.reshape(sizes + (1,) * len(info.shape))
-            nested = np.broadcast_to(offset, info.nested_shape())
-            entries.append(np.transpose(nested, info.layout()))
-        out[name] = tuple(entries)
+        lead = tuple(info.context[a][1] for a in info.axes("vmap", "shard"))
+        leaves, tree = jax.tree.flatten(info.template())
+        made = []
+        for j, leaf in enumerate(leaves):
+            shape = lead + np.shape(leaf)
+            phase = np.arange(int(np.prod(shape))) * 1.1 + 0.5 * k + 0.7 * j
+            made.append((0.2 * np.sin(phase)).reshape(shape).astype(np.float32))
+        out[name] = tree.unflatten(made)
     return out
 
 
@@ -3306,31 +3583,53 @@ def user_handlers(draw, infos, *, vmap=False, grad=False, part="value"):
     targets = [
         t
         for t in HANDLER_TARGETS
-        if names_where(infos, kind=t[0], collection=t[1], dtype="float32")
+        if _float_names(infos, kind=t[0], collection=t[1])
         and not ((vmap or grad) and t[1] == CN)
         and not (grad and t[1] == "custom_perturbations")
     ]
+    # (the tags of while loops twice as often as others: there `at` and the
+    # reductions meet iterations no layout shows)
+    targets += [t for t in targets if t == ("tag", "loop")]
     kind, collection = draw(st.sampled_from(targets or [("tag", "intermediates")]))
-    floats = names_where(infos, kind=kind, collection=collection, dtype="float32")
+    floats = _float_names(infos, kind=kind, collection=collection)
     transforms = list(HANDLER_TRANSFORMS)
-    if collection in ("loop", "custom_perturbations") or not [
-        n for n in floats if not infos[n].custom
-    ]:
+    if vmap:  # (the index along a vmap outside `handle` is not in `batch_index`)
+        transforms.remove("batch")
+    if collection == "loop":  # (in a while loop: no input per execution)
+        transforms.remove("input")
+    if not [n for n in floats if not infos[n].custom]:
         transforms = ["identity", "bend", "scale"]
     if collection == "custom_perturbations":
         transforms = ["identity"]
     transform = draw(st.sampled_from(transforms))
+    if collection == "loop" and "at" in transforms and draw(st.booleans()):
+        transform = "at"  # (half the time in a while loop: its iterations)
     pool = [
         n
         for n in floats
         if not (transform != "identity" and infos[n].custom)
         and not (grad and infos[n].custom)
-        and not (transform in ("input", "at") and infos[n].in_while)
+        and not (transform == "input" and infos[n].in_while)
     ]
 
-    looping = [n for n in pool if infos[n].in_scan]
-    if transform == "at" and looping and draw(st.booleans()):
-        pool = looping  # (half the time: where `at` has iterations)
+    # A handler of the whole batch, one in three where it may be (not for the
+    # vmap law, which it does not keep by design).
+    whole = not vmap and transform in WHOLE_TRANSFORMS and draw(st.integers(0, 2)) == 0
+    # Half the time, names where `at` has iterations (of a scan or a while
+    # loop), where `batch_index` or `example` has an example (or shard), and
+    # where a handler of the whole batch has a batch.
+    placing = [
+        {
+            "at": lambda info: info.in_scan or info.in_while,
+            "batch": lambda info: bool(info.axes("vmap")),
+            "example": lambda info: bool(info.axes("vmap", "shard")),
+        }.get(transform),
+        (lambda info: bool(info.axes("vmap"))) if whole else None,
+    ]
+    for where in filter(None, placing):
+        placed = [n for n in pool if where(infos[n])]
+        if placed and draw(st.booleans()):
+            pool = placed
     matcher = draw(st.sampled_from(HANDLER_MATCHERS))
     args: dict = {}
     if matcher == "predicate":
@@ -3368,8 +3667,11 @@ def user_handlers(draw, infos, *, vmap=False, grad=False, part="value"):
         )
         if not (names and once):
             modes = [m for m in modes if m != "strict"]
+        if whole:
+            modes = [m for m in modes if m in WHOLE_MODES]
         mode = draw(st.sampled_from(modes))
     consumes = mode not in ("Append", "max", "total") or draw(st.booleans())
+    whole = whole and mode in WHOLE_MODES
     parts = HandlerParts(
         matcher,
         transform,
@@ -3380,11 +3682,27 @@ def user_handlers(draw, infos, *, vmap=False, grad=False, part="value"):
         exact=draw(st.sampled_from(["frozenset", "tuple"]))
         if matcher == "select"
         else "frozenset",
+        whole=whole,
+        trees=any(infos[n].dtype in PYTREES for n in names),
     )
     event(f"generated handler: {transform}")
-    event(f"generated handler's mode: {mode}")
-    offset_infos = infos if transform == "input" else None
+    event(f"generated handler's mode: {mode}{' of the whole batch' if whole else ''}")
+    if parts.trees:
+        event("generated handler of pytrees")
+    if transform == "at" and any(infos[n].in_while for n in names):
+        event("generated handler of `at` in a while loop")
+    offset_infos = infos if transform in ("input", "example") else None
     return UserHandler(parts, kind, collection, names, args, offset_infos)
+
+
+def _float_names(infos, **where) -> list[str]:
+    """The names (with these attributes) whose values a generated handler may
+    change: float32 arrays, or pytrees of them (`PYTREES`)."""
+    return [
+        n
+        for n in names_where(infos, **where)
+        if infos[n].dtype == "float32" or infos[n].dtype in PYTREES
+    ]
 
 
 # Programs for the properties of generated handlers: five in six hold a tag, a
@@ -3392,7 +3710,7 @@ def user_handlers(draw, infos, *, vmap=False, grad=False, part="value"):
 # names, its `at` and its modes meet the most), one in six as drawn.
 HANDLER_PROGRAMS = st.sampled_from(
     [None, "tag", "scan", "vmap", "cond", "while"]
-).flatmap(lambda holding: programs(holding=holding))
+).flatmap(lambda holding: programs(holding=holding, pytrees=True))
 
 
 @st.composite
@@ -3515,12 +3833,12 @@ def test_a_generated_handler_equals_the_reference(program, data):
 @given(HANDLER_PROGRAMS, st.data())
 def test_a_generated_handler_keeps_the_vmap_law(program, data):
     """`vmap(handle(f, H))` for a generated user handler is the reference's per
-    example; `handle(vmap(f), H)` (its inputs per execution stacked for the
-    batch) equals it, or refuses with the documented error, where and only
-    where the handler matches a name in a cond whose predicate the vmap
-    batches (or JAX refuses a vmap of a cond in a shard_map, with or without
-    `effects`); a handler that reports or changes something there must be
-    refused."""
+    example; `handle(vmap(f), H)` (its inputs per execution, and the tables
+    it gives `ctx.example`, stacked for the batch) equals it, or refuses with
+    the documented error, where and only where the handler matches a name in
+    a cond whose predicate the vmap batches (or JAX refuses a vmap of a cond
+    in a shard_map, with or without `effects`); a handler that reports or
+    changes something there must be refused."""
     infos = analyse(program)
     drawn = data.draw(user_handlers(infos, vmap=True))
     f, xs = program.function(), program.batch()
@@ -3596,7 +3914,10 @@ AT_REFUSALS = ("which execution it is (`at`)", "which call each derivative belon
 
 
 @FUZZ
-@given(st.sampled_from(["tag", "scan"]).flatmap(_holding), st.data())
+@given(
+    st.sampled_from(["tag", "scan"]).flatmap(lambda k: _holding(k, pytrees=True)),
+    st.data(),
+)
 def test_a_generated_handler_keeps_the_gradient_laws(program, data):
     """For a generated user handler `H` (its changes smooth): the gradient of
     `handle(f, H)` is the reference's with its changes made, and `found` under
@@ -3616,6 +3937,7 @@ def test_a_generated_handler_keeps_the_gradient_laws(program, data):
     handled_loss = scalar_handled_loss(f, (handler,), program.shape)
     grad, grad_found = jax.jit(jax.grad(handled_loss, has_aux=True))(x)
     changes = {"offsets": drawn.shifts(infos), "fns": drawn.fns()}
+    changes["placed"] = drawn.placed(infos)
     want = handled_reference_grad(program, expected, x, **changes)
     assert_close(grad, want, what="grad(handle(f, H))")
     _, found = fx.handle(f, handler)(x)
@@ -3755,21 +4077,70 @@ def test_a_generated_handler_of_derivatives_equals_the_reference(program, part, 
     assert_close(_finite(outside), _finite(inside), rtol=1e-5, what="vmap law")
 
 
+PARTS = ("tangent", "cotangent")  # the derivative parts of a site
+
+
+@st.composite
+def handler_pairs(draw, infos):
+    """`(part, A, B)` for the nesting law: generated user handlers (one in
+    four paired with one of `_handler_options`' instead, in either order) of
+    the program's values (`part` "value"), or, one time in three, of the
+    program's tangents or cotangents (`part`), under a `jax.jvp` or
+    `jax.grad`: a handler of that part (`derivative_handlers`) paired with
+    another, with a generated handler of the values (which is
+    differentiated there) or with one of `_handler_options`'. Each is a
+    `UserHandler` or a handler."""
+    part = draw(st.sampled_from(("value",) * 4 + PARTS))
+    if part == "value":
+        a = draw(user_handlers(infos))
+        if draw(st.integers(0, 3)):
+            return part, a, draw(user_handlers(infos))
+    else:
+        a = draw(derivative_handlers(infos, part))
+        other = draw(st.sampled_from(["derivative", "value", "options"]))
+        if other != "options":
+            b = draw(
+                user_handlers(infos, part=part if other == "derivative" else "value")
+            )
+            return (part, a, b) if draw(st.booleans()) else (part, b, a)
+    b = draw(st.sampled_from(_handler_options(infos, _Drawing(draw))))()
+    return (part, b, a) if draw(st.booleans()) else (part, a, b)
+
+
+class _Drawing:
+    """`st.data()`'s `draw`, from a composite strategy's (for
+    `_handler_options`)."""
+
+    def __init__(self, draw):
+        self.draw = draw
+
+
+def _derivative_of(program, part: str):
+    """The program's function, or a derivative of it: under `jax.jvp` (along
+    `program.x(7)`) for "tangent", `jax.grad` of `scalar_loss` for
+    "cotangent"."""
+    f = program.function()
+    if part == "cotangent":
+        return jax.grad(scalar_loss(f, program.shape))
+    if part == "tangent":
+        # (a jax array: JAX fails on a NumPy tangent reaching a shard_map)
+        t = jnp.asarray(program.x(7))
+        return lambda x: jax.jvp(f, (x,), (t,))
+    return f
+
+
 @FUZZ
 @given(HANDLER_PROGRAMS, st.data())
 def test_two_generated_handlers_equal_nested_handles(program, data):
-    """`handle(f, A, B) == handle(handle(f, A), B)` for generated user handlers
-    (one in four paired with one of `_handler_options`' instead, in either
-    order): equal outputs and merged reports, the same error, or the error
-    that says to nest two reports of one site."""
+    """`handle(T(f), A, B) == handle(handle(T(f), A), B)` for generated user
+    handlers (`handler_pairs`), with `T(f)` the program, its `jax.jvp` or its
+    `jax.grad`: equal outputs and merged reports, the same error, or the
+    error that says to nest two reports of one site."""
     infos = analyse(program)
-    a = data.draw(user_handlers(infos)).handler
-    if data.draw(st.integers(0, 3)):
-        b = data.draw(user_handlers(infos)).handler
-    else:
-        b = data.draw(st.sampled_from(_handler_options(infos, data)))()
-        a, b = (b, a) if data.draw(st.booleans()) else (a, b)
-    event(f"handle(f, A, B), generated: {_two_handlers(program, a, b)}")
+    part, a, b = data.draw(handler_pairs(infos))
+    a, b = (h.handler if isinstance(h, UserHandler) else h for h in (a, b))
+    fn = _derivative_of(program, part)
+    event(f"handle({part} of f, A, B), generated: {_two_handlers(program, a, b, fn)}")
 
 
 # A fixed sample of draws, at any example count the suite runs with.
@@ -3783,14 +4154,18 @@ _SAMPLING = dict(
 
 def test_the_handler_generator_covers_every_part():
     """A sample of `user_handlers`' draws holds every matcher, transform,
-    emission, mode, target collection, and both spellings and consumes; of
-    its handlers of derivatives, both parts, every transform and mode."""
+    emission, mode, target collection, and both spellings and consumes;
+    handlers of pytree tags (in every mode), of the whole batch (in each of
+    its modes, emitting a value and a scalar, at sites under a vmap),
+    reading `at` in a while loop and `batch_index` or `example` under a
+    vmap; of its handlers of derivatives, both parts, every transform and
+    mode; of the pairs of the nesting law, handlers of both parts paired
+    with handlers of the same part and of the value."""
     seen: set = set()
 
-    @settings(max_examples=600, **_SAMPLING)
-    @given(programs(), st.data())
-    def sample(program, data):
-        drawn = data.draw(user_handlers(analyse(program)))
+    def visit(program, data):
+        infos = analyse(program)
+        drawn = data.draw(user_handlers(infos))
         p = drawn.parts
         seen.update(
             {
@@ -3803,11 +4178,36 @@ def test_the_handler_generator_covers_every_part():
                 ("value_part_only", p.value_part_only),
                 ("exact", p.exact),
                 ("matches", bool(drawn.names)),
+                ("trees", p.trees),
             }
         )
+        reports = "none" if p.mode == "none" else "reports"
+        if p.mode in ("append", "Append", "strict"):
+            reports = "appends"
+        if p.trees:
+            seen.add(("trees", reports))
+        if p.whole:
+            seen.add(("whole", p.mode))
+        batched = any(infos[n].axes("vmap") for n in drawn.names)
+        if p.whole and batched:
+            seen.add(("whole, batched", p.emit == "sumsq"))
+        if p.transform in ("batch", "example") and batched:
+            seen.add(("batched", p.transform))
+        if p.transform == "at" and any(infos[n].in_while for n in drawn.names):
+            seen.add(("at in a while loop", reports))
         compile(handler_source(p), "<handler>", "exec")
 
+    sample = settings(max_examples=600, **_SAMPLING)(
+        given(HANDLER_PROGRAMS, st.data())(visit)
+    )
     sample()
+    # (the rarer parts: more programs holding a while loop or a vmap)
+    around = st.sampled_from(["while", "vmap"])
+    programs_around = around.flatmap(lambda kind: _holding(kind, pytrees=True))
+    sample_around = settings(max_examples=300, **_SAMPLING)(
+        given(programs_around, st.data())(visit)
+    )
+    sample_around()
     want = {("matcher", m) for m in HANDLER_MATCHERS}
     want |= {("transform", t) for t in HANDLER_TRANSFORMS}
     want |= {("emit", e) for e in HANDLER_EMITS}
@@ -3815,6 +4215,11 @@ def test_the_handler_generator_covers_every_part():
     want |= {("target", *t) for t in HANDLER_TARGETS}
     want |= {(k, v) for k in ("consumes", "value_part_only", "matches") for v in (0, 1)}
     want |= {("exact", "frozenset"), ("exact", "tuple")}
+    want |= {("trees", r) for r in (False, True, "none", "appends", "reports")}
+    want |= {("whole", m) for m in WHOLE_MODES}
+    want |= {("whole, batched", False), ("whole, batched", True)}
+    want |= {("batched", "batch"), ("batched", "example")}
+    want |= {("at in a while loop", r) for r in ("none", "reports")}
     assert want <= seen, want - seen
 
     derivatives: set = set()
@@ -3835,6 +4240,23 @@ def test_the_handler_generator_covers_every_part():
     want |= {("matcher", "select"), ("matcher", "method")}
     want |= {("mode", m) for m in ("none", *VALUE_MODES, *SCALAR_MODES)}
     assert want <= derivatives, want - derivatives
+
+    pairs: set = set()
+
+    @settings(max_examples=200, **_SAMPLING)
+    @given(HANDLER_PROGRAMS, st.data())
+    def sample_pairs(program, data):
+        part, *handlers = data.draw(handler_pairs(analyse(program)))
+        kinds = sorted(
+            h.parts.part if isinstance(h, UserHandler) else "fixed" for h in handlers
+        )
+        pairs.add((part, *kinds))
+
+    sample_pairs()
+    want = {(p, p, p) for p in ("value", *PARTS)}
+    want |= {("value", "fixed", "value")}
+    want |= {(p, *sorted((p, other))) for p in PARTS for other in ("fixed", "value")}
+    assert want <= pairs, want - pairs
 
 
 #
