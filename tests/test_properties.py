@@ -144,6 +144,7 @@ import pytest
 from helpers import devices, leak_checks, no_leak_checks, plain
 from hypothesis import (
     HealthCheck,
+    Phase,
     assume,
     event,
     example,
@@ -4163,39 +4164,41 @@ def test_the_handler_generator_covers_every_part():
     with handlers of the same part and of the value."""
     seen: set = set()
 
-    def visit(program, data):
-        infos = analyse(program)
-        drawn = data.draw(user_handlers(infos))
+    def parts_of(infos, drawn) -> set:
         p = drawn.parts
-        seen.update(
-            {
-                ("matcher", p.matcher),
-                ("transform", p.transform),
-                ("emit", p.emit),
-                ("mode", p.mode),
-                ("consumes", p.consumes),
-                ("target", drawn.kind, drawn.collection),
-                ("value_part_only", p.value_part_only),
-                ("exact", p.exact),
-                ("matches", bool(drawn.names)),
-                ("trees", p.trees),
-            }
-        )
+        parts = {
+            ("matcher", p.matcher),
+            ("transform", p.transform),
+            ("emit", p.emit),
+            ("mode", p.mode),
+            ("consumes", p.consumes),
+            ("target", drawn.kind, drawn.collection),
+            ("value_part_only", p.value_part_only),
+            ("exact", p.exact),
+            ("matches", bool(drawn.names)),
+            ("trees", p.trees),
+        }
         reports = "none" if p.mode == "none" else "reports"
         if p.mode in ("append", "Append", "strict"):
             reports = "appends"
         if p.trees:
-            seen.add(("trees", reports))
+            parts.add(("trees", reports))
         if p.whole:
-            seen.add(("whole", p.mode))
+            parts.add(("whole", p.mode))
         batched = any(infos[n].axes("vmap") for n in drawn.names)
         if p.whole and batched:
-            seen.add(("whole, batched", p.emit == "sumsq"))
+            parts.add(("whole, batched", p.emit == "sumsq"))
         if p.transform in ("batch", "example") and batched:
-            seen.add(("batched", p.transform))
+            parts.add(("batched", p.transform))
         if p.transform == "at" and any(infos[n].in_while for n in drawn.names):
-            seen.add(("at in a while loop", reports))
-        compile(handler_source(p), "<handler>", "exec")
+            parts.add(("at in a while loop", reports))
+        return parts
+
+    def visit(program, data):
+        infos = analyse(program)
+        drawn = data.draw(user_handlers(infos))
+        seen.update(parts_of(infos, drawn))
+        compile(handler_source(drawn.parts), "<handler>", "exec")
 
     sample = settings(max_examples=600, **_SAMPLING)(
         given(HANDLER_PROGRAMS, st.data())(visit)
@@ -4220,7 +4223,15 @@ def test_the_handler_generator_covers_every_part():
     want |= {("whole, batched", False), ("whole, batched", True)}
     want |= {("batched", "batch"), ("batched", "example")}
     want |= {("at in a while loop", r) for r in ("none", "reports")}
-    assert want <= seen, want - seen
+    # A derandomized sample depends on the versions of JAX and Hypothesis: a
+    # part it missed is searched for on its own (`find` raises if it is not
+    # found).
+    drawn_around = programs_around.map(analyse).flatmap(
+        lambda infos: user_handlers(infos).map(lambda drawn: (infos, drawn))
+    )
+    search = settings(max_examples=3000, phases=[Phase.generate], **_SAMPLING)
+    for part in sorted(want - seen, key=repr):
+        find(drawn_around, lambda pair: part in parts_of(*pair), settings=search)
 
     derivatives: set = set()
 
