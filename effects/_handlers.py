@@ -283,7 +283,10 @@ class Append:
       the `jax.vmap`s inside the handled function, reporting each example's
       entry (batch axes first); `False` for it to run once per execution on
       the whole batch, batch axes first as `Tag()` reports them, and report
-      one entry per execution (as `Stats(per_example=False)` does). The law
+      one entry per execution (as `Stats(per_example=False)` does). Inside a
+      `lax.scan` or a `shard_map`, the entries are stacked in front of what
+      it emits, batch axes included: `(scan, batch, ...)` for a value of the
+      whole batch, where `Tag()` reports `(batch, scan, ...)`. The law
       `handle(vmap(f), H) == vmap(handle(f, H))` is then not kept, by design:
       a handler of the whole batch sees the vmaps inside `handle` only.
     - `consumes`: `True` (the default) for a handler of this mode to consume

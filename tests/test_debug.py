@@ -275,6 +275,34 @@ def test_a_user_handler_over_the_whole_batch():
     assert_trees_close(found["intermediates"]["c"], np.float32(norms))
 
 
+def test_entries_of_the_whole_batch_in_a_scan_are_stacked_in_front_of_it():
+    # As `fx.Append` says: a scan's entries stack in front of what `apply`
+    # emits, here the whole batch: (scan, batch, ...), where `Tag()` reports
+    # (batch, scan, ...).
+    class Whole(fx.Handler):
+        mode = fx.Append(per_example=False)
+
+        def apply(self, site, value, ctx):
+            ctx.emit(value)
+            return value
+
+    def g(xs):  # xs: (B, S, 3)
+        def one(x):
+            def step(c, xi):
+                return c + 1.0, fx.tag(jnp.sin(xi) * c, "h")
+
+            return jax.lax.scan(step, 1.0, x)[1]
+
+        return jax.vmap(one)(xs)
+
+    xs = jnp.arange(30.0).reshape(2, 5, 3) / 10
+    reference = np.sin(np.asarray(xs)) * np.arange(1, 6, dtype=np.float32)[:, None]
+    (whole,) = fx.handle(g, Whole())(xs)[1]["intermediates"]["h"]
+    (tagged,) = fx.handle(g, fx.Tag())(xs)[1]["intermediates"]["h"]
+    assert_trees_close(whole, reference.transpose(1, 0, 2))
+    assert_trees_close(tagged, reference)
+
+
 def test_stats_of_integers_low_precision_and_pytrees():
     def g(x):
         fx.tag(jnp.arange(5), "ints")
