@@ -9,6 +9,8 @@ values, cold trace+lower (fresh function objects each round):
 - `n` jitted helpers, one tag in each (each a region the rewriter traces), under
   `Tag()` and under `Tag(mode="sum")` (an accumulator per name, threaded
   through the regions that touch it);
+- one jitted helper called `n` times (a layer function called per layer),
+  likewise: unhandled, JAX traces and lowers it once;
 - per site, `4n` sites against `n`, handled: the ratio is the cost of a site at
   `4n` over its cost at `n`, 1 where the cost is linear in the number of sites.
 
@@ -69,6 +71,30 @@ def helpers_by_hand(n, summed=False):
     return f
 
 
+def one_helper(n):
+    step = jax.jit(lambda x: fx.tag(jnp.sin(x), "s"))
+
+    def f(x):
+        for _ in range(n):
+            x = step(x)
+        return x
+
+    return f
+
+
+def one_helper_by_hand(n, summed=False):
+    step = jax.jit(jnp.sin)
+
+    def f(x):
+        found = []
+        for _ in range(n):
+            x = step(x)
+            found.append(x)
+        return x, {"intermediates": {"s": sum(found) if summed else tuple(found)}}
+
+    return f
+
+
 def handled(make, n, handler):
     f = fx.handle(make(n), handler)  # (built before the clock starts)
     return lambda: jax.jit(f).lower(X)
@@ -85,6 +111,8 @@ def check(n):
         (flat(n), fx.Tag(), flat_by_hand(n)),
         (helpers(n), fx.Tag(), helpers_by_hand(n)),
         (helpers(n), fx.Tag(mode="sum"), helpers_by_hand(n, summed=True)),
+        (one_helper(n), fx.Tag(), one_helper_by_hand(n)),
+        (one_helper(n), fx.Tag(mode="sum"), one_helper_by_hand(n, summed=True)),
     ]
     for f, handler, reference in cases:
         got, want = jax.jit(fx.handle(f, handler))(X), reference(X)
@@ -108,6 +136,20 @@ def main():
             ("tags at the top level, `Tag()`", flat, flat_by_hand, fx.Tag(), {}),
             ("jitted helpers, `Tag()`", helpers, helpers_by_hand, fx.Tag(), {}),
             ("jitted helpers, `Tag(mode='sum')`", helpers, helpers_by_hand, sum_, {}),
+            (
+                "calls of one jitted helper, `Tag()`",
+                one_helper,
+                one_helper_by_hand,
+                fx.Tag(),
+                {},
+            ),
+            (
+                "calls of one jitted helper, `Tag(mode='sum')`",
+                one_helper,
+                one_helper_by_hand,
+                sum_,
+                {},
+            ),
         ]:
             summed = {"summed": True} if handler is sum_ else kwargs
             pair = compare_cold(

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from . import _compat
 from ._compat import ClosedJaxpr, Jaxpr, Literal, Var
@@ -121,6 +122,63 @@ def call_jaxpr(closed: ClosedJaxpr, args: Sequence[Any], name: str) -> list[Any]
         params[key] = value
     params.update(jaxpr=closed, name=name, inline=_compat.inline_here())
     return _compat.pjit_p.bind(*args, **params)
+
+
+def structure(jaxpr: Jaxpr):
+    """A hashable key that two jaxprs share when they are the same program:
+    the same equations (primitives, params, source aside), reading and
+    defining the same positions, on the same types; jaxprs in params compared
+    the same way, their constants by identity. None where a param or a
+    literal is not hashable. (JAX compares jaxprs by identity: a jit call
+    lowers its jaxpr once per module for every call of that one object.)"""
+    try:
+        key = _structure(jaxpr)
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _exact(x) -> tuple:
+    """`x` as a key equal only for the same value of the same type: numbers
+    by their bits (0.0 is not -0.0; a NaN is itself)."""
+    if isinstance(x, (float, complex, np.generic, np.ndarray)):
+        array = np.asarray(x)
+        return type(x), array.dtype, array.shape, array.tobytes()
+    return type(x), hash(x), x
+
+
+def _structure(jaxpr: Jaxpr) -> tuple:
+    number: dict[Any, int] = {}
+
+    def ref(v):
+        return (_exact(v.val), v.aval) if type(v) is Literal else number[v]
+
+    def param(x):
+        if isinstance(x, (ClosedJaxpr, Jaxpr)):
+            inner = x.jaxpr if isinstance(x, ClosedJaxpr) else x
+            return type(x), _structure(inner), tuple(map(id, getattr(x, "consts", ())))
+        if isinstance(x, (tuple, list)):
+            return type(x), tuple(map(param, x))
+        return _exact(x)
+
+    number.update((v, i) for i, v in enumerate([*jaxpr.constvars, *jaxpr.invars]))
+    eqns = []
+    for eqn in jaxpr.eqns:
+        ins = tuple(map(ref, eqn.invars))
+        outs = tuple((type(v), v.aval) for v in eqn.outvars)
+        base = len(number)
+        number.update((v, base + i) for i, v in enumerate(eqn.outvars))
+        params = tuple((k, param(v)) for k, v in sorted(eqn.params.items()))
+        eqns.append((eqn.primitive, ins, outs, params, frozenset(eqn.effects), eqn.ctx))
+    return (
+        tuple(v.aval for v in jaxpr.constvars),
+        tuple(v.aval for v in jaxpr.invars),
+        tuple(eqns),
+        tuple(map(ref, jaxpr.outvars)),
+        frozenset(jaxpr.effects),
+        _compat.is_high(jaxpr),
+    )
 
 
 def sub_jaxprs(eqn) -> list[Any]:

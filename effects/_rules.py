@@ -470,6 +470,13 @@ def _call_rule(eqn, invals, scope: Scope, name: str) -> list[Any]:
         )
     )
     params = {name: _compat.ClosedJaxpr(body, ()) if closed else body}
+    if closed:
+        # A call rewritten to the program of one rewritten before binds that
+        # one's jaxpr: JAX lowers a jaxpr once per module for all its calls,
+        # so a jitted function called many times lowers once, as unhandled.
+        key = _jaxpr.structure(body)
+        if key is not None:
+            params[name] = scope.rewrite.jaxprs.setdefault(key, params[name])
     n_out = len(eqn.outvars)
     if eqn.primitive is _compat.pjit_p:
         n_extra_out = len(body.outvars) - n_out

@@ -160,6 +160,9 @@ class Rewrite:
     # all: then the rewrite is done again, splicing nothing.
     splice: bool = True
     changed: bool = False
+    # The jaxprs of the calls rewritten so far, by `_jaxpr.structure` (see
+    # `_rules._call_rule`).
+    jaxprs: dict = dataclasses.field(default_factory=dict)
 
     def check_orders(self, scope: Scope) -> None:
         """Refuses a call number `_counted` found by order where that order

@@ -1243,6 +1243,72 @@ def test_handled_program_compiles_like_the_hand_written_one(tagged, hand):
     assert optimized_hlo(handled, params, x) == optimized_hlo(hand, params, x)
 
 
+_shared_layer = jax.jit(lambda w, x: fx.tag(jnp.tanh(x @ w), "layer"))
+_hand_shared_layer = jax.jit(_hand_layer)
+
+
+def _tagged_shared(params, x):
+    for w in params:
+        x = _shared_layer(w, x)
+    return jnp.sum(x**2)
+
+
+def _hand_shared(params, x, how=tuple):
+    found = []
+    for w in params:
+        x = _hand_shared_layer(w, x)
+        found.append(x)
+    return jnp.sum(x**2), {"intermediates": {"layer": how(found)}}
+
+
+def _calls(fn, *args) -> int:
+    return jax.jit(fn).lower(*args).as_text().count("func.func")
+
+
+@pytest.mark.parametrize("mode", ["append", "sum"])
+def test_a_jitted_function_called_many_times_lowers_once_as_unhandled(mode):
+    # The calls rewritten to the same program bind one jaxpr, which JAX lowers
+    # once for all of them, as it lowers the unhandled function's: one
+    # `func.func` for the layer, one for the program, and under "sum" one more
+    # for the first call, which starts the accumulator. However many calls.
+    x = jnp.ones((5, 8))
+    handled = fx.handle(_tagged_shared, fx.Tag(mode=mode))
+
+    def hand(params, x):
+        return _hand_shared(params, x, tuple if mode == "append" else sum)
+
+    for layers in (3, 6):
+        params = _params(1, (8,) * (layers + 1))
+        assert_trees_close(handled(params, x), hand(params, x))
+        if mode == "append":  # (a sum adds in another order than `sum` does)
+            assert optimized_hlo(handled, params, x) == optimized_hlo(hand, params, x)
+        first = 0 if mode == "append" else 1
+        assert (
+            _calls(handled, params, x) == _calls(hand, params, x) + first == 2 + first
+        )
+
+
+def test_calls_rewritten_to_different_programs_stay_apart():
+    # A handler reading `at` gets each call's number; constants that compare
+    # equal as numbers but are other values (0.0 and -0.0) are others.
+    params = _params(1, (8, 8, 8, 8))
+    x = jnp.ones((5, 8))
+    handled = fx.handle(
+        _tagged_shared, fx.Intervene({"layer": lambda v, at: v * at[0]})
+    )
+    h = x
+    for i, w in enumerate(params):
+        h = np.tanh(np.asarray(h) @ np.asarray(w)) * np.float32(i)
+    assert_trees_close(handled(params, x)[0], jnp.sum(jnp.asarray(h) ** 2))
+    plus = jax.jit(lambda x: fx.tag(x + 0.0, "a"))
+    minus = jax.jit(lambda x: fx.tag(x + -0.0, "a"))
+    program = jax.make_jaxpr(
+        fx.handle(lambda x: (plus(x), minus(x), plus(x)), fx.Tag())
+    )
+    first, second, third = [e.params["jaxpr"] for e in program(0.0).jaxpr.eqns]
+    assert first is third and first is not second
+
+
 @pytest.mark.parametrize(
     "tagged", [_tagged_mlp, _tagged_mlp_jit_inside], ids=["mlp", "jit-inside"]
 )
