@@ -729,7 +729,10 @@ def find_nonfinite(
       or a name is tagged both inside and outside a function with a custom
       derivative; a `jax.vmap` inside `fn` batches the predicate of a
       `lax.cond` or `lax.while_loop` (every example would run every branch or
-      iteration: check one example at a time). From
+      iteration: check one example at a time); tags sit in more than one
+      `shard_map`, or in one called more than once (JAX's `checkify` fails
+      on checks in two shard_maps: check one shard_map's function, or count
+      non-finite values with [`fx.Stats`][effects.Stats]). From
       [`handle`][effects.handle], which places the checks: a tag inside a
       `custom_linear_solve`.
 
@@ -802,14 +805,20 @@ def _first_failure(fn, args, kwargs, backward: bool, numbered):
         what = ("find_nonfinite", backward, own_checks, numbered)
         try:
             (listed, keys, check), dynamic = eager_cached(what, fn, args, kwargs, make)
-            err, found = check(dynamic)
+            errors, found = check(dynamic)
+        except TypeError as e:
+            # (JAX's checkify, on checks in two shard_maps: tests/
+            # test_jax_facts.py::test_checkify_fails_on_checks_in_two_shard_maps)
+            if not str(e).startswith(_CHECKIFY_SHARD_MAPS):
+                raise
+            raise ValueError(_SHARD_MAPS) from e
         except ValueError as e:
             # (a vmap inside ran every branch, or iteration, for every example)
             if not any(m in str(e) for m in _EVERY_EXAMPLE):
                 raise
             said = str(e).removeprefix(f"{NonfiniteCheck.__name__}: ").split(". ")[0]
             raise ValueError(_PER_EXAMPLE.format(said)) from e
-        message = err.get()
+        message = next(filter(None, (err.get() for err in errors)), None)
         if message is None or _CODE in message:
             return listed, keys, message, found
     raise AssertionError("unreachable")
@@ -825,6 +834,16 @@ _PER_EXAMPLE = (
     'computes ("{}"). Check one example at a time: `fx.find_nonfinite(g, x)` '
     "for each `x` the vmapped function `g` maps over."
 )
+_CHECKIFY_SHARD_MAPS = "select cases must have the same shapes"
+_SHARD_MAPS = (
+    "find_nonfinite: the function's tags sit in more than one `shard_map` "
+    "(or in one it calls more than once), and JAX's `checkify`, which runs the "
+    "checks, fails on checks in more than one shard_map in one program (jax "
+    "0.7 to 0.12). Check the function that one shard_map maps "
+    "(`fx.find_nonfinite(body, x_shard)`, on one shard's inputs), or count the "
+    "non-finite values of every tag with `fx.summary(fx.handle(f, "
+    "fx.Stats())(x)[1])`."
+)
 _NO_TAG = (
     "find_nonfinite: the function has no tag, and only tagged values are "
     "checked (not the value it returns). Tag the values to check "
@@ -836,7 +855,7 @@ _NO_TAG = (
 def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dynamic):
     """`(listed, keys, check)` for `find_nonfinite`: the sites of
     `call(dynamic)`, the checked `(collection, name)`s (a message's code is an
-    index into them), and `check(dynamic) -> (checkify error, found)`, jitted,
+    index into them), and `check(dynamic) -> (checkify errors, found)`, jitted,
     `found` the counters' (each name's first non-finite execution), with
     `backward` the backward pass's checks after the forward pass's (at the
     name `numbered` alone, where given, saying which execution); with
@@ -877,20 +896,30 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dyna
             )
         return out
 
-    def check(dynamic):
+    def forward(dynamic):
         handlers = (NonfiniteCheck(keys), *(Tag(c, mode=_COUNTER) for c in listed))
-        found = handle(call, *handlers)(dynamic)[1]
-        if backward:
-            # After the forward checks, in the same program: checkify reports
-            # the first failing check, so a non-finite value wins over the
-            # cotangents it spoils. The forward checks run on a pass of their
-            # own: under `jax.grad`, JAX's partial evaluation of a `scan` drops
-            # the checks of its forward part (they have no output to keep).
-            jax.grad(output)(jnp.float32(0), dynamic)
-        return found
+        return handle(call, *handlers)(dynamic)[1]
 
-    checked = checkify.checkify(check, errors=checkify.user_checks)
-    return listed, keys, jax.jit(checked, compiler_options=_NO_FUSION)
+    def backward_pass(dynamic):
+        jax.grad(output)(jnp.float32(0), dynamic)
+
+    # The forward checks run on a pass of their own: under `jax.grad`, JAX's
+    # partial evaluation of a `scan` drops the checks of its forward part (they
+    # have no output to keep). Each pass is checkified apart, their errors read
+    # in order (a non-finite value wins over the cotangents it spoils):
+    # checkify fails on a program whose checks sit in more than one
+    # `shard_map` (tests/test_jax_facts.py::
+    # test_checkify_fails_on_checks_in_two_shard_maps), which the two passes
+    # of one in the same program are.
+    forward_checked = checkify.checkify(forward, errors=checkify.user_checks)
+    backward_checked = checkify.checkify(backward_pass, errors=checkify.user_checks)
+
+    def check(dynamic):
+        err, found = forward_checked(dynamic)
+        errors = (err, backward_checked(dynamic)[0]) if backward else (err,)
+        return errors, found
+
+    return listed, keys, jax.jit(check, compiler_options=_NO_FUSION)
 
 
 # Compiled without XLA's fusion pass. On CPU it copies a chain of cheap

@@ -650,6 +650,63 @@ def test_find_nonfinite_backward_reports_the_first_bad_value_or_cotangent(x, r):
         assert "forward pass is already non-finite" in str(got)
 
 
+@pytest.mark.parametrize("x0", [1.0, 0.0, -1.0], ids=["finite", "cotangent", "value"])
+def test_find_nonfinite_backward_in_a_shard_map(x0):
+    # At x0 = 0, sqrt'(0) makes the cotangent of "h" infinite, that of "s"
+    # (the loss's) staying 1; at x0 = -1, sqrt(-1) makes the value of "s" a
+    # NaN. Both passes of the shard_map are checked.
+    mesh = jax.sharding.Mesh(np.array(devices(4)), ("d",))
+    spec = jax.sharding.PartitionSpec("d")
+
+    def body(x):
+        h = fx.tag(x * x, "h")
+        return fx.tag(jnp.sqrt(jnp.sqrt(h) + x0), "s")
+
+    def loss(x):
+        sm = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
+        return jnp.sum(sm(x))
+
+    x = jnp.arange(8.0).at[0].set(0.0) + jnp.float32(x0 == 1.0)
+    got = fx.find_nonfinite(loss, x, backward=True)
+    grad = jax.grad(loss)(x)
+    if x0 == 1.0:
+        assert got is None and np.all(np.isfinite(grad))
+    elif x0 == 0.0:
+        assert not np.all(np.isfinite(grad))
+        _, found = fx.handle(jax.grad(loss), fx.Tag(of="cotangent"))(x)
+        cotangents = found["intermediates:cotangent"]
+        assert np.all(np.isfinite(cotangents["s"][0]))
+        assert not np.all(np.isfinite(cotangents["h"][0]))
+        assert (got.name, got.backward) == ("h", True)
+    else:
+        assert (got.name, got.backward) == ("s", False)
+        assert got == fx.find_nonfinite(loss, x)
+
+
+def test_find_nonfinite_of_tags_in_two_shard_maps_says_what_to_do_instead():
+    # JAX's checkify fails on checks in two shard_maps (tests/test_jax_facts.py::
+    # test_checkify_fails_on_checks_in_two_shard_maps): the error says so, and
+    # the way out it names finds the NaN of the second call.
+    mesh = jax.sharding.Mesh(np.array(devices(4)), ("d",))
+    spec = jax.sharding.PartitionSpec("d")
+    sm = jax.shard_map(
+        lambda x: fx.tag(jnp.log(x), "h"), mesh=mesh, in_specs=spec, out_specs=spec
+    )
+
+    def f(x):
+        return jnp.sum(sm(sm(x)))
+
+    x = jnp.arange(8.0) + 0.5
+    for backward in (False, True):
+        with pytest.raises(ValueError, match="more than one `shard_map`"):
+            fx.find_nonfinite(f, x, backward=backward)
+    table = fx.summary(fx.handle(f, fx.Stats())(x)[1])
+    nans = [int(row["nan_count"]) for row in table.rows]
+    with np.errstate(invalid="ignore"):  # (log of a negative number: NaN)
+        want = int(np.isnan(np.log(np.log(np.asarray(x)))).sum())
+    assert nans == [0, want] == [0, 1]
+
+
 def test_find_nonfinite_backward_reports_a_value_that_is_already_bad_in_a_scan():
     # The NaN first appears at scan iteration 2, spoils every value after it
     # (the tag after the scan too) and every cotangent: backward=True reports

@@ -392,6 +392,32 @@ def test_an_empty_constant_added_in_a_shard_map_in_a_scan_fails_under_grad():
         assert compiled.stdout == "compiled\n", compiled.stderr
 
 
+def test_checkify_fails_on_checks_in_two_shard_maps():
+    # `effects._debug._nonfinite_check`: checkify (jax 0.7 to 0.12) fails on a
+    # program with a `checkify.check` in each of two shard_maps: the first
+    # leaves its error stacked per shard, which the second cannot combine with
+    # its own ("select cases must have the same shapes"). One shard_map of
+    # checks, or checks in one shard_map and outside it, pass.
+    from jax.experimental import checkify
+
+    mesh = jax.sharding.Mesh(devices(4), ("d",))
+    spec = jax.sharding.PartitionSpec("d")
+
+    def body(x):
+        checkify.check(jnp.all(jnp.isfinite(x)), "not finite")
+        return jnp.sin(x)
+
+    sm = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
+    x = jnp.arange(8.0)
+
+    def checked(fn):
+        return jax.jit(checkify.checkify(fn, errors=checkify.user_checks))(x)
+
+    assert checked(sm)[0].get() is None
+    with pytest.raises(TypeError, match="select cases must have the same shapes"):
+        checked(lambda x: sm(sm(x)))
+
+
 @pytest.mark.parametrize("region", ["checkpoint", "cond"])
 @pytest.mark.parametrize("outer", [False, True])
 def test_an_unused_region_in_a_checkpoint_loses_its_effects_in_the_backward_pass(
