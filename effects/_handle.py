@@ -36,7 +36,7 @@ from ._jaxpr import aval
 from ._primitives import batched_sites, handling, probing, site_p
 from ._rewrite import per_state, trace_rewrite
 from ._scope import Handlers, Rewrite, Scope, Unbatched
-from ._site import CHECKPOINT_NAME, Site
+from ._site import CHECKPOINT_NAME, NotVarying, Site
 from ._walk import recomputed_only, sites_in, walk
 
 _NOT_CALLABLE = "handle: the first argument must be a callable, got {fn!r}."
@@ -1482,7 +1482,10 @@ def intermediate_grads(
       `names` without glob characters that no site has; or what
       [`handle`][effects.handle] raises for `Perturb` (a site inside a
       `lax.while_loop` or inside a `custom_jvp`/`custom_vjp` function); a
-      site whose value holds both a PRNG key and floating values.
+      site whose value holds both a PRNG key and floating values; a site in a
+      `shard_map` whose value every shard holds alike (a `psum`'s), which
+      takes no delta per shard: `Tag(of="cotangent")` under `jax.grad`
+      reports its gradient.
     - `TypeError`: `fn` does not return a scalar (raised by `jax.grad`).
 
     **Example:**
@@ -1566,7 +1569,10 @@ def _grads(call, probe: Perturb, nnx: bool, dynamic):
         out, _ = handle(call, perturb)(dynamic)
         return out  # with NNX objects: (value, their state)
 
-    out, got = jax.value_and_grad(loss, has_aux=nnx)([leaves[i] for i in floats])
+    try:
+        out, got = jax.value_and_grad(loss, has_aux=nnx)([leaves[i] for i in floats])
+    except NotVarying as e:
+        raise ValueError(_SAME_IN_EVERY_SHARD.format(e.where, e.axes)) from e
     grads = [_float0(x) for x in leaves]
     for i, g in zip(floats, got):
         grads[i] = g
@@ -1585,6 +1591,13 @@ def _float0(aval):
     return np.zeros(aval.shape, jax.dtypes.float0)
 
 
+_SAME_IN_EVERY_SHARD = (
+    "intermediate_grads: {0} is the same in every shard over the mesh axes {1} "
+    "(a `psum`'s value, an input with `PartitionSpec()`), so it takes no delta "
+    "per shard, and its gradient is not taken here. Its cotangent is: "
+    '`fx.handle(jax.grad(f), fx.Tag(of="cotangent"))` reports it, the '
+    "gradient with respect to the value, once per shard."
+)
 _KEY_AND_FLOATS = (
     "intermediate_grads: the {kind} {name!r} holds a PRNG key and floating "
     "values; a key takes no delta. Give the key a name of its own."

@@ -157,12 +157,17 @@ class Site:
         or zeros, replaces one that differs per shard)."""
         extra = _compat.extra_varying_axes(x, aval)
         if extra:
-            raise ValueError(
-                _NOT_VARYING.format(
-                    handler=handler, where=self.where(), axes=sorted(extra)
-                )
-            )
+            raise NotVarying(handler, self.where(), sorted(extra))
         return _compat.vary_like(x, aval)
+
+
+class NotVarying(ValueError):
+    """A handler gives a value that differs per shard where the site's value
+    is the same in every shard (see `Site.vary_like`)."""
+
+    def __init__(self, handler: str, where: str, axes: list[str]):
+        super().__init__(_NOT_VARYING.format(handler=handler, where=where, axes=axes))
+        self.where, self.axes = where, axes
 
 
 _NOT_VARYING = (

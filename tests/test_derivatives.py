@@ -661,6 +661,32 @@ def test_cotangents_in_a_shard_map_per_shard():
     assert_trees_close(got, jax.grad(lambda x: fx.handle(f, cube)(x)[0])(x))
 
 
+def test_intermediate_grads_of_a_value_every_shard_holds_names_its_cotangent():
+    # A psum's value is the same in every shard: it takes no delta per shard,
+    # and intermediate_grads says so and names the cotangent, which is the
+    # gradient with respect to the value (by hand: s = sum(x), loss = s^2 *
+    # sum(x^2), d loss / d s = 2 s sum(x^2)), once per shard.
+    from helpers import devices
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(devices(4)), ("d",))
+
+    def body(x):
+        return x * fx.tag(jax.lax.psum(x.sum(), "d"), "s")
+
+    def f(x):
+        out = jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d"))(x)
+        return jnp.sum(out**2)
+
+    x = np.arange(8.0, dtype=f32)
+    with pytest.raises(ValueError, match=r"intermediate_grads: tag 's'.*Tag\(of="):
+        fx.intermediate_grads(f, kind="tag")(x)
+    _, found = fx.handle(jax.grad(f), fx.Tag(of="cotangent"))(x)
+    want = np.full(4, 2 * x.sum() * (x**2).sum(), f32)
+    assert_trees_close(found, {"intermediates:cotangent": {"s": (want,)}})
+
+
 def test_statistics_of_the_cotangents():
     _, found = fx.handle(jax.grad(loss), fx.Stats(of="cotangent"))(X)
     (gh,) = _cotangents()[1]["intermediates:cotangent"]["h"]
