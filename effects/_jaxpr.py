@@ -134,7 +134,7 @@ def structure(jaxpr: Jaxpr):
     try:
         key = _structure(jaxpr)
         hash(key)
-    except TypeError:
+    except (TypeError, KeyError):  # (KeyError: a variable read, never defined)
         return None
     return key
 
