@@ -650,6 +650,9 @@ def test_find_nonfinite_backward_reports_the_first_bad_value_or_cotangent(x, r):
         assert "forward pass is already non-finite" in str(got)
 
 
+# (the reference, `Tag(of="cotangent")` in a differentiated shard_map, meets
+# JAX's false leak report: see conftest.py)
+@pytest.mark.usefixtures("jax_leak_check_false_report")
 @pytest.mark.parametrize("x0", [1.0, 0.0, -1.0], ids=["finite", "cotangent", "value"])
 def test_find_nonfinite_backward_in_a_shard_map(x0):
     # At x0 = 0, sqrt'(0) makes the cotangent of "h" infinite, that of "s"
