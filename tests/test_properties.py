@@ -4153,6 +4153,28 @@ _SAMPLING = dict(
 )
 
 
+def _covers(draws, parts_of, want: set, examples: int, seen: set | None = None):
+    """Checks that `draws` covers `want`: the parts (`parts_of(draw)`, a set)
+    of a sample of `examples` draws, added to `seen`, then each part the sample
+    missed searched for on its own (a derandomized sample depends on the
+    versions of JAX and Hypothesis; `find` raises if the part is not found)."""
+    seen = set() if seen is None else seen
+    settings(max_examples=examples, **_SAMPLING)(
+        given(draws)(lambda draw: seen.update(parts_of(draw)))
+    )()
+    search = settings(max_examples=3000, phases=[Phase.generate], **_SAMPLING)
+    for part in sorted(want - seen, key=repr):
+        find(draws, lambda draw: part in parts_of(draw), settings=search)
+
+
+def _with_infos(programs_, handlers):
+    """Draws of `(infos, handler)`: a program's analysis, and a handler
+    `handlers(infos)` draws for it."""
+    return programs_.map(analyse).flatmap(
+        lambda infos: handlers(infos).map(lambda drawn: (infos, drawn))
+    )
+
+
 def test_the_handler_generator_covers_every_part():
     """A sample of `user_handlers`' draws holds every matcher, transform,
     emission, mode, target collection, and both spellings and consumes;
@@ -4162,10 +4184,11 @@ def test_the_handler_generator_covers_every_part():
     vmap; of its handlers of derivatives, both parts, every transform and
     mode; of the pairs of the nesting law, handlers of both parts paired
     with handlers of the same part and of the value."""
-    seen: set = set()
 
-    def parts_of(infos, drawn) -> set:
+    def parts_of(draw) -> set:
+        infos, drawn = draw
         p = drawn.parts
+        compile(handler_source(p), "<handler>", "exec")
         parts = {
             ("matcher", p.matcher),
             ("transform", p.transform),
@@ -4194,23 +4217,6 @@ def test_the_handler_generator_covers_every_part():
             parts.add(("at in a while loop", reports))
         return parts
 
-    def visit(program, data):
-        infos = analyse(program)
-        drawn = data.draw(user_handlers(infos))
-        seen.update(parts_of(infos, drawn))
-        compile(handler_source(drawn.parts), "<handler>", "exec")
-
-    sample = settings(max_examples=600, **_SAMPLING)(
-        given(HANDLER_PROGRAMS, st.data())(visit)
-    )
-    sample()
-    # (the rarer parts: more programs holding a while loop or a vmap)
-    around = st.sampled_from(["while", "vmap"])
-    programs_around = around.flatmap(lambda kind: _holding(kind, pytrees=True))
-    sample_around = settings(max_examples=300, **_SAMPLING)(
-        given(programs_around, st.data())(visit)
-    )
-    sample_around()
     want = {("matcher", m) for m in HANDLER_MATCHERS}
     want |= {("transform", t) for t in HANDLER_TRANSFORMS}
     want |= {("emit", e) for e in HANDLER_EMITS}
@@ -4223,51 +4229,43 @@ def test_the_handler_generator_covers_every_part():
     want |= {("whole, batched", False), ("whole, batched", True)}
     want |= {("batched", "batch"), ("batched", "example")}
     want |= {("at in a while loop", r) for r in ("none", "reports")}
-    # A derandomized sample depends on the versions of JAX and Hypothesis: a
-    # part it missed is searched for on its own (`find` raises if it is not
-    # found).
-    drawn_around = programs_around.map(analyse).flatmap(
-        lambda infos: user_handlers(infos).map(lambda drawn: (infos, drawn))
-    )
-    search = settings(max_examples=3000, phases=[Phase.generate], **_SAMPLING)
-    for part in sorted(want - seen, key=repr):
-        find(drawn_around, lambda pair: part in parts_of(*pair), settings=search)
+    seen: set = set()
+    _covers(_with_infos(HANDLER_PROGRAMS, user_handlers), parts_of, set(), 600, seen)
+    # (the rarer parts: more programs holding a while loop or a vmap)
+    around = st.sampled_from(["while", "vmap"])
+    programs_around = around.flatmap(lambda kind: _holding(kind, pytrees=True))
+    _covers(_with_infos(programs_around, user_handlers), parts_of, want, 300, seen)
 
-    derivatives: set = set()
-
-    @settings(max_examples=300, **_SAMPLING)
-    @given(
-        programs(holding="tag"), st.sampled_from(["tangent", "cotangent"]), st.data()
-    )
-    def sample_derivatives(program, part, data):
-        p = data.draw(user_handlers(analyse(program), part=part)).parts
-        derivatives.update({("part", p.part), ("transform", p.transform)})
-        derivatives.update({("matcher", p.matcher), ("mode", p.mode)})
+    def derivative_parts(draw) -> set:
+        p = draw[1].parts
         compile(handler_source(p), "<handler>", "exec")
+        return {("part", p.part), ("transform", p.transform)} | {
+            ("matcher", p.matcher),
+            ("mode", p.mode),
+        }
 
-    sample_derivatives()
+    derivatives = st.sampled_from(["tangent", "cotangent"]).flatmap(
+        lambda part: _with_infos(
+            programs(holding="tag"), lambda infos: user_handlers(infos, part=part)
+        )
+    )
     want = {("part", "tangent"), ("part", "cotangent")}
     want |= {("transform", t) for t in DERIVATIVE_TRANSFORMS}
     want |= {("matcher", "select"), ("matcher", "method")}
     want |= {("mode", m) for m in ("none", *VALUE_MODES, *SCALAR_MODES)}
-    assert want <= derivatives, want - derivatives
+    _covers(derivatives, derivative_parts, want, 300)
 
-    pairs: set = set()
-
-    @settings(max_examples=200, **_SAMPLING)
-    @given(HANDLER_PROGRAMS, st.data())
-    def sample_pairs(program, data):
-        part, *handlers = data.draw(handler_pairs(analyse(program)))
+    def pair_parts(draw) -> set:
+        part, *handlers = draw[1]
         kinds = sorted(
             h.parts.part if isinstance(h, UserHandler) else "fixed" for h in handlers
         )
-        pairs.add((part, *kinds))
+        return {(part, *kinds)}
 
-    sample_pairs()
     want = {(p, p, p) for p in ("value", *PARTS)}
     want |= {("value", "fixed", "value")}
     want |= {(p, *sorted((p, other))) for p in PARTS for other in ("fixed", "value")}
-    assert want <= pairs, want - pairs
+    _covers(_with_infos(HANDLER_PROGRAMS, handler_pairs), pair_parts, want, 200)
 
 
 #
