@@ -805,13 +805,7 @@ def _first_failure(fn, args, kwargs, backward: bool, numbered):
         what = ("find_nonfinite", backward, own_checks, numbered)
         try:
             (listed, keys, check), dynamic = eager_cached(what, fn, args, kwargs, make)
-            errors, found = check(dynamic)
-        except TypeError as e:
-            # (JAX's checkify, on checks in two shard_maps: tests/
-            # test_jax_facts.py::test_checkify_fails_on_checks_in_two_shard_maps)
-            if not str(e).startswith(_CHECKIFY_SHARD_MAPS):
-                raise
-            raise ValueError(_SHARD_MAPS) from e
+            errors, found = _run(check, dynamic, listed)
         except ValueError as e:
             # (a vmap inside ran every branch, or iteration, for every example)
             if not any(m in str(e) for m in _EVERY_EXAMPLE):
@@ -822,6 +816,20 @@ def _first_failure(fn, args, kwargs, backward: bool, numbered):
         if message is None or _CODE in message:
             return listed, keys, message, found
     raise AssertionError("unreachable")
+
+
+def _run(check, dynamic, listed):
+    """`check(dynamic)`, where JAX's checkify fails on checks in two
+    shard_maps (tests/test_jax_facts.py::
+    test_checkify_fails_on_checks_in_two_shard_maps) an error that says so."""
+    try:
+        return check(dynamic)
+    except TypeError as e:
+        infos = [i for names in listed.values() for s in names.values() for i in s]
+        in_shard_maps = any("shard_map" in i.where.split(" > ") for i in infos)
+        if not (in_shard_maps and str(e).startswith(_CHECKIFY_SHARD_MAPS)):
+            raise
+        raise ValueError(_SHARD_MAPS) from e
 
 
 # What `handle` says of a predicate a vmap inside the function batches (a
