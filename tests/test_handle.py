@@ -1294,11 +1294,11 @@ def test_calls_rewritten_to_different_programs_stay_apart():
     params = _params(1, (8, 8, 8, 8))
     x = jnp.ones((5, 8))
     handled = fx.handle(
-        _tagged_shared, fx.Intervene({"layer": lambda v, at: v * at[0]})
+        _tagged_shared, fx.Intervene({"layer": lambda v, at: v + at[0]})
     )
     h = x
     for i, w in enumerate(params):
-        h = np.tanh(np.asarray(h) @ np.asarray(w)) * np.float32(i)
+        h = np.tanh(np.asarray(h) @ np.asarray(w)) + np.float32(i)
     assert_trees_close(handled(params, x)[0], jnp.sum(jnp.asarray(h) ** 2))
     plus = jax.jit(lambda x: fx.tag(x + 0.0, "a"))
     minus = jax.jit(lambda x: fx.tag(x + -0.0, "a"))
