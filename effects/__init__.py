@@ -51,6 +51,8 @@ from ._site import Site as Site
 from ._sites import SiteInfo as SiteInfo
 from ._sites import Sites as Sites
 from ._sites import sites as sites
+from ._taps import TapInfo as TapInfo
+from ._taps import taps as taps
 
 # `handle` reaches Flax NNX objects through `_nnx`, an adapter (the core
 # imports none).

@@ -99,6 +99,16 @@ def call_path(traceback) -> tuple[tuple[str, int, int], ...]:
     )
 
 
+def name_stack(eqn, outer=None):
+    """JAX's name stack of `eqn` (after `outer`, the stack of the equation
+    whose jaxpr holds it, an inner jaxpr's being relative): its
+    `jax.named_scope`s and the transformations that made it; `str()` of it
+    reads `"transpose(jvp(blocks.3))"` (jax 0.7-0.12:
+    `source_info.name_stack`)."""
+    stack = eqn.source_info.name_stack
+    return stack if outer is None else outer + stack
+
+
 def dce(jaxpr):
     """`jaxpr` without the equations no output needs, loop outputs included
     (jax 0.7-0.12: `pe.dce_jaxpr`); equations with effects are kept."""

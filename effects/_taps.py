@@ -1,0 +1,397 @@
+"""Taps: sites the program already has. `fx.taps(fn)` is `fn` with a site after
+the output of every selected primitive and at every loop carry, in the
+jaxpr `handle` traces, without editing the code: every handler then works on
+them as on tags. Outside `handle` it is `fn` itself, at no cost."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sysconfig
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from . import _compat, _jaxpr
+from ._primitives import handling, site_effect, site_p
+from ._site import LEAF
+
+TAPS = "taps"  # the collection taps are in, unless given another
+
+
+@dataclasses.dataclass(frozen=True)
+class TapInfo:
+    """Where a tap is, as a selection predicate of [`fx.taps`][effects.taps]
+    sees it and as [`fx.find_nonfinite`][effects.find_nonfinite] reports it.
+
+    **Attributes:**
+
+    - `primitive`: the JAX primitive whose output is tapped (`"log"`,
+      `"dot_general"`), or `"scan carry"` / `"while carry"` for a loop's carry.
+    - `scope`: JAX's name stack there: the `jax.named_scope`s around it (the
+      module path under [`fx.tag_modules`][effects.tag_modules]), and under a
+      `jax.grad` or `jax.jvp` inside the function the transformations, as in
+      `"transpose(jvp(blocks.3))"`. `""` at the top level.
+    - `file`, `line`: the user's source line: the first frame outside JAX,
+      `effects` and installed packages (None where JAX kept no traceback).
+    - `library`: `"file:line"` of the frame in an installed package that made
+      it (an Equinox layer's, say), where that is not the user's; else None.
+    - `shape`: the output's shapes and dtypes, as `"float32[3,4]"`.
+    """
+
+    primitive: str
+    scope: str
+    file: str | None
+    line: int | None
+    library: str | None
+    shape: str
+
+    @property
+    def location(self) -> str:
+        """`"model.py:20"`, or `""` where no line is known."""
+        if self.file is None:
+            return ""
+        return f"{os.path.basename(self.file)}:{self.line}"
+
+    @property
+    def derivative(self) -> bool:
+        """Whether JAX made it differentiating the function (`jvp` or
+        `transpose` in its scope)."""
+        return "jvp(" in self.scope or "transpose(" in self.scope
+
+    def base_name(self) -> str:
+        where = f"{self.scope}/{self.primitive}" if self.scope else self.primitive
+        return f"{where} @ {self.location}" if self.file is not None else where
+
+
+def _as_selector(primitives, owner: str):
+    if primitives is None:
+        return lambda name: True
+    if isinstance(primitives, str):
+        primitives = (primitives,)
+    names = frozenset(primitives)
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"{owner}: `primitives` must be None, a primitive's name or names "
+            f'(like "log" or ("exp", "dot_general")), got {primitives!r}.'
+        )
+    return names.__contains__
+
+
+class Tapped(eqx.Module):
+    """What [`fx.taps`][effects.taps] returns: `fn` with taps, callable as
+    `fn`. An Equinox module, so that `handle` caches its trace as it caches
+    any module's (by `fn` and the selection)."""
+
+    fn: Callable
+    primitives: frozenset | None = eqx.field(static=True)
+    where: Callable | None = eqx.field(static=True)
+    carries: bool | Callable = eqx.field(static=True)
+    collection: str = eqx.field(static=True)
+    # find_nonfinite's taps: each site's value is (the equation's inexact
+    # inputs, its outputs), to tell a value made non-finite from finite
+    # inputs from one that was handed a non-finite input.
+    with_inputs: bool = eqx.field(static=True, default=False)
+
+    @property
+    def __wrapped__(self) -> Callable:
+        # (read by `inspect.signature`: `jax.jit` names the program's
+        # parameters after `fn`'s, as for `fn` itself)
+        return self.fn
+
+    def __call__(self, *args, **kwargs):
+        if not handling.value:
+            # Nothing handles it: the function itself, as an unhandled tag is.
+            return self.fn(*args, **kwargs)
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        dynamic = [x for x in leaves if eqx.is_array(x)]
+        out_info = {}
+
+        def flat(*dyn):
+            it = iter(dyn)
+            merged = [next(it) if eqx.is_array(x) else x for x in leaves]
+            args, kwargs = jax.tree.unflatten(treedef, merged)
+            out = self.fn(*args, **kwargs)
+            out_leaves, out_info["tree"] = jax.tree.flatten(out)
+            out_info["leaves"] = out_leaves
+            return [x for x in out_leaves if eqx.is_array(x)]
+
+        avals = [_jaxpr.aval(x) for x in dynamic]
+        jaxpr, consts = _jaxpr.trace(flat, avals, self.fn)
+        tapped = _Inserter(self).jaxpr(jaxpr)
+        closed = _compat.ClosedJaxpr(tapped, ())
+        outs = iter(_jaxpr.call_jaxpr(closed, [*consts, *dynamic], "taps"))
+        out = [next(outs) if eqx.is_array(x) else x for x in out_info["leaves"]]
+        return jax.tree.unflatten(out_info["tree"], out)
+
+
+def taps(
+    fn: Callable,
+    primitives: str | Iterable[str] | None = None,
+    *,
+    where: Callable[[TapInfo], bool] | None = None,
+    carries: bool | Callable[[TapInfo], bool] = False,
+    collection: str = TAPS,
+) -> Tapped:
+    """`fn` with a site after the output of every selected primitive, and at
+    every loop carry if asked: the values a program computes, seen by
+    handlers without editing its code.
+
+    Under [`fx.handle`][effects.handle], every handler works on taps as on
+    tags: [`fx.Tag("taps")`][effects.Tag] collects them,
+    [`fx.Stats("taps")`][effects.Stats] gives their statistics,
+    [`fx.Substitute`][effects.Substitute] and [`fx.Intervene`][effects.Intervene]
+    change them, `Tag(of="cotangent")` differentiates at them, and
+    [`fx.sites`][effects.sites] lists them without running. Taps are chosen
+    in the program `handle` traces: `fx.taps(jax.grad(loss))` taps the
+    gradient's own operations, its backward pass included. Outside `handle`,
+    the returned function is `fn`: it traces and compiles to the same
+    program.
+
+    A tap is named after where it is: JAX's name stack (the
+    `jax.named_scope`s around it, so the module path of a model from
+    [`fx.tag_modules`][effects.tag_modules]), the primitive and the user's
+    source line: `"blocks.3/sqrt @ model.py:20"`. Outputs of one location
+    with different shapes are told apart by `#1`, `#2`... in program order.
+    Every execution of a location (a loop's iterations, a function called
+    twice) is an entry of its name, as for a tag. The outputs of higher-order
+    primitives (`scan`, `cond`, `while_loop`, `jit`, `checkpoint`, custom
+    derivatives) are not tapped, their bodies are; neither is a while loop's
+    predicate, nor a value of a key or `float0` type.
+
+    **Arguments:**
+
+    - `fn`: the function to tap (any callable: an Equinox model too).
+    - `primitives`: which primitives' outputs to tap, by name (`"log"`,
+      `("exp", "dot_general")`); None (the default) for every primitive.
+    - `where`: a predicate on a [`TapInfo`][effects.TapInfo] (primitive,
+      scope, file and line) that a tap must also pass.
+    - `carries`: `True` for a site at the carry of every `lax.scan` and
+      `lax.while_loop` body (its new carry, each iteration), or a predicate
+      on the loop's `TapInfo` (primitive `"scan carry"` or `"while carry"`,
+      the loop's line).
+    - `collection`: the collection of the taps.
+
+    **Returns:**
+
+    A callable with `fn`'s signature and results.
+
+    **Example:**
+
+    ```python
+    def f(x):
+        return jnp.sum(jnp.log(x - 1.0))
+
+    _, found = fx.handle(fx.taps(f, "log"), fx.Tag("taps"))(jnp.arange(3.0))
+    print(list(found["taps"]))
+    ```
+
+    ```text
+    ['log @ example.py:2']
+    ```
+    """
+    if not isinstance(collection, str):
+        raise TypeError(f"fx.taps: `collection` must be a string, got {collection!r}.")
+    if where is not None and not callable(where):
+        raise TypeError(f"fx.taps: `where` must be a predicate, got {where!r}.")
+    _as_selector(primitives, "fx.taps")  # (checks it)
+    selected = None if primitives is None else frozenset(
+        (primitives,) if isinstance(primitives, str) else primitives
+    )
+    return Tapped(fn, selected, where, carries, collection)
+
+
+#
+# Inserting the sites
+#
+
+# Never tapped: sites already, and equations that make no value of their own.
+_SKIP = frozenset({"effects_site", "name", "pjit", "jit", "closed_call"})
+_SITE_PACKAGES = tuple(
+    p + os.sep
+    for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+)
+
+
+def _tappable(aval) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None or _compat.is_key(aval):
+        return False
+    return dtype != jax.dtypes.float0
+
+
+def _info(eqn, primitive: str, outvars, outer) -> TapInfo:
+    frames = _compat.call_path(eqn.source_info.traceback)
+    user = next((f for f in frames if not f[0].startswith(_SITE_PACKAGES)), None)
+    library = None
+    if frames and frames[0] is not user:
+        library = f"{os.path.basename(frames[0][0])}:{frames[0][1]}"
+    shape = ",".join(_describe(v.aval) for v in outvars)
+    return TapInfo(
+        primitive,
+        str(_compat.name_stack(eqn, outer)),
+        None if user is None else user[0],
+        None if user is None else user[1],
+        library,
+        shape,
+    )
+
+
+def _describe(aval) -> str:
+    return f"{jnp.dtype(aval.dtype).name}[{','.join(map(str, aval.shape))}]"
+
+
+class _Inserter:
+    """One insertion pass over a traced program: names are given in program
+    order, so the same program gets the same names."""
+
+    def __init__(self, tapped: Tapped):
+        self.tapped = tapped
+        self.selects = _as_selector(tapped.primitives, "fx.taps")
+        self.shapes: dict[str, list[str]] = {}  # base name -> shapes, in order
+        self.done: dict[Any, Any] = {}  # key -> (jaxpr, tapped jaxpr)
+        self.outer = None  # the name stack of the equations around
+
+    def name(self, info: TapInfo) -> str:
+        base = info.base_name()
+        seen = self.shapes.setdefault(base, [])
+        if info.shape not in seen:
+            seen.append(info.shape)
+        k = seen.index(info.shape)
+        return base if k == 0 else f"{base} #{k}"
+
+    def jaxpr(self, jaxpr, carries: int = 0, carry_of=None):
+        """`jaxpr` with its taps, and a site at its first `carries` outputs (a
+        loop body's new carry) made by the loop equation `carry_of`."""
+        key = (id(jaxpr), carries, str(self.outer))
+        hit = self.done.get(key)
+        if hit is not None and hit[0] is jaxpr:
+            return hit[1]
+        eqns: list[Any] = []
+        changed = False
+        for eqn in jaxpr.eqns:
+            new = self.equation(eqn)
+            changed |= new[0] is not eqn
+            eqns += new
+        outvars = list(jaxpr.outvars)
+        if carries and carry_of is not None:
+            site = self.carry_site(carry_of, outvars[:carries])
+            if site is not None:
+                eqns.append(site)
+                outvars[:carries] = _replaced(outvars[:carries], site)
+                changed = True
+        if not changed and len(eqns) == len(jaxpr.eqns):
+            new_jaxpr = jaxpr
+        else:
+            effects = jaxpr.effects | {site_effect}
+            new_jaxpr = jaxpr.replace(eqns=eqns, outvars=outvars, effects=effects)
+        self.done[key] = (jaxpr, new_jaxpr)
+        return new_jaxpr
+
+    def equation(self, eqn) -> list[Any]:
+        prim = eqn.primitive.name
+        subs = _jaxpr.sub_jaxprs(eqn) if eqn.params else []
+        if subs:
+            return [self.higher_order(eqn)]
+        if prim in _SKIP or _compat.checkpoint_name_of(eqn) is not None:
+            return [eqn]
+        if not self.selects(prim):
+            return [eqn]
+        outs = [v for v in eqn.outvars if type(v) is not _compat.DropVar]
+        if not outs or len(outs) != len(eqn.outvars):
+            return [eqn]
+        if not all(_tappable(v.aval) for v in outs):
+            return [eqn]
+        inputs = []
+        if self.tapped.with_inputs:
+            ins = [v for v in eqn.invars if type(v) is not _compat.Literal]
+            literal = [v for v in eqn.invars if type(v) is _compat.Literal]
+            if not all(jnp.all(jnp.isfinite(jnp.asarray(v.val))) for v in literal
+                       if jnp.issubdtype(jnp.result_type(v.val), jnp.inexact)):
+                return [eqn]  # (from a non-finite constant: never a finding)
+            inputs = [v for v in ins if jnp.issubdtype(v.aval.dtype, jnp.inexact)]
+            if not any(jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in outs):
+                return [eqn]
+        info = _info(eqn, _compat.primitive_name(eqn), outs, self.outer)
+        if self.tapped.where is not None and not self.tapped.where(info):
+            return [eqn]
+        fresh = [_compat.Var(v.aval) for v in outs]
+        site = self.site(eqn, info, fresh, outs, inputs)
+        return [eqn.replace(outvars=fresh), site]
+
+    def site(self, eqn, info: TapInfo, ins, outs, inputs):
+        """A site equation reading `ins` (and the equation's `inputs`), whose
+        outputs are `outs` (and fresh variables for the inputs)."""
+        value = tuple(ins) if len(ins) > 1 else ins[0]
+        tree = value if not inputs else (tuple(inputs), value)
+        treedef = jax.tree.structure(tree, is_leaf=lambda x: isinstance(x, _compat.Var))
+        if treedef == jax.tree.structure(0):
+            treedef = LEAF
+        leaves = [*inputs, *ins]
+        params = dict(
+            name=self.name(info),
+            collection=self.tapped.collection,
+            kind="tag",
+            treedef=treedef,
+            batch=((),) * len(leaves),
+            tap=info,
+            effect=True,
+        )
+        outvars = [_compat.Var(v.aval) for v in inputs] + list(outs)
+        return _jax_core.new_jaxpr_eqn(
+            leaves, outvars, site_p, params, {site_effect}, eqn.source_info, eqn.ctx
+        )
+
+    def carry_site(self, loop, carry):
+        wanted = self.tapped.carries
+        kept = [v for v in carry if type(v) is not _compat.Literal]
+        if not wanted or not kept or not all(_tappable(v.aval) for v in kept):
+            return None
+        loop, outer = loop
+        info = _info(loop, f"{_compat.primitive_name(loop)} carry", kept, outer)
+        if callable(wanted) and not wanted(info):
+            return None
+        fresh = [_compat.Var(v.aval) for v in kept]
+        site = self.site(loop, info, kept, fresh, [])
+        return site
+
+    def higher_order(self, eqn):
+        prim = eqn.primitive
+        carries = {}
+        if prim is _compat.scan_p:
+            carries[id(eqn.params["jaxpr"].jaxpr)] = _compat.scan_counts(eqn.params)[1]
+        elif prim is _compat.while_p:
+            body = eqn.params["body_jaxpr"].jaxpr
+            carries[id(body)] = len(body.outvars)
+        cond_of_while = (
+            eqn.params["cond_jaxpr"].jaxpr if prim is _compat.while_p else None
+        )
+
+        def one(jaxpr):
+            if jaxpr is cond_of_while:  # (a while loop's predicate: not tapped)
+                return jaxpr
+            n = carries.get(id(jaxpr), 0)
+            return self.jaxpr(jaxpr, n, (eqn, outer) if n else None)
+
+        outer = self.outer
+        self.outer = _compat.name_stack(eqn, outer)
+        try:
+            params = _jaxpr.map_jaxprs_in_params(eqn.params, one)
+        finally:
+            self.outer = outer
+        if params is eqn.params:
+            return eqn
+        return eqn.replace(params=params, effects=eqn.effects | {site_effect})
+
+
+def _replaced(outvars, site) -> list[Any]:
+    """A loop body's carry outputs, those the carry site reads replaced by its
+    outputs."""
+    swap = dict(zip(site.invars, site.outvars))
+    return [swap.get(v, v) if type(v) is not _compat.Literal else v for v in outvars]
+
+
+_jax_core = jax.extend.core
