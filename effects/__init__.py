@@ -5,11 +5,9 @@ from importlib import metadata as _metadata
 # `_rules` fills the rewriter's table of rules for higher-order primitives
 # (`_rewrite.rules`); it imports `_rewrite`, so the package imports it.
 from . import _handle, _nnx, _rules  # noqa: F401
-from ._debug import BadSite as BadSite
 from ._debug import Statistics as Statistics
 from ._debug import Stats as Stats
 from ._debug import Summary as Summary
-from ._debug import find_nonfinite as find_nonfinite
 from ._debug import summary as summary
 from ._handle import Found as Found
 from ._handle import handle as handle
@@ -45,6 +43,8 @@ from ._handlers import (
     Tag as Tag,
 )
 from ._modules import tag_modules as tag_modules
+from ._nonfinite import BadSite as BadSite
+from ._nonfinite import find_nonfinite as find_nonfinite
 from ._primitives import perturb as perturb
 from ._primitives import tag as tag
 from ._site import Site as Site

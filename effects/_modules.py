@@ -186,11 +186,14 @@ def _tagging_method(cls: type, method: str):
 
     @functools.wraps(original)
     def tagged(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
         site = getattr(self, _SITE, None)
         if site is None:
-            return out
+            return original(self, *args, **kwargs)
         name, collection = site
+        # Under the module's path as JAX's name scope: the operations inside
+        # carry it (taps are named by it; profilers show it).
+        with jax.named_scope(name):
+            out = original(self, *args, **kwargs)
         return _tag_arrays(out, _site_name(name, method), collection)
 
     return tagged
@@ -319,13 +322,14 @@ class TaggedLinen:
         return _selector(self.filter)
 
     def _intercept(self, next_fun, args, kwargs, context):
-        out = next_fun(*args, **kwargs)
         module, method = context.module, context.method_name
         if method not in self.methods or module.scope is None:
-            return out
+            return next_fun(*args, **kwargs)
         path = "/".join(module.scope.path)
         if not path or not self._select(path, module):
-            return out
+            return next_fun(*args, **kwargs)
+        with jax.named_scope(path):  # (as for Equinox: see `_tagging_method`)
+            out = next_fun(*args, **kwargs)
         return _tag_arrays(out, _site_name(path, method), self.collection)
 
     def apply(self, variables, *args, **kwargs):

@@ -37,6 +37,9 @@ class SiteInfo:
       `"while"`, `"branch"`, `"custom"` (a `custom_jvp` or `custom_vjp`
       function), `"other"`, or None for a `jit`. Left out of its `repr` and of
       comparisons.
+    - `tap`: for a site of [`fx.taps`][effects.taps], its
+      [`TapInfo`][effects.TapInfo] (primitive, scope, source line); else
+      None. Left out of its `repr` and of comparisons.
 
     **Example:**
 
@@ -62,6 +65,7 @@ class SiteInfo:
     where: str
     part: str = "value"
     loops: tuple = dataclasses.field(default=(), repr=False, compare=False)
+    tap: Any = dataclasses.field(default=None, repr=False, compare=False)
 
 
 class Sites(dict):
@@ -197,6 +201,7 @@ def sites(fn: Callable) -> Callable[..., Sites]:
                 where,
                 site.part,
                 loops,
+                located.eqn.params.get("tap"),
             )
             found.setdefault(site.collection, {}).setdefault(site.name, []).append(info)
         return found

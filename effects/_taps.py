@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sysconfig
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -198,8 +199,10 @@ def taps(
     if where is not None and not callable(where):
         raise TypeError(f"fx.taps: `where` must be a predicate, got {where!r}.")
     _as_selector(primitives, "fx.taps")  # (checks it)
-    selected = None if primitives is None else frozenset(
-        (primitives,) if isinstance(primitives, str) else primitives
+    selected = (
+        None
+        if primitives is None
+        else frozenset((primitives,) if isinstance(primitives, str) else primitives)
     )
     return Tapped(fn, selected, where, carries, collection)
 
@@ -232,12 +235,19 @@ def _info(eqn, primitive: str, outvars, outer) -> TapInfo:
     shape = ",".join(_describe(v.aval) for v in outvars)
     return TapInfo(
         primitive,
-        str(_compat.name_stack(eqn, outer)),
+        _nested_paths(str(_compat.name_stack(eqn, outer))),
         None if user is None else user[0],
         None if user is None else user[1],
         library,
         shape,
     )
+
+
+def _nested_paths(scope: str) -> str:
+    """A scope with a module path's scope inside its parent's read as the
+    path alone: `blocks.3/blocks.3.lin` is `blocks.3.lin`
+    ([`fx.tag_modules`][effects.tag_modules] enters each module's full path)."""
+    return re.sub(r"(?<![\w.])([\w.]+)/(?=\1\.)", "", scope)
 
 
 def _describe(aval) -> str:
@@ -309,8 +319,11 @@ class _Inserter:
         if self.tapped.with_inputs:
             ins = [v for v in eqn.invars if type(v) is not _compat.Literal]
             literal = [v for v in eqn.invars if type(v) is _compat.Literal]
-            if not all(jnp.all(jnp.isfinite(jnp.asarray(v.val))) for v in literal
-                       if jnp.issubdtype(jnp.result_type(v.val), jnp.inexact)):
+            if not all(
+                jnp.all(jnp.isfinite(jnp.asarray(v.val)))
+                for v in literal
+                if jnp.issubdtype(jnp.result_type(v.val), jnp.inexact)
+            ):
                 return [eqn]  # (from a non-finite constant: never a finding)
             inputs = [v for v in ins if jnp.issubdtype(v.aval.dtype, jnp.inexact)]
             if not any(jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in outs):

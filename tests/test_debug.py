@@ -979,23 +979,31 @@ def test_find_nonfinite_keeps_no_dead_function_alive():
     assert [r() for r in refs] == [None, None]
 
 
-def test_debug_uses_the_public_api_only():
-    # `_debug` is built on what `effects` exports; `eager_cached` is its one
-    # internal entry point (caching on the user's function, see `_debug`), and
-    # `text_table` the table layout it shares with `fx.sites`.
+@pytest.mark.parametrize(
+    "module, internals",
+    [
+        # `text_table`: the table layout `_debug` shares with `fx.sites`.
+        ("_debug", {"text_table"}),
+        # `eager_cached`: caching on the user's function (see `_nonfinite`);
+        # `Tapped`: the taps whose values are their equations' inputs and
+        # outputs; `_numpy`: fetching a value, as `summary` does.
+        ("_nonfinite", {"eager_cached", "Tapped", "_numpy"}),
+    ],
+)
+def test_debugging_tools_use_the_public_api_only(module, internals):
     import ast
+    import importlib
     import pathlib
 
-    import effects._debug as debug
-
-    tree = ast.parse(pathlib.Path(debug.__file__).read_text())
+    tool = importlib.import_module(f"effects.{module}")
+    tree = ast.parse(pathlib.Path(tool.__file__).read_text())
     imported = {
         alias.name
         for node in ast.walk(tree)
         if isinstance(node, ast.ImportFrom) and node.level > 0
         for alias in node.names
     }
-    assert imported - set(dir(fx)) == {"eager_cached", "text_table"}
+    assert imported - set(dir(fx)) == internals
 
 
 @pytest.mark.parametrize(

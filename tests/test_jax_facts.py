@@ -393,7 +393,7 @@ def test_an_empty_constant_added_in_a_shard_map_in_a_scan_fails_under_grad():
 
 
 def test_checkify_fails_on_checks_in_two_shard_maps():
-    # `effects._debug._nonfinite_check`: checkify (jax 0.7 to 0.12) fails on a
+    # `effects._nonfinite._nonfinite_check`: checkify (jax 0.7 to 0.12) fails on a
     # program with a `checkify.check` in each of two shard_maps: the first
     # leaves its error stacked per shard, which the second cannot combine with
     # its own ("select cases must have the same shapes"). One shard_map of
@@ -501,7 +501,7 @@ def test_indexing_by_a_vmap_index_over_an_explicitly_sharded_batch_fails():
 
 def test_xla_fusion_copies_a_chain_into_each_of_its_values_a_program_returns():
     # docs/performance.md, "Many values of one chain" (`Tag()` of every step
-    # returns them all), and `effects._debug._NO_FUSION`: with
+    # returns them all), and `effects._nonfinite._NO_FUSION`: with
     # `backward=True`, `find_nonfinite` checks the cotangent of every tag, and
     # so reads every value of the backward pass's chain. On CPU, XLA's fusion
     # pass copies the chain of operations it deems cheap (`sin`, `add`,

@@ -1,0 +1,475 @@
+"""`find_nonfinite`: the first tag, or with no tags the first primitive, that
+made a NaN or an Inf, forward or backward, found in one compiled program with
+a `checkify` check at every site."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._debug import _numpy
+
+# `eager_cached`: `find_nonfinite` caches its compiled check as `handle` caches
+# its jitted calls, on the function itself (an Equinox module's per
+# structure), dying with it. Public API cannot: a cache of our own keyed by the
+# function would keep it alive, as `eqx.filter_jit` does.
+from ._handle import eager_cached, handle
+from ._handlers import Handler, Reduce, Tag
+from ._sites import sites
+
+
+@dataclasses.dataclass(frozen=True)
+class BadSite:
+    """What [`fx.find_nonfinite`][effects.find_nonfinite] returns: the first
+    tag whose value (or, with `backward=True`, whose cotangent) held a NaN or
+    an Inf, and which execution of it.
+
+    `str()` says it in a sentence.
+
+    **Attributes:**
+
+    - `name`, `collection`: the tag's.
+    - `call`: the index of that execution among the name's executions,
+      counting a scan's iterations as one call when the tag's only site sits
+      in scans (then `iteration` says which); else counting every execution.
+    - `iteration`: the scan iteration (a tuple for nested scans, outermost
+      first), or None: its position, as `Tag()` stacks the values (in a scan
+      with `reverse=True`, not how many ran before it).
+    - `backward`: whether it is the cotangent that went bad; False for a
+      value, also from `find_nonfinite(..., backward=True)` when the forward
+      pass is already non-finite.
+    - `backward_search`: whether `find_nonfinite` was called with
+      `backward=True`. Not compared: the forward site it returns equals the
+      one `backward=False` returns, and only `str()` differs, saying that the
+      forward pass is already non-finite.
+
+    **Example:**
+
+    ```python
+    bad = fx.find_nonfinite(lambda x: fx.tag(jnp.log(x), "h"), -1.0)
+    print(bad.name, bad.call, bad.iteration)
+    ```
+
+    ```text
+    h 0 None
+    ```
+    """
+
+    name: str
+    collection: str
+    call: int
+    iteration: int | tuple[int, ...] | None
+    backward: bool = False
+    backward_search: bool = dataclasses.field(default=False, compare=False)
+
+    def __str__(self) -> str:
+        where = f"call {self.call}"
+        if self.iteration is not None:
+            where += f", scan iteration {self.iteration}"
+        what = (
+            "the first, in the backward pass, whose cotangent holds"
+            if self.backward
+            else "the first value with"
+        )
+        said = (
+            f"The tag {self.name!r} (collection {self.collection!r}) is {what} a "
+            f"NaN or an Inf, at its {where}."
+        )
+        if self.backward_search and not self.backward:
+            said += (
+                " The forward pass is already non-finite, so the backward search "
+                "does not apply: it reports gradients that go bad while every "
+                "tagged value is finite."
+            )
+        return said
+
+
+_CODE = "effects-nonfinite-site:"
+
+
+def _finite(leaves) -> jax.Array:
+    ok = jnp.array(True)
+    for x in leaves:
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            ok = ok & jnp.all(jnp.isfinite(x))
+    return ok
+
+
+def _count(acc, x):  # (executions so far, the first non-finite one or -1)
+    n, first = acc
+    return n + 1, jnp.where((first < 0) & ~_finite(jax.tree.leaves(x)), n, first)
+
+
+# Of the whole batch under a vmap, not per example: an execution is one
+# whatever the examples, and a name executed under vmaps of different sizes
+# (`lax.map` with a `batch_size` that does not divide its length) is counted.
+_COUNTER = Reduce(_count, lambda _: (jnp.int32(0), jnp.int32(-1)), per_example=False)
+_EXECUTIONS = Reduce(lambda n, _: n + 1, lambda _: jnp.int32(0), per_example=False)
+
+
+class NonfiniteCheck(Handler):
+    """At every tag in `keys`: a `checkify` check that its value is finite, the
+    first failing check in execution order being the one reported, with the
+    tag's index in `keys` as its code; with `backward`, an identity whose
+    backward pass checks the cotangent instead, with the execution's index
+    among its name's (counted here) in the message, at the tags in `keys` but
+    those in `skip`."""
+
+    keys: tuple = dataclasses.field(metadata={"static": True})  # (collection, name)s
+    backward: bool = dataclasses.field(default=False, metadata={"static": True})
+    # With `backward`: a zero added to every tag, that differentiating with
+    # respect to it computes the cotangent of every one.
+    zero: Any = None
+    skip: tuple = dataclasses.field(default=(), metadata={"static": True})
+    # Whether a cotangent's check says which execution it is.
+    numbered: bool = dataclasses.field(default=False, metadata={"static": True})
+
+    def matches(self, site):
+        key = (site.collection, site.name)
+        return site.kind == "tag" and key in self.keys and key not in self.skip
+
+    @property
+    def mode(self):  # pyright: ignore[reportIncompatibleVariableOverride]
+        return _EXECUTIONS if self.backward else None
+
+    def apply(self, site, value, ctx):
+        from jax.experimental import checkify
+
+        code = self.keys.index((site.collection, site.name))
+        if not self.backward:
+            checkify.check(_finite(jax.tree.leaves(value)), f"{_CODE}{code}")
+            return value
+        count = ctx.emit(jnp.int32(0))
+        assert count is not None  # (the mode is a reduction)
+        said = (code, self.numbered)
+
+        def checked(x):
+            if not jnp.issubdtype(x.dtype, jnp.inexact):
+                return x
+            return _cotangent_check(x + self.zero.astype(x.dtype), said, count - 1)
+
+        return jax.tree.map(checked, value)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _cotangent_check(x, said: tuple[int, bool], n):
+    del said, n
+    return x
+
+
+def _cotangent_check_fwd(x, said: tuple[int, bool], n):
+    del said
+    return x, n
+
+
+def _cotangent_check_bwd(said: tuple[int, bool], n, ct):
+    from jax.experimental import checkify
+
+    code, numbered = said
+    if numbered:
+        checkify.check(_finite([ct]), f"{_CODE}{code}:{{}}", n)
+    else:
+        checkify.check(_finite([ct]), f"{_CODE}{code}:")
+    return ct, None
+
+
+_cotangent_check.defvjp(_cotangent_check_fwd, _cotangent_check_bwd)
+
+
+def find_nonfinite(
+    fn: Callable, *args, backward: bool = False, **kwargs
+) -> BadSite | None:
+    """Finds the first tag whose value holds a NaN or an Inf: runs
+    `fn(*args, **kwargs)` once, compiled, with a check at every tag.
+
+    Returns the first failing tag in execution order, so never a tag that is
+    non-finite only because an earlier one was. The program is compiled
+    without XLA's fusion of operations, whose compile time on CPU grows with
+    the square of the number of checks: each operation rounds on its own, as
+    when JAX runs the function one operation at a time. Works through `jit`, `scan`,
+    `cond` and `while_loop`; pass a model from
+    [`fx.tag_modules`][effects.tag_modules] to check every layer. Every tag
+    counts, whatever its collection, `jax.ad_checkpoint.checkpoint_name`s
+    included (perturb sites do not); integer values are never non-finite.
+    Arguments are treated as `eqx.filter_jit` treats them (arrays traced,
+    other leaves static); Flax NNX objects are run on their state, which is
+    left as it was.
+
+    With `backward=True` (`fn` returns a scalar), it runs the backward pass
+    too and, when every tagged value is finite, returns the first tag, in the
+    order the backward pass computes cotangents, whose cotangent (the gradient
+    of the output with respect to the tag's value) holds a NaN or an Inf: the
+    site nearest the output where the gradient goes bad. In `h = tag(x * 0,
+    "h"); s = tag(jnp.sqrt(h), "s")` that is `h`: the cotangent of `s` is
+    finite, `sqrt`'s derivative at 0 is not. When the forward pass already
+    holds a non-finite value, that value is the cause, and no cotangent it
+    spoils is reported: it returns the site `backward=False` returns
+    (`backward` False on it), whose `str()` says that the forward pass is
+    already non-finite. Both run in one compiled program: the checked forward
+    pass, then the gradient (its own forward pass and the backward pass). The
+    value `fn` returns is not checked. A tag inside a function with a custom
+    derivative (`custom_jvp`, `custom_vjp`) has no cotangent of its own (the
+    custom rule differentiates the function as a whole): the backward check
+    passes over it, and the forward check covers it.
+
+    **Arguments:**
+
+    - `fn`: the function to run.
+    - `*args`, `**kwargs`: its arguments.
+    - `backward`: whether to check the cotangents of the backward pass too,
+      after the values.
+
+    **Returns:**
+
+    A [`BadSite`][effects.BadSite] naming the tag and the execution, or None
+    when every checked value (and cotangent) is finite.
+
+    **Raises:**
+
+    - `ValueError`: `fn` has no tag (only tagged values are checked); with
+      `backward=True`, `fn` does not return a scalar array,
+      or a name is tagged both inside and outside a function with a custom
+      derivative; a `jax.vmap` inside `fn` batches the predicate of a
+      `lax.cond` or `lax.while_loop` (every example would run every branch or
+      iteration: check one example at a time); tags sit in more than one
+      `shard_map`, or in one called more than once (JAX's `checkify` fails
+      on checks in two shard_maps: check one shard_map's function, or count
+      non-finite values with [`fx.Stats`][effects.Stats]). From
+      [`handle`][effects.handle], which places the checks: a tag inside a
+      `custom_linear_solve`.
+
+    **Example:**
+
+    ```python
+    def f(x):
+        h = fx.tag(jnp.log(x), "h")  # log(-1) is NaN
+        y = fx.tag(2 * h, "y")  # NaN only because h is
+        return jnp.sum(y)
+
+    print(fx.find_nonfinite(f, jnp.array([1.0, -1.0])))
+    ```
+
+    ```text
+    The tag 'h' (collection 'intermediates') is the first value with a NaN or
+    an Inf, at its call 0.
+    ```
+
+    With `backward=True`, the site nearest the output whose cotangent goes
+    bad (`sqrt`'s derivative at 0 is not finite); with a non-finite value
+    already, that value's site, as the forward pass is the cause:
+
+    ```python
+    def g(x):
+        h = fx.tag(x * 0, "h")
+        return jnp.sum(fx.tag(jnp.sqrt(h), "s"))
+
+    print(fx.find_nonfinite(g, jnp.ones(2), backward=True).name)
+    bad = fx.find_nonfinite(f, jnp.array([1.0, -1.0]), backward=True)
+    print(bad.name, bad.backward)
+    ```
+
+    ```text
+    h
+    h False
+    ```
+    """
+    listed, keys, message, found = _first_failure(fn, args, kwargs, backward, None)
+    if message is None:
+        return None
+    code, *n = message.split(_CODE)[1].split()[0].split(":")
+    collection, name = keys[int(code)]
+    # A cotangent's check says it is one (`code:`); checked again at that name
+    # alone, which execution (`code:n`). (Numbering every name's in one check
+    # costs JAX time quadratic in the number of tags.) A value's, forward,
+    # says neither: its first bad execution is the one the counter saw.
+    cotangent = bool(n)
+    if n == [""]:
+        message = _first_failure(fn, args, kwargs, backward, (collection, name))[2]
+        assert message is not None  # (the same check fails)
+        n = message.split(_CODE)[1].split()[0].split(":")[1:]
+    if not cotangent:
+        first = _numpy(found[collection][name][1])
+        n = [first[first >= 0].min()]
+    infos = listed[collection][name]
+    bad = _bad_site(infos, collection, name, int(n[0]), cotangent)
+    return dataclasses.replace(bad, backward_search=backward)
+
+
+def _first_failure(fn, args, kwargs, backward: bool, numbered):
+    """`(listed, keys, message, found)` of `_nonfinite_check` run on `fn`:
+    `message` the first failing check's, or None. Checked again with the
+    function's own `checkify.check`s dropped where one of those failed first
+    (checkify reports one failed check). Cached per function, argument
+    signature, `backward` and `numbered`: checking every batch of a data loader
+    compiles once."""
+    for own_checks in (False, True):
+        make = functools.partial(_nonfinite_check, backward, own_checks, numbered)
+        what = ("find_nonfinite", backward, own_checks, numbered)
+        try:
+            (listed, keys, check), dynamic = eager_cached(what, fn, args, kwargs, make)
+            errors, found = _run(check, dynamic, listed)
+        except ValueError as e:
+            # (a vmap inside ran every branch, or iteration, for every example)
+            if not any(m in str(e) for m in _EVERY_EXAMPLE):
+                raise
+            said = str(e).removeprefix(f"{NonfiniteCheck.__name__}: ").split(". ")[0]
+            raise ValueError(_PER_EXAMPLE.format(said)) from e
+        message = next(filter(None, (err.get() for err in errors)), None)
+        if message is None or _CODE in message:
+            return listed, keys, message, found
+    raise AssertionError("unreachable")
+
+
+def _run(check, dynamic, listed):
+    """`check(dynamic)`, where JAX's checkify fails on checks in two
+    shard_maps (tests/test_jax_facts.py::
+    test_checkify_fails_on_checks_in_two_shard_maps) an error that says so."""
+    try:
+        return check(dynamic)
+    except TypeError as e:
+        infos = [i for names in listed.values() for s in names.values() for i in s]
+        in_shard_maps = any("shard_map" in i.where.split(" > ") for i in infos)
+        if not (in_shard_maps and str(e).startswith(_CHECKIFY_SHARD_MAPS)):
+            raise
+        raise ValueError(_SHARD_MAPS) from e
+
+
+# What `handle` says of a predicate a vmap inside the function batches (a
+# branch's, and a while loop's, where the checks count executions).
+_EVERY_EXAMPLE = ("predicate a `jax.vmap` inside", "whose predicate a jax.vmap inside")
+_PER_EXAMPLE = (
+    "find_nonfinite: a `jax.vmap` inside the function batches the predicate of "
+    "a `lax.cond` or `lax.while_loop`, and runs every branch (or iteration) "
+    "for every example, so what would be checked is not what each example "
+    'computes ("{}"). Check one example at a time: `fx.find_nonfinite(g, x)` '
+    "for each `x` the vmapped function `g` maps over."
+)
+_CHECKIFY_SHARD_MAPS = "select cases must have the same shapes"
+_SHARD_MAPS = (
+    "find_nonfinite: the function's tags sit in more than one `shard_map` "
+    "(or in one it calls more than once), and JAX's `checkify`, which runs the "
+    "checks, fails on checks in more than one shard_map in one program (jax "
+    "0.7 to 0.12). Check the function that one shard_map maps "
+    "(`fx.find_nonfinite(body, x_shard)`, on one shard's inputs), or count the "
+    "non-finite values of every tag with `fx.summary(fx.handle(f, "
+    "fx.Stats())(x)[1])`."
+)
+_NO_TAG = (
+    "find_nonfinite: the function has no tag, and only tagged values are "
+    "checked (not the value it returns). Tag the values to check "
+    '(`fx.tag(h, "h")`), or pass a model through `fx.tag_modules(model)` to '
+    "check every layer."
+)
+
+
+def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dynamic):
+    """`(listed, keys, check)` for `find_nonfinite`: the sites of
+    `call(dynamic)`, the checked `(collection, name)`s (a message's code is an
+    index into them), and `check(dynamic) -> (checkify errors, found)`, jitted,
+    `found` the counters' (each name's first non-finite execution), with
+    `backward` the backward pass's checks after the forward pass's (at the
+    name `numbered` alone, where given, saying which execution); with
+    `drop_own_checks`, the function's own `checkify.check`s dropped."""
+    # Imported here: on jax 0.7-0.9 importing it registers checkify's rules in
+    # JAX's tables, which `import effects` alone must not do.
+    from jax.experimental import checkify
+
+    if drop_own_checks:
+        call = _without_checks(checkify, call)
+
+    listed = sites(call)(dynamic)
+    keys = tuple((c, n) for c, names in listed.items() for n in names)
+    if not keys:
+        raise ValueError(_NO_TAG)
+    # Backward, not a tag inside a function with a custom derivative: it has no
+    # cotangent of its own (the custom rule differentiates the function whole).
+    custom = tuple(
+        key
+        for key in keys
+        if all("custom" in info.loops for info in listed[key[0]][key[1]])
+    )
+
+    if numbered is not None:
+        custom = tuple(key for key in keys if key != numbered)
+
+    def output(zero, dynamic):
+        numbering = numbered is not None
+        checks = NonfiniteCheck(keys, True, zero, skip=custom, numbered=numbering)
+        out, _ = handle(call, checks)(dynamic)
+        if not (isinstance(out, jax.Array) and out.shape == ()):
+            got = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), out
+            )
+            raise ValueError(
+                "find_nonfinite(backward=True): the function must return a scalar "
+                f"(the loss), got {got}."
+            )
+        return out
+
+    def forward(dynamic):
+        handlers = (NonfiniteCheck(keys), *(Tag(c, mode=_COUNTER) for c in listed))
+        return handle(call, *handlers)(dynamic)[1]
+
+    def backward_pass(dynamic):
+        jax.grad(output)(jnp.float32(0), dynamic)
+
+    # The forward checks run on a pass of their own: under `jax.grad`, JAX's
+    # partial evaluation of a `scan` drops the checks of its forward part (they
+    # have no output to keep). Each pass is checkified apart, their errors read
+    # in order (a non-finite value wins over the cotangents it spoils):
+    # checkify fails on a program whose checks sit in more than one
+    # `shard_map` (tests/test_jax_facts.py::
+    # test_checkify_fails_on_checks_in_two_shard_maps), which the two passes
+    # of one in the same program are.
+    forward_checked = checkify.checkify(forward, errors=checkify.user_checks)
+    backward_checked = checkify.checkify(backward_pass, errors=checkify.user_checks)
+
+    def check(dynamic):
+        err, found = forward_checked(dynamic)
+        errors = (err, backward_checked(dynamic)[0]) if backward else (err,)
+        return errors, found
+
+    return listed, keys, jax.jit(check, compiler_options=_NO_FUSION)
+
+
+# Compiled without XLA's fusion pass. On CPU it copies a chain of cheap
+# operations into every fusion that reads a value of it, and a check of every
+# cotangent reads each value of the backward pass's chain: the program grows
+# with the square of the number of tags (tests/test_jax_facts.py::
+# test_xla_fusion_copies_a_chain_into_each_of_its_values_a_program_returns). With
+# backward=True, 400 tags took 66 s to compile, 10 s without it. Run once to
+# find a NaN, the program's unfused run costs less than that. Its operations
+# are the function's, each rounded on its own as when JAX runs them one by one
+# (fused, a multiply and an add may round once).
+_NO_FUSION = {"xla_disable_hlo_passes": "fusion"}
+
+
+def _without_checks(checkify, call):
+    own = checkify.checkify(call, errors=checkify.user_checks)
+    return lambda dynamic: own(dynamic)[1]
+
+
+def _bad_site(infos, collection, name, k: int, backward: bool) -> BadSite:
+    """The `k`-th execution of a name as a call and a scan iteration: when the
+    name's only site has scans (and jits) alone around it, each call executes
+    it the product of their lengths times."""
+    info = infos[0]
+    # (a scan with `reverse=True` runs its last position first: positions,
+    # as `Tag()` stacks them, its label says so)
+    regions = zip(info.where.split(" > "), info.loops)
+    scans = [(n, label.endswith(", reverse)")) for label, n in regions if n is not None]
+    lengths = [n for n, _ in scans]
+    if len(infos) > 1 or not lengths or not all(isinstance(n, int) for n in lengths):
+        return BadSite(name, collection, k, None, backward)
+    call, k = divmod(k, math.prod(lengths))
+    ran = np.unravel_index(k, lengths)
+    index = tuple(int(n - 1 - i if rev else i) for i, (n, rev) in zip(ran, scans))
+    iteration = index[0] if len(index) == 1 else index
+    return BadSite(name, collection, call, iteration, backward)
