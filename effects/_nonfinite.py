@@ -7,9 +7,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
+import re
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +26,7 @@ from ._debug import _numpy
 from ._handle import eager_cached, handle
 from ._handlers import Handler, Reduce, Tag
 from ._sites import sites
+from ._taps import Tapped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,13 +67,35 @@ class BadSite:
     """
 
     name: str
-    collection: str
+    collection: str | None
     call: int
     iteration: int | tuple[int, ...] | None
     backward: bool = False
     backward_search: bool = dataclasses.field(default=False, compare=False)
+    primitive: str | None = None
+    scope: str | None = None
+    file: str | None = None
+    line: int | None = None
+    library: str | None = dataclasses.field(default=None, compare=False)
+    example: tuple[int, ...] | None = None
+    forward: tuple[str, ...] = ()
+    index: tuple[int, ...] | None = None
+    inputs: str | None = dataclasses.field(default=None, compare=False)
+    note: str | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def location(self) -> str:
+        """`"model.py:20"`: the user's source line of a primitive found; `""`
+        where none is known."""
+        if self.file is None:
+            return ""
+        return f"{os.path.basename(self.file)}:{self.line}"
 
     def __str__(self) -> str:
+        if self.note is not None:
+            return self.note
+        if self.primitive is not None:
+            return self._primitive_said()
         where = f"call {self.call}"
         if self.iteration is not None:
             where += f", scan iteration {self.iteration}"
@@ -88,6 +114,36 @@ class BadSite:
                 "does not apply: it reports gradients that go bad while every "
                 "tagged value is finite."
             )
+        return said
+
+    def _primitive_said(self) -> str:
+        at = f" at {self.location}" if self.file is not None else ""
+        scope = f" in {self.scope}" if self.scope else ""
+        where = f"call {self.call}"
+        if self.iteration is not None:
+            where += f", scan iteration {self.iteration}"
+        if self.example is not None:
+            example = self.example[0] if len(self.example) == 1 else self.example
+            where += f", example {example}"
+        if self.backward:
+            of = " and ".join(f"`{p}`" for p in self.forward) or "the operations"
+            said = (
+                f"In the gradient, `{self.primitive}`{at}{scope}, part of the "
+                f"derivative of {of} there, is the first operation to make a NaN "
+                f"or an Inf from finite inputs ({where})"
+            )
+        else:
+            said = (
+                f"`{self.primitive}`{at}{scope} is the first operation to make a "
+                f"NaN or an Inf from finite inputs ({where})"
+            )
+        if self.inputs is not None:
+            said += f": {self.inputs}"
+        said += "."
+        if self.library is not None:
+            said += f" (Called from {self.library}.)"
+        if self.backward_search and not self.backward:
+            said += " The forward pass is already non-finite: that is the cause."
         return said
 
 
@@ -144,7 +200,11 @@ class NonfiniteCheck(Handler):
 
         code = self.keys.index((site.collection, site.name))
         if not self.backward:
-            checkify.check(_finite(jax.tree.leaves(value)), f"{_CODE}{code}")
+            if site.collection == _CHECKED:  # (a tap's: see `_tap_search`)
+                ok = ~_finding(value)
+            else:
+                ok = _finite(jax.tree.leaves(value))
+            checkify.check(ok, f"{_CODE}{code}")
             return value
         count = ctx.emit(jnp.int32(0))
         assert count is not None  # (the mode is a reduction)
@@ -282,7 +342,7 @@ def find_nonfinite(
     """
     listed, keys, message, found = _first_failure(fn, args, kwargs, backward, None)
     if message is None:
-        return None
+        return _tap_search(fn, args, kwargs, backward)
     code, *n = message.split(_CODE)[1].split()[0].split(":")
     collection, name = keys[int(code)]
     # A cotangent's check says it is one (`code:`); checked again at that name
@@ -314,6 +374,8 @@ def _first_failure(fn, args, kwargs, backward: bool, numbered):
         what = ("find_nonfinite", backward, own_checks, numbered)
         try:
             (listed, keys, check), dynamic = eager_cached(what, fn, args, kwargs, make)
+            if check is None:
+                return listed, keys, None, None
             errors, found = _run(check, dynamic, listed)
         except ValueError as e:
             # (a vmap inside ran every branch, or iteration, for every example)
@@ -361,12 +423,6 @@ _SHARD_MAPS = (
     "non-finite values of every tag with `fx.summary(fx.handle(f, "
     "fx.Stats())(x)[1])`."
 )
-_NO_TAG = (
-    "find_nonfinite: the function has no tag, and only tagged values are "
-    "checked (not the value it returns). Tag the values to check "
-    '(`fx.tag(h, "h")`), or pass a model through `fx.tag_modules(model)` to '
-    "check every layer."
-)
 
 
 def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dynamic):
@@ -386,8 +442,8 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dyna
 
     listed = sites(call)(dynamic)
     keys = tuple((c, n) for c, names in listed.items() for n in names)
-    if not keys:
-        raise ValueError(_NO_TAG)
+    if not keys:  # (then the primitives are checked: see `_tap_search`)
+        return listed, keys, None
     # Backward, not a tag inside a function with a custom derivative: it has no
     # cotangent of its own (the custom rule differentiates the function whole).
     custom = tuple(
@@ -473,3 +529,264 @@ def _bad_site(infos, collection, name, k: int, backward: bool) -> BadSite:
     index = tuple(int(n - 1 - i if rev else i) for i, (n, rev) in zip(ran, scans))
     iteration = index[0] if len(index) == 1 else index
     return BadSite(name, collection, call, iteration, backward)
+
+
+#
+# With no tag: the first primitive that made a NaN or an Inf
+#
+
+# The collection of find_nonfinite's taps, whose values are their equations'
+# (inputs, outputs): a finding is a non-finite output from finite inputs.
+_CHECKED = "effects.nonfinite"
+
+
+def _finding(value) -> jax.Array:
+    ins, outs = value
+    return ~_finite(jax.tree.leaves(outs)) & _finite(jax.tree.leaves(ins))
+
+
+def _count_findings(acc, x):  # (executions so far, the first finding or -1)
+    n, first = acc
+    return n + 1, jnp.where((first < 0) & _finding(x), n, first)
+
+
+def _keep_first(acc, x):  # and that execution's (inputs, outputs)
+    n, first, kept = acc
+    take = (first < 0) & _finding(x)
+    kept = jax.tree.map(lambda a, b: jnp.where(take, b, a), kept, x)
+    return n + 1, jnp.where(take, n, first), kept
+
+
+# Per example: under a vmap inside the function, which example went bad first.
+_FINDINGS = Reduce(_count_findings, lambda _: (jnp.int32(0), jnp.int32(-1)))
+_FIRST = Reduce(_keep_first, lambda z: (jnp.int32(0), jnp.int32(-1), z))
+
+
+def _passes(backward: bool, call) -> list[Tapped]:
+    """The programs checked, tapped at every primitive with an inexact
+    output: the function, and with `backward` its gradient with respect to
+    every inexact array among its arguments (its forward pass again, then the
+    backward pass)."""
+    passes = [Tapped(call, None, None, False, _CHECKED, with_inputs=True)]
+    if backward:
+
+        def loss(dynamic):
+            out = call(dynamic)
+            if not (isinstance(out, jax.Array) and out.shape == ()):
+                got = jax.tree.map(
+                    lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+                    out,
+                )
+                raise ValueError(_NOT_SCALAR.format(got=got))
+            return out
+
+        grad = eqx.filter_grad(loss)
+        passes.append(Tapped(grad, None, None, False, _CHECKED, with_inputs=True))
+    return passes
+
+
+_NOT_SCALAR = (
+    "find_nonfinite(backward=True): the function must return a scalar (the "
+    "loss), got {got}."
+)
+
+
+def _tap_check(backward: bool, drop_own_checks: bool, call, dynamic):
+    """`(listed, check)`: per pass, its taps' `SiteInfo`s by name, and
+    `check(dynamic) -> (errors, counters, results)` per pass, jitted."""
+    from jax.experimental import checkify  # (see `_nonfinite_check`)
+
+    if drop_own_checks:
+        call = _without_checks(checkify, call)
+    listed, checked = [], []
+    for tapped in _passes(backward, call):
+        found = sites(tapped)(dynamic).get(_CHECKED, {})
+        keys = tuple((_CHECKED, name) for name in found)
+        listed.append(found)
+        handlers = (NonfiniteCheck(keys), Tag(_CHECKED, mode=_FINDINGS))
+
+        def run(dynamic, tapped=tapped, handlers=handlers, keys=keys):
+            if not keys:  # (nothing inexact to check)
+                return tapped(dynamic), {}
+            out, found = handle(tapped, *handlers)(dynamic)
+            return out, found.get(_CHECKED, {})
+
+        checked.append(checkify.checkify(run, errors=checkify.user_checks))
+
+    def check(dynamic):
+        errors, counters, results = [], [], []
+        for run in checked:
+            err, (out, found) = run(dynamic)
+            errors.append(err)
+            counters.append(found)
+            results.append(_all_finite(out))
+        return errors, counters, results
+
+    return listed, jax.jit(check, compiler_options=_NO_FUSION)
+
+
+def _all_finite(tree) -> jax.Array:
+    return _finite([jnp.asarray(x) for x in jax.tree.leaves(tree) if _numeric(x)])
+
+
+def _numeric(x) -> bool:
+    return eqx.is_array(x) or isinstance(x, (float, complex))
+
+
+def _tap_inputs(backward: bool, drop_own_checks: bool, which: int, name, call, dynamic):
+    """`inputs(dynamic)`: per example, the first execution of tap `name` of
+    pass `which` that made a non-finite value from finite inputs, and its
+    `(inputs, outputs)`."""
+    from jax.experimental import checkify
+
+    if drop_own_checks:
+        call = _without_checks(checkify, call)
+    tapped = _passes(backward, call)[which]
+    handler = Tag(_CHECKED, names=name, mode=_FIRST)
+
+    @jax.jit
+    def inputs(dynamic):
+        return handle(tapped, handler)(dynamic)[1][_CHECKED][name]
+
+    return inputs
+
+
+def _tap_search(fn, args, kwargs, backward: bool) -> BadSite | None:
+    """The first primitive, in execution order, that made a NaN or an Inf
+    from finite inputs: in the function, then in its gradient."""
+    for own_checks in (False, True):
+        make = functools.partial(_tap_check, backward, own_checks)
+        what = ("find_nonfinite taps", backward, own_checks)
+        try:
+            (listed, check), dynamic = eager_cached(what, fn, args, kwargs, make)
+            errors, counters, results = check(dynamic)
+        except ValueError as e:
+            if not any(m in str(e) for m in _EVERY_EXAMPLE):
+                raise
+            said = str(e).removeprefix(f"{NonfiniteCheck.__name__}: ").split(". ")[0]
+            raise ValueError(_PER_EXAMPLE.format(said)) from e
+        messages = [err.get() for err in errors]
+        failed = next(((i, m) for i, m in enumerate(messages) if m), None)
+        if failed is None or _CODE in failed[1]:
+            break
+    if failed is None:
+        return _unexplained(args, kwargs, [bool(ok) for ok in results], backward)
+    which, message = failed
+    code = int(message.split(_CODE)[1].split()[0].split(":")[0])
+    name = list(listed[which])[code]
+    firsts = _numpy(counters[which][name][1])
+    k = int(firsts[firsts >= 0].min())
+    example = None
+    if firsts.ndim:
+        example = tuple(int(i) for i in np.argwhere(firsts == k)[0])
+    infos = listed[which][name]
+    bad = _bad_site(infos, _CHECKED, name, k, backward=which == 1)
+    tap = infos[0].tap
+    make = functools.partial(_tap_inputs, backward, own_checks, which, name)
+    what = ("find_nonfinite inputs", backward, own_checks, which, name)
+    inputs, dynamic = eager_cached(what, fn, args, kwargs, make)
+    _, _, (ins, outs) = jax.tree.map(_numpy, inputs(dynamic))
+    if example is not None:
+        ins, outs = jax.tree.map(lambda x: x[example], (ins, outs))
+    said, index = _said(tap, ins, outs)
+    forward = ()
+    if which == 1:
+        forward = _forward_primitives(listed[0], tap)
+    return dataclasses.replace(
+        bad,
+        name=tap.base_name() if name.startswith(tap.base_name()) else name,
+        collection=None,
+        primitive=tap.primitive,
+        scope=_scope(tap.scope),
+        file=tap.file,
+        line=tap.line,
+        library=tap.library,
+        example=example,
+        forward=forward,
+        index=index,
+        inputs=said,
+        backward_search=backward,
+    )
+
+
+def _scope(scope: str) -> str:
+    """A tap's scope without the transformations JAX names there:
+    `transpose(jvp(blocks.3))` is `blocks.3`."""
+    return re.sub(r"\w+\(|\)", "", scope)
+
+
+def _forward_primitives(forward: dict, tap) -> tuple[str, ...]:
+    """The primitives of the forward pass at the location of `tap`, a tap of
+    the gradient: what its operation differentiates. Those among them that
+    made its operands, where some did (`sqrt` for `div(0.5, sqrt(x))`, the
+    derivative of `sqrt`)."""
+    here = (tap.file, tap.line, _scope(tap.scope))
+    found = []
+    for infos in forward.values():
+        t = infos[0].tap
+        if (t.file, t.line, _scope(t.scope)) == here and t.primitive not in found:
+            found.append(t.primitive)
+    read = [p for p in found if p in tap.producers]
+    return tuple(read or found)
+
+
+def _said(tap, ins, outs) -> tuple[str, tuple[int, ...]]:
+    """`"log(-3.0) = nan"`: the operands of the equation that went bad and
+    its output, at the first non-finite element of the output; and that
+    element's index."""
+    out_leaves = [np.asarray(x) for x in jax.tree.leaves(outs)]
+    bad_leaf = next(x for x in out_leaves if not np.all(np.isfinite(x)))
+    index = tuple(np.argwhere(~np.isfinite(bad_leaf))[0])
+    values = iter(np.asarray(x) for x in jax.tree.leaves(ins))
+    said = []
+    for operand in tap.operands:
+        if operand is not None:
+            said.append(operand)
+            continue
+        x = next(values)
+        if x.shape == bad_leaf.shape:
+            said.append(_number(x[index]))
+        elif x.size == 1:
+            said.append(_number(x.reshape(())))
+        else:
+            said.append(f"{x.dtype}{list(x.shape)}")
+    at = f"[{', '.join(map(str, index))}]" if index else ""
+    said = f"{tap.primitive}({', '.join(said)}){at} = {_number(bad_leaf[index])}"
+    return said, tuple(int(i) for i in index)
+
+
+def _number(x) -> str:
+    return str(np.asarray(x).item())
+
+
+def _unexplained(args, kwargs, finite: list[bool], backward: bool) -> BadSite | None:
+    """None where every checked result is finite; else what made them
+    non-finite though no primitive made a NaN or an Inf from finite inputs:
+    an argument's values, or a constant of the program."""
+    if all(finite):
+        return None
+    what = "output" if not finite[0] else "gradient"
+    paths = [
+        ("args", "kwargs")[path[0].idx] + jax.tree_util.keystr(path[1:])
+        for path, x in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
+        if _numeric(x)
+        and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+        and not np.all(np.isfinite(_numpy(x)))
+    ]
+    if paths:
+        note = (
+            f"The {what} is non-finite, and no primitive made a NaN or an Inf "
+            f"from finite inputs: the arguments hold them, at {', '.join(paths)}."
+        )
+    else:
+        note = _UNSEEN.format(what=what)
+    return BadSite("", None, 0, None, backward=bool(finite[0]), note=note)
+
+
+_UNSEEN = (
+    "The {what} is non-finite, and no primitive made a NaN or an Inf from "
+    "finite inputs: it comes from a non-finite constant of the program (a "
+    "literal `jnp.inf` or `jnp.nan`, a closed-over array), read by an "
+    "operation whose other inputs do not make up for it, or from a value no "
+    "tap sees (a primitive JAX stages whole, such as a hijax primitive)."
+)

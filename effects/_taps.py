@@ -15,6 +15,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _compat, _jaxpr
 from ._primitives import handling, site_effect, site_p
@@ -49,6 +50,11 @@ class TapInfo:
     line: int | None
     library: str | None
     shape: str
+    # With find_nonfinite's taps, per operand of the equation: None for a value
+    # read at run time (the tap's inputs), else what it says of it (a literal).
+    operands: tuple = dataclasses.field(default=(), repr=False)
+    # And the primitive that made each operand there, if one did.
+    producers: tuple = dataclasses.field(default=(), repr=False)
 
     @property
     def location(self) -> str:
@@ -226,7 +232,26 @@ def _tappable(aval) -> bool:
     return dtype != jax.dtypes.float0
 
 
-def _info(eqn, primitive: str, outvars, outer) -> TapInfo:
+def _inexact(aval) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+_NONFINITE = "non-finite constant"
+
+
+def _operand(v) -> str | None:
+    """What `fx.find_nonfinite` says of an operand: None for a value it reads
+    at run time; a literal's value; `"…"` for a value it does not read (a key);
+    `_NONFINITE` for a non-finite literal."""
+    if type(v) is not _compat.Literal:
+        return None if _tappable(v.aval) else "…"
+    value = np.asarray(v.val)
+    if _inexact(v.aval) and not np.all(np.isfinite(value)):
+        return _NONFINITE
+    return str(value.item()) if value.size == 1 else f"{_describe(v.aval)} constant"
+
+
+def _info(eqn, primitive: str, outvars, outer, operands=()) -> TapInfo:
     frames = _compat.call_path(eqn.source_info.traceback)
     user = next((f for f in frames if not f[0].startswith(_SITE_PACKAGES)), None)
     library = None
@@ -240,6 +265,7 @@ def _info(eqn, primitive: str, outvars, outer) -> TapInfo:
         None if user is None else user[1],
         library,
         shape,
+        operands,
     )
 
 
@@ -282,10 +308,12 @@ class _Inserter:
             return hit[1]
         eqns: list[Any] = []
         changed = False
+        made: dict[Any, str] = {}  # variable -> the primitive that made it
         for eqn in jaxpr.eqns:
-            new = self.equation(eqn)
+            new = self.equation(eqn, made)
             changed |= new[0] is not eqn
             eqns += new
+            made.update((v, _compat.primitive_name(eqn)) for v in eqn.outvars)
         outvars = list(jaxpr.outvars)
         if carries and carry_of is not None:
             site = self.carry_site(carry_of, outvars[:carries])
@@ -301,7 +329,7 @@ class _Inserter:
         self.done[key] = (jaxpr, new_jaxpr)
         return new_jaxpr
 
-    def equation(self, eqn) -> list[Any]:
+    def equation(self, eqn, made) -> list[Any]:
         prim = eqn.primitive.name
         subs = _jaxpr.sub_jaxprs(eqn) if eqn.params else []
         if subs:
@@ -315,20 +343,20 @@ class _Inserter:
             return [eqn]
         if not all(_tappable(v.aval) for v in outs):
             return [eqn]
-        inputs = []
+        inputs, operands = None, ()
         if self.tapped.with_inputs:
-            ins = [v for v in eqn.invars if type(v) is not _compat.Literal]
-            literal = [v for v in eqn.invars if type(v) is _compat.Literal]
-            if not all(
-                jnp.all(jnp.isfinite(jnp.asarray(v.val)))
-                for v in literal
-                if jnp.issubdtype(jnp.result_type(v.val), jnp.inexact)
-            ):
-                return [eqn]  # (from a non-finite constant: never a finding)
-            inputs = [v for v in ins if jnp.issubdtype(v.aval.dtype, jnp.inexact)]
-            if not any(jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in outs):
+            if not any(_inexact(v.aval) for v in outs):
                 return [eqn]
-        info = _info(eqn, _compat.primitive_name(eqn), outs, self.outer)
+            operands = tuple(map(_operand, eqn.invars))
+            if _NONFINITE in operands:
+                return [eqn]  # (from a non-finite constant: never a finding)
+            inputs = [v for v, o in zip(eqn.invars, operands) if o is None]
+        info = _info(eqn, _compat.primitive_name(eqn), outs, self.outer, operands)
+        if operands:
+            producers = tuple(
+                None if type(v) is _compat.Literal else made.get(v) for v in eqn.invars
+            )
+            info = dataclasses.replace(info, producers=producers)
         if self.tapped.where is not None and not self.tapped.where(info):
             return [eqn]
         fresh = [_compat.Var(v.aval) for v in outs]
@@ -339,10 +367,11 @@ class _Inserter:
         """A site equation reading `ins` (and the equation's `inputs`), whose
         outputs are `outs` (and fresh variables for the inputs)."""
         value = tuple(ins) if len(ins) > 1 else ins[0]
-        tree = value if not inputs else (tuple(inputs), value)
+        tree = (tuple(inputs), value) if inputs is not None else value
         treedef = jax.tree.structure(tree, is_leaf=lambda x: isinstance(x, _compat.Var))
         if treedef == jax.tree.structure(0):
             treedef = LEAF
+        inputs = inputs or ()
         leaves = [*inputs, *ins]
         params = dict(
             name=self.name(info),
@@ -368,7 +397,7 @@ class _Inserter:
         if callable(wanted) and not wanted(info):
             return None
         fresh = [_compat.Var(v.aval) for v in kept]
-        site = self.site(loop, info, kept, fresh, [])
+        site = self.site(loop, info, kept, fresh, None)
         return site
 
     def higher_order(self, eqn):
