@@ -10,7 +10,7 @@ import os
 import re
 import sysconfig
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -79,7 +79,10 @@ def _as_selector(primitives, owner: str):
         return lambda name: True
     if isinstance(primitives, str):
         primitives = (primitives,)
-    names = frozenset(primitives)
+    try:
+        names = frozenset(primitives)
+    except TypeError:
+        names = frozenset([primitives])
     if not all(isinstance(n, str) for n in names):
         raise TypeError(
             f"{owner}: `primitives` must be None, a primitive's name or names "
@@ -123,7 +126,8 @@ class Tapped(eqx.Module):
             args, kwargs = jax.tree.unflatten(treedef, merged)
             out = self.fn(*args, **kwargs)
             out_leaves, out_info["tree"] = jax.tree.flatten(out)
-            out_info["leaves"] = out_leaves
+            # (the static leaves alone: the arrays are this trace's tracers)
+            out_info["static"] = [None if eqx.is_array(x) else x for x in out_leaves]
             return [x for x in out_leaves if eqx.is_array(x)]
 
         avals = [_jaxpr.aval(x) for x in dynamic]
@@ -131,7 +135,7 @@ class Tapped(eqx.Module):
         tapped = _Inserter(self).jaxpr(jaxpr)
         closed = _compat.ClosedJaxpr(tapped, ())
         outs = iter(_jaxpr.call_jaxpr(closed, [*consts, *dynamic], "taps"))
-        out = [next(outs) if eqx.is_array(x) else x for x in out_info["leaves"]]
+        out = [next(outs) if x is None else x for x in out_info["static"]]
         return jax.tree.unflatten(out_info["tree"], out)
 
 
@@ -205,11 +209,11 @@ def taps(
     if where is not None and not callable(where):
         raise TypeError(f"fx.taps: `where` must be a predicate, got {where!r}.")
     _as_selector(primitives, "fx.taps")  # (checks it)
-    selected = (
-        None
-        if primitives is None
-        else frozenset((primitives,) if isinstance(primitives, str) else primitives)
-    )
+    selected = None
+    if primitives is not None:
+        selected = frozenset(
+            (primitives,) if isinstance(primitives, str) else primitives
+        )
     return Tapped(fn, selected, where, carries, collection)
 
 
@@ -251,18 +255,33 @@ def _operand(v) -> str | None:
     return str(value.item()) if value.size == 1 else f"{_describe(v.aval)} constant"
 
 
-def _info(eqn, primitive: str, outvars, outer, operands=()) -> TapInfo:
+class _Outer(NamedTuple):
+    """Where the equations of a sub-jaxpr are: JAX's name stack of the
+    equation holding it (an inner equation's own is relative to it), and
+    that equation's source line (JAX keeps no frame outside a `jit`'s or a
+    branch's own trace in its equations' tracebacks)."""
+
+    stack: Any = None
+    file: str | None = None
+    line: int | None = None
+    library: str | None = None
+
+
+def _info(eqn, primitive: str, outvars, outer: _Outer, operands=()) -> TapInfo:
     frames = _compat.call_path(eqn.source_info.traceback)
     user = next((f for f in frames if not f[0].startswith(_SITE_PACKAGES)), None)
     library = None
     if frames and frames[0] is not user:
         library = f"{os.path.basename(frames[0][0])}:{frames[0][1]}"
+    file, line = (outer.file, outer.line) if user is None else user[:2]
+    if not frames:
+        library = outer.library
     shape = ",".join(_describe(v.aval) for v in outvars)
     return TapInfo(
         primitive,
-        _nested_paths(str(_compat.name_stack(eqn, outer))),
-        None if user is None else user[0],
-        None if user is None else user[1],
+        _nested_paths(str(_compat.name_stack(eqn, outer.stack))),
+        file,
+        line,
         library,
         shape,
         operands,
@@ -289,7 +308,7 @@ class _Inserter:
         self.selects = _as_selector(tapped.primitives, "fx.taps")
         self.shapes: dict[str, list[str]] = {}  # base name -> shapes, in order
         self.done: dict[Any, Any] = {}  # key -> (jaxpr, tapped jaxpr)
-        self.outer = None  # the name stack of the equations around
+        self.outer = _Outer()
 
     def name(self, info: TapInfo) -> str:
         base = info.base_name()
@@ -302,7 +321,7 @@ class _Inserter:
     def jaxpr(self, jaxpr, carries: int = 0, carry_of=None):
         """`jaxpr` with its taps, and a site at its first `carries` outputs (a
         loop body's new carry) made by the loop equation `carry_of`."""
-        key = (id(jaxpr), carries, str(self.outer))
+        key = (id(jaxpr), carries, str(self.outer.stack), self.outer[1:])
         hit = self.done.get(key)
         if hit is not None and hit[0] is jaxpr:
             return hit[1]
@@ -419,7 +438,10 @@ class _Inserter:
             return self.jaxpr(jaxpr, n, (eqn, outer) if n else None)
 
         outer = self.outer
-        self.outer = _compat.name_stack(eqn, outer)
+        here = _info(eqn, "", (), outer)
+        self.outer = _Outer(
+            _compat.name_stack(eqn, outer.stack), here.file, here.line, here.library
+        )
         try:
             params = _jaxpr.map_jaxprs_in_params(eqn.params, one)
         finally:
