@@ -720,12 +720,12 @@ def _forward_primitives(forward: dict, tap) -> tuple[str, ...]:
     the gradient: what its operation differentiates. Those among them that
     made its operands, where some did (`sqrt` for `div(0.5, sqrt(x))`, the
     derivative of `sqrt`)."""
-    here = (tap.file, tap.line, _scope(tap.scope))
-    found = []
-    for infos in forward.values():
-        t = infos[0].tap
-        if (t.file, t.line, _scope(t.scope)) == here and t.primitive not in found:
-            found.append(t.primitive)
+    # (by line alone where no scope matches: a backward pass may run in
+    # scopes of its own, a diffrax adjoint's `checkpointed-bwd`)
+    taps = [infos[0].tap for infos in forward.values()]
+    line = [t for t in taps if (t.file, t.line) == (tap.file, tap.line)]
+    scope = [t for t in line if _scope(t.scope) == _scope(tap.scope)]
+    found = list(dict.fromkeys(t.primitive for t in scope or line))
     read = [p for p in found if p in tap.producers]
     return tuple(read or found)
 

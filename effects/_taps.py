@@ -309,6 +309,11 @@ class _Inserter:
         self.shapes: dict[str, list[str]] = {}  # base name -> shapes, in order
         self.done: dict[Any, Any] = {}  # key -> (jaxpr, tapped jaxpr)
         self.outer = _Outer()
+        self.count = 0  # sites made so far
+        # find_nonfinite's taps end at the first `shard_map` holding some:
+        # JAX's `checkify`, which runs their checks, fails on a check after
+        # one (tests/test_jax_facts.py::test_checkify_fails_after_a_shard_map).
+        self.sealed = False
 
     def name(self, info: TapInfo) -> str:
         base = info.base_name()
@@ -349,6 +354,8 @@ class _Inserter:
         return new_jaxpr
 
     def equation(self, eqn, made) -> list[Any]:
+        if self.sealed:
+            return [eqn]
         prim = eqn.primitive.name
         subs = _jaxpr.sub_jaxprs(eqn) if eqn.params else []
         if subs:
@@ -392,6 +399,7 @@ class _Inserter:
             treedef = LEAF
         inputs = inputs or ()
         leaves = [*inputs, *ins]
+        self.count += 1
         params = dict(
             name=self.name(info),
             collection=self.tapped.collection,
@@ -437,7 +445,7 @@ class _Inserter:
             n = carries.get(id(jaxpr), 0)
             return self.jaxpr(jaxpr, n, (eqn, outer) if n else None)
 
-        outer = self.outer
+        outer, before = self.outer, self.count
         here = _info(eqn, "", (), outer)
         self.outer = _Outer(
             _compat.name_stack(eqn, outer.stack), here.file, here.line, here.library
@@ -446,6 +454,8 @@ class _Inserter:
             params = _jaxpr.map_jaxprs_in_params(eqn.params, one)
         finally:
             self.outer = outer
+        if self.tapped.with_inputs and prim is _compat.shard_map_p:
+            self.sealed = self.count > before
         if params is eqn.params:
             return eqn
         return eqn.replace(params=params, effects=eqn.effects | {site_effect})

@@ -533,9 +533,10 @@ def test_find_nonfinite_nested_scans_and_other_collections():
     got = fx.find_nonfinite(g, jnp.float32(0.45))
     assert got == fx.BadSite("v", "logs", 0, (1, 2))
     assert fx.find_nonfinite(g, jnp.float32(5.0)) is None
-    # No tag: nothing to check, which is said rather than found finite.
-    with pytest.raises(ValueError, match="has no tag, and only tagged values"):
-        fx.find_nonfinite(lambda x: x, jnp.float32(jnp.nan))
+    # No tag, and the argument is the NaN: said, rather than found finite.
+    said = fx.find_nonfinite(lambda x: x, jnp.float32(jnp.nan))
+    assert said is not None and said.primitive is None
+    assert "the arguments hold them, at args[0]" in str(said)
 
 
 @pytest.mark.parametrize("backward", [False, True])

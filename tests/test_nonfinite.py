@@ -1,0 +1,201 @@
+"""`find_nonfinite` with no tags: the first primitive that made a NaN or an Inf
+from finite inputs, forward and in the gradient, against programs whose NaN
+is placed by hand (the line, the iteration, the operands known). The tests
+of its tag search are in test_debug.py."""
+
+from __future__ import annotations
+
+import inspect
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import devices, no_leak_checks
+
+import effects as fx
+
+
+def _line(fn, text: str) -> int:
+    lines, start = inspect.getsourcelines(fn)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+def scan_log(x):  # A: log of a negative value at iteration 2 of a scan
+    def body(c, xi):
+        return c + jnp.log(xi), c
+
+    return jax.lax.scan(body, 0.0, x)[0]
+
+
+def sqrt_of_zero(x):  # B: finite forward, NaN gradient
+    return jnp.sum(jnp.sqrt(x - x))
+
+
+def test_a_log_in_a_scan():
+    x = jnp.array([1.0, 2.0, -3.0, 4.0])
+    bad = fx.find_nonfinite(scan_log, x)
+    assert bad is not None
+    assert (bad.primitive, bad.line, bad.iteration, bad.call) == (
+        "log",
+        _line(scan_log, "jnp.log"),
+        2,
+        0,
+    )
+    assert bad.file == __file__ and not bad.backward
+    assert bad.inputs == "log(-3.0) = nan"
+    assert str(bad).startswith(f"`log` at test_nonfinite.py:{bad.line} is the first")
+    assert fx.find_nonfinite(scan_log, jnp.abs(x)) is None
+    # backward=True: the forward pass is the cause, and says so
+    both = fx.find_nonfinite(scan_log, x, backward=True)
+    assert both == bad and "already non-finite" in str(both)
+
+
+def test_b_the_derivative_of_sqrt_at_zero():
+    assert fx.find_nonfinite(sqrt_of_zero, jnp.ones(3)) is None
+    bad = fx.find_nonfinite(sqrt_of_zero, jnp.ones(3), backward=True)
+    assert bad is not None and bad.backward
+    assert bad.forward == ("sqrt",)
+    assert bad.line == _line(sqrt_of_zero, "jnp.sqrt")
+    # JAX's derivative of sqrt: 0.5 / sqrt(x), infinite at 0
+    assert (bad.primitive, bad.inputs, bad.index) == (
+        "div",
+        "div(0.5, 0.0)[0] = inf",
+        (0,),
+    )
+    assert "derivative of `sqrt`" in str(bad)
+
+
+def test_the_issue_example_with_its_tag_finite():
+    # the tagged value is finite; the log of it is not
+    f = lambda x: jnp.sum(jnp.log(fx.tag(x - 100.0, "neg")))  # noqa: E731
+    bad = fx.find_nonfinite(f, jnp.arange(4.0))
+    assert bad is not None and bad.primitive == "log"
+    assert bad.inputs == "log(-100.0)[0] = nan" and bad.index == (0,)
+
+
+class Block(eqx.Module):
+    lin: eqx.nn.Linear
+    k: int = eqx.field(static=True)
+
+    def __call__(self, x):
+        h = self.lin(x)
+        if self.k == 3:
+            h = jnp.sqrt(h - h)
+        return jnp.tanh(h)
+
+
+class MLP(eqx.Module):
+    blocks: list
+
+    def __call__(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _mlp():
+    keys = jax.random.split(jax.random.key(0), 5)
+    return MLP([Block(eqx.nn.Linear(4, 4, key=k), i) for i, k in enumerate(keys)])
+
+
+def _loss(model, x):
+    return jnp.sum(model(x) ** 2)
+
+
+def test_c_an_equinox_mlp_whose_block_3_takes_sqrt_of_zero():
+    model, x = _mlp(), jnp.ones(4)
+    grads = jax.jit(jax.grad(_loss))(model, x)
+    assert not np.all(np.isfinite(grads.blocks[0].lin.weight))
+    assert fx.find_nonfinite(_loss, model, x) is None
+    bad = fx.find_nonfinite(_loss, model, x, backward=True)
+    assert bad is not None and bad.backward and bad.forward == ("sqrt",)
+    assert bad.line == _line(Block.__call__, "jnp.sqrt")
+    # the module path, from the scopes `tag_modules` enters, where no tag is bad
+    # (its tags hold finite values; only gradients are not)
+    scoped = fx.tag_modules(model, filter=lambda path, m: False)
+    bad = fx.find_nonfinite(_loss, scoped, x, backward=True)
+    assert bad is not None and bad.scope == "" and bad.forward == ("sqrt",)
+
+
+def test_example_index_under_a_vmap_outside_the_taps():
+    xs = jnp.array([[1.0, 2.0, 3.0], [1.0, 2.0, -3.0]])
+    bad = fx.find_nonfinite(jax.vmap(scan_log), xs)
+    # the taps see the batched program: the element's index names the example
+    assert bad is not None and bad.iteration == 2 and bad.index == (1,)
+    assert bad.inputs == "log(-3.0)[1] = nan"
+
+
+def test_a_nonfinite_constant_is_not_a_finding():
+    def f(x):
+        direction = jnp.sign(x)
+        big = direction * jnp.inf  # a constant's Inf, as diffrax's own
+        return jnp.minimum(big, 10.0) + jnp.log(x)
+
+    x = jnp.array([1.0, 2.0])
+    assert fx.find_nonfinite(f, x) is None
+    bad = fx.find_nonfinite(f, -x)
+    assert bad is not None and bad.primitive == "log"
+
+
+def test_never_none_while_the_output_is_nonfinite():
+    bad = fx.find_nonfinite(lambda x: x * jnp.inf, jnp.ones(2))
+    assert bad is not None and bad.primitive is None and "constant" in str(bad)
+    bad = fx.find_nonfinite(lambda x, y: x * y, jnp.ones(2), y=jnp.array([np.nan, 1]))
+    assert bad is not None and "kwargs['y']" in str(bad)
+
+
+def test_a_second_call_compiles_nothing_new():
+    x = jnp.array([1.0, 2.0, -3.0, 4.0])
+    fx.find_nonfinite(scan_log, x, backward=True)
+    with jax.log_compiles():
+        pass
+    traced = []
+
+    def f(x):
+        traced.append(1)
+        return scan_log(x)
+
+    fx.find_nonfinite(f, x)
+    n = len(traced)
+    fx.find_nonfinite(f, x * 2)
+    assert len(traced) == n
+
+
+def test_a_nan_in_one_shard_of_a_shard_map():
+    mesh = jax.sharding.Mesh(np.array(devices(4)), ("i",))
+    spec = jax.sharding.PartitionSpec("i")
+
+    def body(x):
+        return jnp.log(x)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
+    x = jnp.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, -7.0, 8.0])
+    bad = fx.find_nonfinite(lambda x: f(x).sum(), x)
+    assert bad is not None and bad.primitive == "log"
+    assert bad.line == _line(body, "jnp.log")
+    assert bad.inputs == "log(-7.0)[0] = nan"  # (shard 3, its first element)
+
+
+def test_diffrax_backward_nan_and_a_finite_solve():
+    diffrax = pytest.importorskip("diffrax")
+
+    def solve(y0, rate):
+        term = diffrax.ODETerm(lambda t, y, args: -args * jnp.sqrt(y))
+        sol = diffrax.diffeqsolve(term, diffrax.Euler(), 0.0, 1.0, 0.1, y0, args=rate)
+        return jnp.sum(sol.ys)
+
+    # (diffrax's solve meets JAX's leak checker, which then fails on its own
+    # report (IndexError in `_why_alive`), with JAX and diffrax alone)
+    with no_leak_checks():
+        _diffrax_cases(solve)
+
+
+def _diffrax_cases(solve):
+    y0 = jnp.array([1.0, 4.0])
+    assert fx.find_nonfinite(solve, y0, 0.5) is None  # its own `inf`s are none
+    bad = fx.find_nonfinite(solve, jnp.array([0.0, 4.0]), 0.5, backward=True)
+    assert bad is not None and bad.backward
+    assert bad.forward == ("sqrt",) and bad.line == _line(solve, "jnp.sqrt")
+    assert "checkpointed-bwd" in bad.name  # (diffrax's backward pass)
