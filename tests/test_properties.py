@@ -141,7 +141,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import devices, leak_checks, no_leak_checks, plain
+from helpers import devices, leak_checks, no_leak_checks, optimized_hlo, plain
 from hypothesis import (
     HealthCheck,
     Phase,
@@ -4562,3 +4562,34 @@ def test_the_reference_reproduces_a_hand_written_program():
     assert_close(out, expected.out)
     assert_close(found["intermediates"], {n: expected.append(n) for n in "ahv"})
     assert_close(found[CN], {"n": expected.append("n")})
+
+
+@settings(FUZZ, max_examples=max(EXAMPLES // 2, 1))
+@given(programs())
+def test_taps_are_the_plain_program_unhandled_and_keep_the_laws(program):
+    # `fx.taps` at every primitive of a generated program: unhandled, the
+    # plain program's HLO; handled, the plain output and gradient, what is
+    # found the same under grad, and vmap on either side of `handle` alike.
+    # (A sum of every tap's executions: it holds in while loops too.)
+    f, x = program.function(), program.x()
+    tapped = fx.taps(f)
+    assert optimized_hlo(tapped, x) == optimized_hlo(f, x)
+    handler = fx.Tag("taps", mode="sum")
+    out, found = jax.jit(fx.handle(tapped, handler))(x)
+    assert_as_plain(out, jax.jit(f)(x), "output")
+    loss = scalar_loss(f, program.shape)
+    plain_grad = jax_alone(jax.jit(jax.grad(loss)), x)
+    handled_loss = scalar_handled_loss(tapped, (handler,), program.shape)
+    grad, grad_found = jax.jit(jax.grad(handled_loss, has_aux=True))(x)
+    assert_as_plain(grad, plain_grad, "gradient")
+    assert_close(grad_found, found, rtol=1e-6, what="found under grad")
+    xs = program.batch()
+    outside = jax.jit(jax.vmap(fx.handle(tapped, handler)))(xs)
+    try:
+        inside = jax.jit(fx.handle(jax.vmap(tapped), handler))(xs)
+    except ValueError as e:
+        # (taps in a cond whose predicate the vmap batches: refused, as tags)
+        assert "whose predicate a `jax.vmap` inside" in str(e), e
+        event("taps: a vmap of a batched cond, refused")
+        return
+    assert_close(inside, outside, rtol=1e-5, what="vmap either side")
