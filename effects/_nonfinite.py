@@ -33,36 +33,53 @@ from ._taps import Tapped
 class BadSite:
     """What [`fx.find_nonfinite`][effects.find_nonfinite] returns: the first
     tag whose value (or, with `backward=True`, whose cotangent) held a NaN or
-    an Inf, and which execution of it.
+    an Inf, or the first operation that made one; and which execution.
 
     `str()` says it in a sentence.
 
     **Attributes:**
 
-    - `name`, `collection`: the tag's.
+    - `name`, `collection`: the tag's; for an operation found with no tag,
+      its tap's name (see [`fx.taps`][effects.taps]) and None.
     - `call`: the index of that execution among the name's executions,
-      counting a scan's iterations as one call when the tag's only site sits
-      in scans (then `iteration` says which); else counting every execution.
+      counting a scan's iterations as one call when the site sits in scans
+      alone (then `iteration` says which); else counting every execution.
     - `iteration`: the scan iteration (a tuple for nested scans, outermost
       first), or None: its position, as `Tag()` stacks the values (in a scan
       with `reverse=True`, not how many ran before it).
-    - `backward`: whether it is the cotangent that went bad; False for a
-      value, also from `find_nonfinite(..., backward=True)` when the forward
+    - `backward`: whether it is in the gradient: a cotangent that went bad, or
+      an operation of the gradient's own; False for a value of the forward
+      pass, also from `find_nonfinite(..., backward=True)` when the forward
       pass is already non-finite.
     - `backward_search`: whether `find_nonfinite` was called with
-      `backward=True`. Not compared: the forward site it returns equals the
-      one `backward=False` returns, and only `str()` differs, saying that the
-      forward pass is already non-finite.
+      `backward=True` (not compared: only `str()` differs).
+    - `primitive`, `file`, `line`, `scope`: for an operation, its JAX
+      primitive (`"log"`), the user's source line, and the
+      `jax.named_scope`s around it (the module path under
+      [`fx.tag_modules`][effects.tag_modules]); `location` reads
+      `"model.py:20"`. `library` (not compared): the line of the installed
+      package that made it, if not the user's.
+    - `forward`: for an operation of the gradient, the primitives of the
+      forward pass at its line that it differentiates (`("sqrt",)`).
+    - `index`: the first bad element of the operation's output; under a
+      `jax.vmap` inside `fn`, its batch index among them.
+    - `inputs` (not compared): that element and the operands it came from,
+      as `"log(-3.0) = nan"`.
+    - `operation` (not compared): for a tag, the first operation that made a
+      NaN or an Inf, as found with no tag.
+    - `note` (not compared): where no operation made a NaN or an Inf but the
+      output or the gradient is non-finite, what made it so (`primitive` is
+      then None).
 
     **Example:**
 
     ```python
-    bad = fx.find_nonfinite(lambda x: fx.tag(jnp.log(x), "h"), -1.0)
-    print(bad.name, bad.call, bad.iteration)
+    bad = fx.find_nonfinite(lambda x: fx.tag(jnp.log(x), "h"), jnp.float32(-1.0))
+    print(bad.name, bad.call, bad.iteration, bad.operation.primitive)
     ```
 
     ```text
-    h 0 None
+    h 0 None log
     ```
     """
 
@@ -82,6 +99,7 @@ class BadSite:
     index: tuple[int, ...] | None = None
     inputs: str | None = dataclasses.field(default=None, compare=False)
     note: str | None = dataclasses.field(default=None, compare=False)
+    operation: BadSite | None = dataclasses.field(default=None, compare=False)
 
     @property
     def location(self) -> str:
@@ -114,6 +132,8 @@ class BadSite:
                 "does not apply: it reports gradients that go bad while every "
                 "tagged value is finite."
             )
+        if self.operation is not None:
+            said += f"\n{self.operation}"
         return said
 
     def _primitive_said(self) -> str:
@@ -129,13 +149,14 @@ class BadSite:
             of = " and ".join(f"`{p}`" for p in self.forward) or "the operations"
             said = (
                 f"In the gradient, `{self.primitive}`{at}{scope}, part of the "
-                f"derivative of {of} there, is the first operation to make a NaN "
-                f"or an Inf from finite inputs ({where})"
+                f"derivative of {of}{' there' if at else ''}, is the first "
+                "operation to make a NaN "
+                f"or an Inf its inputs did not hold ({where})"
             )
         else:
             said = (
                 f"`{self.primitive}`{at}{scope} is the first operation to make a "
-                f"NaN or an Inf from finite inputs ({where})"
+                f"NaN or an Inf its inputs did not hold ({where})"
             )
         if self.inputs is not None:
             said += f": {self.inputs}"
@@ -246,57 +267,67 @@ _cotangent_check.defvjp(_cotangent_check_fwd, _cotangent_check_bwd)
 def find_nonfinite(
     fn: Callable, *args, backward: bool = False, **kwargs
 ) -> BadSite | None:
-    """Finds the first tag whose value holds a NaN or an Inf: runs
-    `fn(*args, **kwargs)` once, compiled, with a check at every tag.
+    """Finds where the first NaN or Inf comes from: runs `fn(*args,
+    **kwargs)` compiled, with a check at every tag and after every operation,
+    and names the first tag whose value went bad and the first operation that
+    made a NaN or an Inf: its primitive, source line, scope (module path),
+    scan iteration and operands, as in "`log` at model.py:14 in blocks.3 ...:
+    log(-3.0) = nan". Nothing needs a tag: with none, or none non-finite, the
+    operation is the answer.
 
-    Returns the first failing tag in execution order, so never a tag that is
-    non-finite only because an earlier one was. The program is compiled
-    without XLA's fusion of operations, whose compile time on CPU grows with
-    the square of the number of checks: each operation rounds on its own, as
-    when JAX runs the function one operation at a time. Works through `jit`, `scan`,
-    `cond` and `while_loop`; pass a model from
-    [`fx.tag_modules`][effects.tag_modules] to check every layer. Every tag
-    counts, whatever its collection, `jax.ad_checkpoint.checkpoint_name`s
-    included (perturb sites do not); integer values are never non-finite.
-    Arguments are treated as `eqx.filter_jit` treats them (arrays traced,
-    other leaves static); Flax NNX objects are run on their state, which is
-    left as it was.
+    An operation counts when it makes a NaN from inputs holding none, or an
+    Inf from finite inputs (constants are inputs: `x * jnp.inf` is not a
+    finding, `jnp.inf - jnp.inf` is), so what it names is where the values
+    first went bad, not where a NaN passed through. The first in execution
+    order is returned, so never a tag that is non-finite only because an
+    earlier one was. Works through `jit`, `scan`, `cond`, `while_loop`,
+    `checkpoint`, custom derivatives (their functions are searched) and
+    `vmap`; in a `shard_map`, the search ends with the first one holding
+    operations (JAX's `checkify`, which runs the checks, fails on checks
+    after one). The programs are compiled once per argument signature, without
+    XLA's fusion of operations (whose compile time on CPU grows with the
+    square of the number of checks): each operation rounds on its own, as
+    when JAX runs the function one operation at a time. Every tag counts,
+    whatever its collection, `jax.ad_checkpoint.checkpoint_name`s included
+    (perturb sites do not); integer values are never non-finite. Arguments
+    are treated as `eqx.filter_jit` treats them (arrays traced, other leaves
+    static); Flax NNX objects are run on their state, which is left as it
+    was.
 
-    With `backward=True` (`fn` returns a scalar), it runs the backward pass
-    too and, when every tagged value is finite, returns the first tag, in the
-    order the backward pass computes cotangents, whose cotangent (the gradient
-    of the output with respect to the tag's value) holds a NaN or an Inf: the
-    site nearest the output where the gradient goes bad. In `h = tag(x * 0,
-    "h"); s = tag(jnp.sqrt(h), "s")` that is `h`: the cotangent of `s` is
-    finite, `sqrt`'s derivative at 0 is not. When the forward pass already
-    holds a non-finite value, that value is the cause, and no cotangent it
-    spoils is reported: it returns the site `backward=False` returns
-    (`backward` False on it), whose `str()` says that the forward pass is
-    already non-finite. Both run in one compiled program: the checked forward
-    pass, then the gradient (its own forward pass and the backward pass). The
-    value `fn` returns is not checked. A tag inside a function with a custom
-    derivative (`custom_jvp`, `custom_vjp`) has no cotangent of its own (the
-    custom rule differentiates the function as a whole): the backward check
-    passes over it, and the forward check covers it.
+    With `backward=True` (`fn` returns a scalar), it runs the gradient too
+    (with respect to every inexact array among the arguments) when the
+    forward pass is finite, and names the first tag whose cotangent went bad,
+    in the order the backward pass computes them (the site nearest the
+    output), and the first operation of the gradient that made a NaN or an
+    Inf, with the forward operation it differentiates: "In the gradient,
+    `div` at model.py:14, part of the derivative of `sqrt` there...:
+    div(0.5, 0.0) = inf". When the forward pass already holds a non-finite
+    value, that value is the cause: it returns what `backward=False` returns
+    (`backward` False on it), and `str()` says so. A tag inside a function
+    with a custom derivative (`custom_jvp`, `custom_vjp`) has no cotangent of
+    its own: the backward check of tags passes over it (the operations of
+    the custom rule are searched).
+
+    It returns None only when every checked value is finite, and the output
+    (and gradient) too: where they are not but no operation made a NaN or an
+    Inf (the arguments hold one, or a constant of the program does), the
+    [`BadSite`][effects.BadSite] has a `note` that says so.
 
     **Arguments:**
 
     - `fn`: the function to run.
     - `*args`, `**kwargs`: its arguments.
-    - `backward`: whether to check the cotangents of the backward pass too,
-      after the values.
+    - `backward`: whether to search the gradient too, after the values.
 
     **Returns:**
 
-    A [`BadSite`][effects.BadSite] naming the tag and the execution, or None
-    when every checked value (and cotangent) is finite.
+    A [`BadSite`][effects.BadSite], or None when everything is finite.
 
     **Raises:**
 
-    - `ValueError`: `fn` has no tag (only tagged values are checked); with
-      `backward=True`, `fn` does not return a scalar array,
-      or a name is tagged both inside and outside a function with a custom
-      derivative; a `jax.vmap` inside `fn` batches the predicate of a
+    - `ValueError`: with `backward=True`, `fn` does not return a scalar
+      array, or a name is tagged both inside and outside a function with a
+      custom derivative; a `jax.vmap` inside `fn` batches the predicate of a
       `lax.cond` or `lax.while_loop` (every example would run every branch or
       iteration: check one example at a time); tags sit in more than one
       `shard_map`, or in one called more than once (JAX's `checkify` fails
@@ -319,6 +350,21 @@ def find_nonfinite(
     ```text
     The tag 'h' (collection 'intermediates') is the first value with a NaN or
     an Inf, at its call 0.
+    `log` is the first operation to make a NaN or an Inf its inputs did not
+    hold (call 0): log(-1.0)[1] = nan.
+    ```
+
+    With no tag, the operation (its line is the caller's, where the function
+    is written in a file):
+
+    ```python
+    loss = lambda x: jnp.sum(jnp.sqrt(x - x))  # noqa: E731
+    bad = fx.find_nonfinite(loss, jnp.ones(2), backward=True)
+    print(bad.primitive, bad.forward, bad.inputs)
+    ```
+
+    ```text
+    div ('sqrt',) div(0.5, 0.0)[0] = inf
     ```
 
     With `backward=True`, the site nearest the output whose cotangent goes
@@ -359,7 +405,9 @@ def find_nonfinite(
         n = [first[first >= 0].min()]
     infos = listed[collection][name]
     bad = _bad_site(infos, collection, name, int(n[0]), cotangent)
-    return dataclasses.replace(bad, backward_search=backward)
+    # and the operation that made it, as with no tag
+    operation = _tap_search(fn, args, kwargs, backward)
+    return dataclasses.replace(bad, backward_search=backward, operation=operation)
 
 
 def _first_failure(fn, args, kwargs, backward: bool, numbered):
@@ -536,13 +584,24 @@ def _bad_site(infos, collection, name, k: int, backward: bool) -> BadSite:
 #
 
 # The collection of find_nonfinite's taps, whose values are their equations'
-# (inputs, outputs): a finding is a non-finite output from finite inputs.
+# (inputs, outputs). A finding is an equation that made a NaN from inputs
+# holding none, or an Inf from finite inputs: `inf - inf` is one (a fully
+# masked softmax row), `x * inf` of a finite `x` is not (the Inf was there).
 _CHECKED = "effects.nonfinite"
 
 
 def _finding(value) -> jax.Array:
-    ins, outs = value
-    return ~_finite(jax.tree.leaves(outs)) & _finite(jax.tree.leaves(ins))
+    ins, outs = jax.tree.leaves(value[0]), jax.tree.leaves(value[1])
+    made_nan = _any(jnp.isnan, outs) & ~_any(jnp.isnan, ins)
+    return made_nan | (~_finite(outs) & _finite(ins))
+
+
+def _any(test, leaves) -> jax.Array:
+    found = jnp.array(False)
+    for x in leaves:
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            found = found | jnp.any(test(x))
+    return found
 
 
 def _count_findings(acc, x):  # (executions so far, the first finding or -1)
@@ -735,8 +794,16 @@ def _said(tap, ins, outs) -> tuple[str, tuple[int, ...]]:
     its output, at the first non-finite element of the output; and that
     element's index."""
     out_leaves = [np.asarray(x) for x in jax.tree.leaves(outs)]
-    bad_leaf = next(x for x in out_leaves if not np.all(np.isfinite(x)))
-    index = tuple(np.argwhere(~np.isfinite(bad_leaf))[0])
+    in_leaves = [np.asarray(x) for x in jax.tree.leaves(ins)]
+    # (a NaN made where the inputs hold none, else an Inf made from finite ones)
+    made_nan = not any(np.isnan(x).any() for x in in_leaves if _inexact(x))
+    test = (
+        np.isnan
+        if made_nan and any(np.isnan(x).any() for x in out_leaves)
+        else (lambda x: ~np.isfinite(x))
+    )
+    bad_leaf = next(x for x in out_leaves if test(x).any())
+    index = tuple(np.argwhere(test(bad_leaf))[0])
     values = iter(np.asarray(x) for x in jax.tree.leaves(ins))
     said = []
     for operand in tap.operands:
@@ -744,8 +811,12 @@ def _said(tap, ins, outs) -> tuple[str, tuple[int, ...]]:
             said.append(operand)
             continue
         x = next(values)
-        if x.shape == bad_leaf.shape:
-            said.append(_number(x[index]))
+        if x.ndim == bad_leaf.ndim and all(
+            n in (1, m) for n, m in zip(x.shape, bad_leaf.shape)
+        ):  # (the element broadcast to the bad one)
+            said.append(
+                _number(x[tuple(0 if n == 1 else i for n, i in zip(x.shape, index))])
+            )
         elif x.size == 1:
             said.append(_number(x.reshape(())))
         else:
@@ -755,8 +826,12 @@ def _said(tap, ins, outs) -> tuple[str, tuple[int, ...]]:
     return said, tuple(int(i) for i in index)
 
 
+def _inexact(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
 def _number(x) -> str:
-    return str(np.asarray(x).item())
+    return str(np.asarray(x)[()])  # (in its own precision: -4.3165593)
 
 
 def _unexplained(args, kwargs, finite: list[bool], backward: bool) -> BadSite | None:

@@ -197,11 +197,12 @@ def taps(
         return jnp.sum(jnp.log(x - 1.0))
 
     _, found = fx.handle(fx.taps(f, "log"), fx.Tag("taps"))(jnp.arange(3.0))
-    print(list(found["taps"]))
+    ((name, (value,)),) = found["taps"].items()
+    print(name.split(" @ ")[0], value)  # (name: "log @ model.py:2" in a file)
     ```
 
     ```text
-    ['log @ example.py:2']
+    log [ nan -inf   0.]
     ```
     """
     if not isinstance(collection, str):
@@ -252,7 +253,9 @@ def _operand(v) -> str | None:
     value = np.asarray(v.val)
     if _inexact(v.aval) and not np.all(np.isfinite(value)):
         return _NONFINITE
-    return str(value.item()) if value.size == 1 else f"{_describe(v.aval)} constant"
+    if value.size == 1:
+        return str(value.reshape(())[()])
+    return f"{_describe(v.aval)} constant"
 
 
 class _Outer(NamedTuple):
