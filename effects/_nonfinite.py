@@ -25,6 +25,7 @@ from ._debug import _numpy
 # function would keep it alive, as `eqx.filter_jit` does.
 from ._handle import eager_cached, handle
 from ._handlers import Handler, Reduce, Tag
+from ._primitives import handling
 from ._sites import sites
 from ._taps import Tapped
 
@@ -626,6 +627,7 @@ def _passes(backward: bool, call) -> list[Tapped]:
     output: the function, and with `backward` its gradient with respect to
     every inexact array among its arguments (its forward pass again, then the
     backward pass)."""
+    call = _untagged(call)
     passes = [Tapped(call, None, None, False, _CHECKED, with_inputs=True)]
     if backward:
 
@@ -644,22 +646,44 @@ def _passes(backward: bool, call) -> list[Tapped]:
     return passes
 
 
+def _function(tapped: Tapped):
+    """`tapped` as a function of its own, which `handle` caches its traces on
+    (an Equinox module's go in a table of every module's, by structure, which
+    would keep the user's function alive; this dies with what made it)."""
+    return lambda dynamic: tapped(dynamic)
+
+
+def _untagged(call):
+    """`call` with its tags the identity: the operations are what is checked,
+    and a tag bound while `handle` traces (a site with its effect) would cost a
+    site each, and under `jax.grad` meet JAX's false leak report (see the
+    conftest fixture `jax_leak_check_false_report`)."""
+
+    def untagged(dynamic):
+        with handling(False):
+            return call(dynamic)
+
+    return untagged
+
+
 _NOT_SCALAR = (
     "find_nonfinite(backward=True): the function must return a scalar (the "
     "loss), got {got}."
 )
 
 
-def _tap_check(backward: bool, drop_own_checks: bool, call, dynamic):
+def _tap_check(backward: bool, call, dynamic):
     """`(listed, check)`: per pass, its taps' `SiteInfo`s by name, and
-    `check(dynamic) -> (errors, counters, results)` per pass, jitted."""
+    `check(dynamic) -> (errors, counters, results)` per pass, jitted. The
+    function's own `checkify.check`s are dropped: its operations are what is
+    checked."""
     from jax.experimental import checkify  # (see `_nonfinite_check`)
 
-    if drop_own_checks:
-        call = _without_checks(checkify, call)
+    call = _without_checks(checkify, call)
     listed, checked = [], []
     for tapped in _passes(backward, call):
         found = sites(tapped)(dynamic).get(_CHECKED, {})
+        tapped = _function(tapped)
         keys = tuple((_CHECKED, name) for name in found)
         listed.append(found)
         handlers = (NonfiniteCheck(keys), Tag(_CHECKED, mode=_FINDINGS))
@@ -692,15 +716,13 @@ def _numeric(x) -> bool:
     return eqx.is_array(x) or isinstance(x, (float, complex))
 
 
-def _tap_inputs(backward: bool, drop_own_checks: bool, which: int, name, call, dynamic):
+def _tap_inputs(backward: bool, which: int, name, call, dynamic):
     """`inputs(dynamic)`: per example, the first execution of tap `name` of
     pass `which` that made a non-finite value from finite inputs, and its
     `(inputs, outputs)`."""
     from jax.experimental import checkify
 
-    if drop_own_checks:
-        call = _without_checks(checkify, call)
-    tapped = _passes(backward, call)[which]
+    tapped = _function(_passes(backward, _without_checks(checkify, call))[which])
     handler = Tag(_CHECKED, names=name, mode=_FIRST)
 
     @jax.jit
@@ -713,21 +735,19 @@ def _tap_inputs(backward: bool, drop_own_checks: bool, which: int, name, call, d
 def _tap_search(fn, args, kwargs, backward: bool) -> BadSite | None:
     """The first primitive, in execution order, that made a NaN or an Inf
     from finite inputs: in the function, then in its gradient."""
-    for own_checks in (False, True):
-        make = functools.partial(_tap_check, backward, own_checks)
-        what = ("find_nonfinite taps", backward, own_checks)
-        try:
-            (listed, check), dynamic = eager_cached(what, fn, args, kwargs, make)
-            errors, counters, results = check(dynamic)
-        except ValueError as e:
-            if not any(m in str(e) for m in _EVERY_EXAMPLE):
-                raise
-            said = str(e).removeprefix(f"{NonfiniteCheck.__name__}: ").split(". ")[0]
-            raise ValueError(_PER_EXAMPLE.format(said)) from e
-        messages = [err.get() for err in errors]
-        failed = next(((i, m) for i, m in enumerate(messages) if m), None)
-        if failed is None or _CODE in failed[1]:
-            break
+    make = functools.partial(_tap_check, backward)
+    try:
+        (listed, check), dynamic = eager_cached(
+            ("find_nonfinite taps", backward), fn, args, kwargs, make
+        )
+        errors, counters, results = check(dynamic)
+    except ValueError as e:
+        if not any(m in str(e) for m in _EVERY_EXAMPLE):
+            raise
+        said = str(e).removeprefix(f"{NonfiniteCheck.__name__}: ").split(". ")[0]
+        raise ValueError(_PER_EXAMPLE.format(said)) from e
+    messages = [err.get() for err in errors]
+    failed = next(((i, m) for i, m in enumerate(messages) if m), None)
     if failed is None:
         return _unexplained(args, kwargs, [bool(ok) for ok in results], backward)
     which, message = failed
@@ -741,8 +761,8 @@ def _tap_search(fn, args, kwargs, backward: bool) -> BadSite | None:
     infos = listed[which][name]
     bad = _bad_site(infos, _CHECKED, name, k, backward=which == 1)
     tap = infos[0].tap
-    make = functools.partial(_tap_inputs, backward, own_checks, which, name)
-    what = ("find_nonfinite inputs", backward, own_checks, which, name)
+    make = functools.partial(_tap_inputs, backward, which, name)
+    what = ("find_nonfinite inputs", backward, which, name)
     inputs, dynamic = eager_cached(what, fn, args, kwargs, make)
     _, _, (ins, outs) = jax.tree.map(_numpy, inputs(dynamic))
     if example is not None:

@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _compat, _jaxpr
 from ._primitives import handling, site_effect, site_p
+from ._rewrite import rules
 from ._site import LEAF
 
 TAPS = "taps"  # the collection taps are in, unless given another
@@ -360,8 +361,10 @@ class _Inserter:
         if self.sealed:
             return [eqn]
         prim = eqn.primitive.name
-        subs = _jaxpr.sub_jaxprs(eqn) if eqn.params else []
-        if subs:
+        # The bodies of the higher-order primitives the rewriter knows are
+        # tapped; another's jaxprs (a scatter's combiner, a reduction's) are
+        # its own: its outputs are tapped as any primitive's.
+        if eqn.primitive in rules and _jaxpr.sub_jaxprs(eqn):
             return [self.higher_order(eqn)]
         if prim in _SKIP or _compat.checkpoint_name_of(eqn) is not None:
             return [eqn]

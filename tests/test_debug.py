@@ -742,7 +742,9 @@ def test_find_nonfinite_backward_reports_a_value_that_is_already_bad_in_a_scan()
     assert backward.backward is False and backward.backward_search is True
     assert "forward pass is already non-finite" in str(backward)
     assert "forward pass" not in str(forward)
-    assert str(backward).startswith(str(forward))
+    # (the first line, the tag's; the second names the operation)
+    assert str(backward).startswith(str(forward).splitlines()[0])
+    assert forward.operation.primitive == "sqrt" and forward.operation.iteration == 2
 
 
 def test_find_nonfinite_backward_the_example_of_its_docstring_and_errors():
@@ -876,9 +878,11 @@ def test_find_nonfinite_compiles_once_per_signature():
         fx.find_nonfinite(f, ok, backward=backward)
         # (and once on a NaN: reading checkify's error runs an eager `<` of
         # JAX's own, traced once per process; a bad cotangent's execution is
-        # found by a second check, of its name alone, compiled once per name)
-        fx.find_nonfinite(f, log_bad, backward=backward)
-        fx.find_nonfinite(f, grad_bad, backward=backward)
+        # found by a second check, of its name alone, and the operands of the
+        # operation that made a NaN by a program of that operation's, each
+        # compiled once per name)
+        for x in (log_bad, sqrt_bad, grad_bad):
+            fx.find_nonfinite(f, x, backward=backward)
         n = len(calls)
         with CountCompiles() as counter:
             got = [
@@ -915,6 +919,9 @@ def test_find_nonfinite_of_equinox_models_compiles_once():
     x = jnp.array([1.0, 2.0])
     models = [Model(jnp.array(w)) for w in ([1.0, 1.0], [1.0, -1.0], [3.0, 1.0])]
     fx.find_nonfinite(models[0], x)
+    # (and one NaN: the program that reads the operands of the operation
+    # that made it is compiled at the first)
+    fx.find_nonfinite(Model(jnp.array([-2.0, 1.0])), x)
     with CountCompiles() as counter:
         # Models of the same structure with other weights: their own results.
         bad, good = [fx.find_nonfinite(m, x) for m in models[1:]]
@@ -987,8 +994,9 @@ def test_find_nonfinite_keeps_no_dead_function_alive():
         ("_debug", {"text_table"}),
         # `eager_cached`: caching on the user's function (see `_nonfinite`);
         # `Tapped`: the taps whose values are their equations' inputs and
-        # outputs; `_numpy`: fetching a value, as `summary` does.
-        ("_nonfinite", {"eager_cached", "Tapped", "_numpy"}),
+        # outputs; `handling`: to trace the function with its tags the
+        # identity; `_numpy`: fetching a value, as `summary` does.
+        ("_nonfinite", {"eager_cached", "Tapped", "handling", "_numpy"}),
     ],
 )
 def test_debugging_tools_use_the_public_api_only(module, internals):

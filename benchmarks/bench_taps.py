@@ -1,0 +1,124 @@
+"""Group 15: taps, sites without editing the code, on the GPT of group 12
+(list form; by default 4 blocks, width 256, vocabulary 50257, batch 2, 64
+tokens; `--full` for GPT-2 small, 12 blocks, width 768, 128 tokens), against
+plain `jax.jit` of the same model:
+
+- `fx.handle(fx.taps(model, "dot_general"), fx.Tag("taps"))`: every matmul's
+  output collected (run time, first call);
+- the same with `fx.Stats("taps")`: seven statistics of every matmul;
+- `fx.find_nonfinite(loss, model, tokens)` (a check after every operation):
+  the first call and the second, against the plain loss's;
+- cold trace and lowering of `jax.grad(loss)` with a site after every
+  primitive of the gradient, handled by `fx.Stats("taps")`, against the plain
+  gradient's.
+
+Every handled result is first checked against the plain one (the output; the
+collected matmul outputs against the hand-written matmuls of the first
+block). Targets (the taps issue): Tag run <= 1.03x, first call <= 1.3x; Stats
+run <= 1.10x, first call <= 2x; find_nonfinite second call <= 1.3x, first
+<= 6x; the tapped gradient's trace and lowering <= 1.5x.
+
+Run with `python benchmarks/bench_taps.py [--append FILE] [--quick] [--full]`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _timing import arguments, blocking, compare, compare_cold, emit, ratio_row, table
+from bench_gpt import FULL, QUICK, SMOKE, Config, batched, build, fresh, loss
+
+import effects as fx
+
+DEFAULT = Config(layers=4, width=256, heads=4, tokens=64)
+
+
+def main():
+    full = "--full" in sys.argv
+    if full:
+        sys.argv.remove("--full")
+    args = arguments(__doc__.split("\n\n")[0])
+    cfg = SMOKE if args.smoke else QUICK if args.quick else FULL if full else DEFAULT
+    repeats = 3 if args.quick or args.smoke else 7
+    model, _ = build(cfg)
+    tokens = jnp.asarray(
+        np.random.default_rng(1).integers(0, cfg.vocab, (cfg.batch, cfg.tokens))
+    )
+    plain = jax.jit(batched)
+    want = plain(model, tokens)
+
+    tag = fx.handle(fx.taps(batched, "dot_general"), fx.Tag("taps"))
+    stats = fx.handle(fx.taps(batched, "dot_general"), fx.Stats("taps"))
+    tagged = jax.jit(tag)
+    out, found = tagged(model, tokens)
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+    names = list(found["taps"])
+    first = found["taps"][names[0]][0]  # the first block's qkv projection
+    block = model.blocks[0]
+    x = model.wte.weight[tokens] + model.wpe.weight[: cfg.tokens]
+    want_first = jax.vmap(jax.vmap(block.ln_1))(x) @ block.attn.c_attn.weight
+    np.testing.assert_allclose(first, want_first, rtol=1e-4, atol=1e-4)
+    stats_jit = jax.jit(stats)
+    np.testing.assert_allclose(stats_jit(model, tokens)[0], want, rtol=2e-5, atol=2e-5)
+
+    rows = []
+    for what, handled, limit_run, limit_first in (
+        (f"Tag at every dot_general ({len(names)} sites)", tag, 1.03, 1.3),
+        ("Stats at every dot_general", stats, 1.10, 2.0),
+    ):
+        held = jax.jit(handled)
+        pair = compare(
+            blocking(held, model, tokens),
+            blocking(plain, model, tokens),
+            repeats=repeats,
+            number=3,
+        )
+        rows.append(ratio_row(f"{what}: run", pair, limit_run))
+        pair = compare_cold(
+            lambda h=handled: blocking(jax.jit(h), fresh(model), tokens),
+            lambda: blocking(jax.jit(batched), fresh(model), tokens),
+            repeats=max(repeats // 2, 1),
+        )
+        rows.append(ratio_row(f"{what}: first call", pair, limit_first))
+
+    plain_loss = jax.jit(loss)
+    assert fx.find_nonfinite(loss, model, tokens) is None
+    pair = compare_cold(
+        lambda: lambda m=fresh(model): fx.find_nonfinite(loss, m, tokens),
+        lambda: blocking(jax.jit(loss), fresh(model), tokens),
+        repeats=max(repeats // 3, 1),
+        warmup=0,
+    )
+    rows.append(ratio_row("find_nonfinite (every operation): first call", pair, 6.0))
+    pair = compare(
+        lambda: fx.find_nonfinite(loss, model, tokens),
+        blocking(plain_loss, model, tokens),
+        repeats=repeats,
+    )
+    rows.append(ratio_row("find_nonfinite: second call", pair, 1.3))
+
+    grad = jax.grad(loss)
+    pair = compare_cold(
+        lambda: (
+            lambda m=fresh(model): jax.jit(
+                fx.handle(fx.taps(grad), fx.Stats("taps"))
+            ).lower(m, tokens)
+        ),
+        lambda: lambda m=fresh(model): jax.jit(grad).lower(m, tokens),
+        repeats=max(repeats // 3, 1),
+    )
+    rows.append(
+        ratio_row("grad, taps at every primitive, Stats: trace+lower", pair, 1.5)
+    )
+    title = (
+        f"Taps on a GPT ({cfg.layers} blocks, width {cfg.width}, vocabulary "
+        f"{cfg.vocab}, batch {cfg.batch}, {cfg.tokens} tokens) against plain jax.jit"
+    )
+    emit(table(title, ("effects", "plain"), rows), args)
+
+
+if __name__ == "__main__":
+    main()
