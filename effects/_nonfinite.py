@@ -402,6 +402,7 @@ def find_nonfinite(
         assert message is not None  # (the same check fails)
         n = message.split(_CODE)[1].split()[0].split(":")[1:]
     if not cotangent:
+        assert found is not None  # (a check ran)
         first = _numpy(found[collection][name][1])
         n = [first[first >= 0].min()]
     infos = listed[collection][name]

@@ -16,6 +16,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jex_core
 
 from . import _compat, _jaxpr
 from ._primitives import handling, site_effect, site_p
@@ -316,7 +317,8 @@ class _Inserter:
         self.count = 0  # sites made so far
         # find_nonfinite's taps end at the first `shard_map` holding some:
         # JAX's `checkify`, which runs their checks, fails on a check after
-        # one (tests/test_jax_facts.py::test_checkify_fails_after_a_shard_map).
+        # one (tests/test_jax_facts.py::
+        # test_checkify_fails_on_checks_in_two_shard_maps).
         self.sealed = False
 
     def name(self, info: TapInfo) -> str:
@@ -416,7 +418,7 @@ class _Inserter:
             effect=True,
         )
         outvars = [_compat.Var(v.aval) for v in inputs] + list(outs)
-        return _jax_core.new_jaxpr_eqn(
+        return jex_core.new_jaxpr_eqn(
             leaves, outvars, site_p, params, {site_effect}, eqn.source_info, eqn.ctx
         )
 
@@ -472,6 +474,3 @@ def _replaced(outvars, site) -> list[Any]:
     outputs."""
     swap = dict(zip(site.invars, site.outvars))
     return [swap.get(v, v) if type(v) is not _compat.Literal else v for v in outvars]
-
-
-_jax_core = jax.extend.core
