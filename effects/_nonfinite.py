@@ -62,8 +62,12 @@ class BadSite:
       package that made it, if not the user's.
     - `forward`: for an operation of the gradient, the primitives of the
       forward pass at its line that it differentiates (`("sqrt",)`).
-    - `index`: the first bad element of the operation's output; under a
-      `jax.vmap` inside `fn`, its batch index among them.
+    - `shard`: in a `shard_map`, the shard that made it (per `shard_map`
+      around it, outermost first; the index of the shard over its manual mesh
+      axes); `example`: under a `jax.vmap` inside that `shard_map`'s body,
+      the example.
+    - `index`: the first bad element of the operation's output (under a
+      `jax.vmap` inside `fn`, its batch index among them).
     - `inputs` (not compared): that element and the operands it came from,
       as `"log(-3.0) = nan"`.
     - `operation` (not compared): for a tag, the first operation that made a
@@ -95,6 +99,7 @@ class BadSite:
     file: str | None = None
     line: int | None = None
     library: str | None = dataclasses.field(default=None, compare=False)
+    shard: tuple[int, ...] | None = None
     example: tuple[int, ...] | None = None
     forward: tuple[str, ...] = ()
     index: tuple[int, ...] | None = None
@@ -143,9 +148,9 @@ class BadSite:
         where = f"call {self.call}"
         if self.iteration is not None:
             where += f", scan iteration {self.iteration}"
-        if self.example is not None:
-            example = self.example[0] if len(self.example) == 1 else self.example
-            where += f", example {example}"
+        for what, at in (("shard", self.shard), ("example", self.example)):
+            if at is not None:
+                where += f", {what} {at[0] if len(at) == 1 else at}"
         if self.backward:
             of = " and ".join(f"`{p}`" for p in self.forward) or "the operations"
             said = (
@@ -756,18 +761,20 @@ def _tap_search(fn, args, kwargs, backward: bool) -> BadSite | None:
     name = list(listed[which])[code]
     firsts = _numpy(counters[which][name][1])
     k = int(firsts[firsts >= 0].min())
-    example = None
-    if firsts.ndim:
-        example = tuple(int(i) for i in np.argwhere(firsts == k)[0])
     infos = listed[which][name]
+    # The counters' leading axes: one per `shard_map` around the tap (its
+    # shards), then a vmap's inside it (its examples).
+    at = [int(i) for i in np.argwhere(firsts == k)[0]] if firsts.ndim else []
+    shards = sum(r.startswith("shard_map") for r in infos[0].where.split(" > "))
+    shard, example = tuple(at[:shards]) or None, tuple(at[shards:]) or None
     bad = _bad_site(infos, _CHECKED, name, k, backward=which == 1)
     tap = infos[0].tap
     make = functools.partial(_tap_inputs, backward, which, name)
     what = ("find_nonfinite inputs", backward, which, name)
     inputs, dynamic = eager_cached(what, fn, args, kwargs, make)
     _, _, (ins, outs) = jax.tree.map(_numpy, inputs(dynamic))
-    if example is not None:
-        ins, outs = jax.tree.map(lambda x: x[example], (ins, outs))
+    if at:
+        ins, outs = jax.tree.map(lambda x: x[tuple(at)], (ins, outs))
     said, index = _said(tap, ins, outs)
     forward = ()
     if which == 1:
@@ -781,6 +788,7 @@ def _tap_search(fn, args, kwargs, backward: bool) -> BadSite | None:
         file=tap.file,
         line=tap.line,
         library=tap.library,
+        shard=shard,
         example=example,
         forward=forward,
         index=index,

@@ -175,7 +175,8 @@ def test_a_nan_in_one_shard_of_a_shard_map():
     bad = fx.find_nonfinite(lambda x: f(x).sum(), x)
     assert bad is not None and bad.primitive == "log"
     assert bad.line == _line(body, "jnp.log")
-    assert bad.inputs == "log(-7.0)[0] = nan"  # (shard 3, its first element)
+    assert bad.inputs == "log(-7.0)[0] = nan" and bad.shard == (3,)
+    assert "shard 3" in str(bad)
 
 
 def test_diffrax_backward_nan_and_a_finite_solve():
@@ -199,3 +200,29 @@ def _diffrax_cases(solve):
     assert bad is not None and bad.backward
     assert bad.forward == ("sqrt",) and bad.line == _line(solve, "jnp.sqrt")
     assert "checkpointed-bwd" in bad.name  # (diffrax's backward pass)
+
+
+def test_an_nnx_model_backward():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(3, 3, rngs=rngs)
+            self.b = nnx.Linear(3, 1, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.a(x)
+            return self.b(jnp.sqrt(h - h))
+
+    def loss(net, x):
+        return jnp.sum(net(x) ** 2)
+
+    net, x = Net(nnx.Rngs(0)), jnp.ones((2, 3))
+    assert fx.find_nonfinite(loss, net, x) is None
+    bad = fx.find_nonfinite(loss, net, x, backward=True)
+    assert bad is not None and bad.forward == ("sqrt",)
+    assert bad.line == _line(Net.__call__, "jnp.sqrt") and bad.index == (0, 0)
+    # with its layers' tags: the first whose cotangent is bad, then the operation
+    tagged = fx.find_nonfinite(loss, fx.tag_modules(net), x, backward=True)
+    assert tagged is not None and tagged.name == "a" and tagged.backward
+    assert tagged.operation == bad
