@@ -46,6 +46,7 @@ SCRIPTS = [
     "bench_gpt.py",
     "bench_derivatives.py",
     "bench_sites.py",
+    "bench_taps.py",
 ]
 
 TITLE = (
