@@ -226,3 +226,38 @@ def test_an_nnx_model_backward():
     tagged = fx.find_nonfinite(loss, fx.tag_modules(net), x, backward=True)
     assert tagged is not None and tagged.name == "a" and tagged.backward
     assert tagged.operation == bad
+
+
+def _in_while(x):
+    return jax.lax.while_loop(
+        lambda c: c[1] < 3, lambda c: (jnp.log(c[0]), c[1] + 1), (x, 0)
+    )[0]
+
+
+def _in_cond(x):
+    return jax.lax.cond(x.sum() > 10, lambda v: v, lambda v: jnp.log(v), x)
+
+
+def _in_checkpoint(x):
+    return jax.checkpoint(lambda v: jnp.log(v) * 2.0)(x)
+
+
+@jax.custom_jvp
+def _custom(v):
+    return jnp.log(v)
+
+
+_custom.defjvp(lambda p, t: (_custom(p[0]), t[0] / p[0]))
+
+
+def _in_custom_jvp(x):
+    return _custom(x) + 1.0
+
+
+@pytest.mark.parametrize("fn", [_in_while, _in_cond, _in_checkpoint, _in_custom_jvp])
+def test_through_higher_order_primitives(fn):
+    x = jnp.array([-0.5, 2.0])
+    bad = fx.find_nonfinite(fn, x)
+    assert bad is not None and bad.primitive == "log"
+    assert bad.line == _line(fn if fn is not _in_custom_jvp else _custom.fun, "jnp.log")
+    assert bad.inputs == "log(-0.5)[0] = nan"

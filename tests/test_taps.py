@@ -290,3 +290,21 @@ def test_the_library_frame_is_kept_beside_the_user_line():
     tap = infos[0].tap
     assert tap.location == f"test_taps.py:{_line(g, 'lin(x)')}"
     assert tap.library is not None and tap.library.startswith("_linear.py:")
+
+
+def test_at_reads_the_iteration_of_a_carry():
+    def loop(x):
+        return jax.lax.scan(lambda c, _: (c * 2.0 + 1.0, None), x, None, length=4)[0]
+
+    tapped = fx.taps(loop, (), carries=True)
+    (name,) = fx.sites(tapped)(X)["taps"]
+    # the carry after iteration 1 zeroed: the loop goes on from there
+    reset = fx.Intervene(
+        {name: lambda v, at: jnp.where(at[1] == 1, 0.0, v)}, collection="taps"
+    )
+    out, _ = fx.handle(tapped, reset)(X)
+    c = X
+    for i in range(4):
+        c = c * 2.0 + 1.0
+        c = jnp.zeros_like(c) if i == 1 else c
+    assert_trees_close(out, c)
