@@ -148,9 +148,9 @@ class BadSite:
         where = f"call {self.call}"
         if self.iteration is not None:
             where += f", scan iteration {self.iteration}"
-        for what, at in (("shard", self.shard), ("example", self.example)):
-            if at is not None:
-                where += f", {what} {at[0] if len(at) == 1 else at}"
+        for what, index in (("shard", self.shard), ("example", self.example)):
+            if index is not None:
+                where += f", {what} {index[0] if len(index) == 1 else index}"
         if self.backward:
             of = " and ".join(f"`{p}`" for p in self.forward) or "the operations"
             said = (
