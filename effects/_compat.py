@@ -99,6 +99,14 @@ def call_path(traceback) -> tuple[tuple[str, int, int], ...]:
     )
 
 
+def new_eqn(invars, outvars, primitive, params, effects, source_info, ctx):
+    """A new equation (jax 0.7-0.12: `core.new_jaxpr_eqn`; public in
+    `jax.extend.core` from jax 0.8 only)."""
+    return _core.new_jaxpr_eqn(
+        invars, outvars, primitive, params, effects, source_info, ctx
+    )
+
+
 def name_stack(eqn, outer=None):
     """JAX's name stack of `eqn` (after `outer`, the stack of the equation
     whose jaxpr holds it, an inner jaxpr's being relative): its

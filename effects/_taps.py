@@ -16,7 +16,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 
 from . import _compat, _jaxpr
 from ._primitives import handling, site_effect, site_p
@@ -418,7 +417,7 @@ class _Inserter:
             effect=True,
         )
         outvars = [_compat.Var(v.aval) for v in inputs] + list(outs)
-        return jex_core.new_jaxpr_eqn(
+        return _compat.new_eqn(
             leaves, outvars, site_p, params, {site_effect}, eqn.source_info, eqn.ctx
         )
 
