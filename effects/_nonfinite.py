@@ -227,11 +227,7 @@ class NonfiniteCheck(Handler):
 
         code = self.keys.index((site.collection, site.name))
         if not self.backward:
-            if site.collection == _CHECKED:  # (a tap's: see `_tap_search`)
-                ok = ~_finding(value)
-            else:
-                ok = _finite(jax.tree.leaves(value))
-            checkify.check(ok, f"{_CODE}{code}")
+            checkify.check(_finite(jax.tree.leaves(value)), f"{_CODE}{code}")
             return value
         count = ctx.emit(jnp.int32(0))
         assert count is not None  # (the mode is a reduction)
@@ -598,22 +594,27 @@ _CHECKED = "effects.nonfinite"
 
 
 def _finding(value) -> jax.Array:
-    ins, outs = jax.tree.leaves(value[0]), jax.tree.leaves(value[1])
-    made_nan = _any(jnp.isnan, outs) & ~_any(jnp.isnan, ins)
-    return made_nan | (~_finite(outs) & _finite(ins))
+    nan_in, finite_in = _nan_and_finite(value[0])
+    nan_out, finite_out = _nan_and_finite(value[1])
+    return (nan_out & ~nan_in) | (~finite_out & finite_in)
 
 
-def _any(test, leaves) -> jax.Array:
-    found = jnp.array(False)
-    for x in leaves:
+def _nan_and_finite(tree) -> tuple[jax.Array, jax.Array]:
+    """Whether an inexact leaf of `tree` holds a NaN, and whether all are
+    finite: from the largest magnitude of each leaf, NaN where it holds one
+    (XLA's maximum propagates it), else Inf where it holds one. One reduction
+    a leaf tells both."""
+    nan, finite = jnp.array(False), jnp.array(True)
+    for x in jax.tree.leaves(tree):
         if jnp.issubdtype(x.dtype, jnp.inexact):
-            found = found | jnp.any(test(x))
-    return found
+            largest = jnp.max(jnp.abs(x), initial=0)
+            nan, finite = nan | jnp.isnan(largest), finite & jnp.isfinite(largest)
+    return nan, finite
 
 
-def _count_findings(acc, x):  # (executions so far, the first finding or -1)
+def _count_findings(acc, bad):  # (executions so far, the first finding or -1)
     n, first = acc
-    return n + 1, jnp.where((first < 0) & _finding(x), n, first)
+    return n + 1, jnp.where((first < 0) & bad, n, first)
 
 
 def _keep_first(acc, x):  # and that execution's (inputs, outputs)
@@ -626,6 +627,29 @@ def _keep_first(acc, x):  # and that execution's (inputs, outputs)
 # Per example: under a vmap inside the function, which example went bad first.
 _FINDINGS = Reduce(_count_findings, lambda _: (jnp.int32(0), jnp.int32(-1)))
 _FIRST = Reduce(_keep_first, lambda z: (jnp.int32(0), jnp.int32(-1), z))
+
+
+class TapCheck(Handler):
+    """At every tap of `_CHECKED` in `keys`: a `checkify` check that its
+    equation made no NaN or Inf its inputs did not hold (the first failing
+    one in execution order is reported, its index in `keys` as its code),
+    and a count of its executions up to the first that did (`_FINDINGS`):
+    one test of the values for both."""
+
+    keys: tuple = dataclasses.field(metadata={"static": True})  # (collection, name)s
+
+    mode = _FINDINGS
+
+    def matches(self, site):
+        return (site.collection, site.name) in self.keys
+
+    def apply(self, site, value, ctx):
+        from jax.experimental import checkify
+
+        bad = _finding(value)
+        checkify.check(~bad, f"{_CODE}{self.keys.index((site.collection, site.name))}")
+        ctx.emit(bad)
+        return value
 
 
 def _passes(backward: bool, call) -> list[Tapped]:
@@ -692,7 +716,7 @@ def _tap_check(backward: bool, call, dynamic):
         tapped = _function(tapped)
         keys = tuple((_CHECKED, name) for name in found)
         listed.append(found)
-        handlers = (NonfiniteCheck(keys), Tag(_CHECKED, mode=_FINDINGS))
+        handlers = (TapCheck(keys),)
 
         def run(dynamic, tapped=tapped, handlers=handlers, keys=keys):
             if not keys:  # (nothing inexact to check)
