@@ -39,7 +39,9 @@ class TapInfo:
       `jax.grad` or `jax.jvp` inside the function the transformations, as in
       `"transpose(jvp(blocks.3))"`. `""` at the top level.
     - `file`, `line`: the user's source line: the first frame outside JAX,
-      `effects` and installed packages (None where JAX kept no traceback).
+      `effects` and installed packages; where there is none (a Flax layer
+      tapped whole), the installed package's; None where JAX kept no
+      traceback.
     - `library`: `"file:line"` of the frame in an installed package that made
       it (an Equinox layer's, say), where that is not the user's; else None.
     - `shape`: the output's shapes and dtypes, as `"float32[3,4]"`.
@@ -280,6 +282,8 @@ def _info(eqn, primitive: str, outvars, outer: _Outer, operands=()) -> TapInfo:
     file, line = (outer.file, outer.line) if user is None else user[:2]
     if not frames:
         library = outer.library
+    elif file is None:  # (only an installed package's frames: the first of them)
+        file, line, library = *frames[0][:2], None
     shape = ",".join(_describe(v.aval) for v in outvars)
     return TapInfo(
         primitive,

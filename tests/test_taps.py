@@ -308,3 +308,19 @@ def test_at_reads_the_iteration_of_a_carry():
         c = c * 2.0 + 1.0
         c = jnp.zeros_like(c) if i == 1 else c
     assert_trees_close(out, c)
+
+
+def test_an_nnx_layer_tapped_whole_is_named_by_its_library_line():
+    nnx = pytest.importorskip("flax.nnx")
+    layer = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    x = jnp.array([1.0, -2.0, 0.5])
+    _, found = fx.handle(fx.taps(layer, "dot_general"), fx.Tag("taps"))(x)
+    ((name, (value,)),) = found["taps"].items()
+    assert name.startswith("dot_general @ linear.py:")
+    assert_trees_close(value, x @ layer.kernel[...])
+    # as an argument of the user's function: the user's line
+    _, found = fx.handle(fx.taps(lambda m, x: m(x), "dot_general"), fx.Tag("taps"))(
+        layer, x
+    )
+    (name,) = found["taps"]
+    assert name.startswith("dot_general @ test_taps.py:")
