@@ -112,11 +112,17 @@ def test_c_an_equinox_mlp_whose_block_3_takes_sqrt_of_zero():
     bad = fx.find_nonfinite(_loss, model, x, backward=True)
     assert bad is not None and bad.backward and bad.forward == ("sqrt",)
     assert bad.line == _line(Block.__call__, "jnp.sqrt")
-    # the module path, from the scopes `tag_modules` enters, where no tag is bad
-    # (its tags hold finite values; only gradients are not)
-    scoped = fx.tag_modules(model, filter=lambda path, m: False)
-    bad = fx.find_nonfinite(_loss, scoped, x, backward=True)
-    assert bad is not None and bad.scope == "" and bad.forward == ("sqrt",)
+    # the module path, from the scope `tag_modules` enters: the first layer
+    # whose cotangent is bad, then the operation, in block 3
+    tagged = fx.find_nonfinite(_loss, fx.tag_modules(model), x, backward=True)
+    assert tagged is not None and (tagged.name, tagged.backward) == (
+        "blocks.3.lin",
+        True,
+    )
+    operation = tagged.operation
+    assert operation is not None and operation.scope == "blocks.3"
+    assert (operation.primitive, operation.forward) == ("div", ("sqrt",))
+    assert operation.line == bad.line and "in blocks.3" in str(tagged)
 
 
 def test_example_index_under_a_vmap_outside_the_taps():

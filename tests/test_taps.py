@@ -325,3 +325,26 @@ def test_an_nnx_layer_tapped_whole_is_named_by_its_library_line():
     )
     (name,) = found["taps"]
     assert name.startswith("dot_general @ test_taps.py:")
+
+
+class _CountAbove(fx.Handler):
+    """A user's handler: counts the elements above 1 of every execution."""
+
+    mode = fx.Reduce(lambda n, k: n + k, lambda _: jnp.zeros((), jnp.int32))
+    matches = fx.Select(collection="taps")
+
+    def apply(self, site, value, ctx):
+        ctx.emit(jnp.sum(value > 1.0, dtype=jnp.int32))
+        return value
+
+
+def test_a_user_handler_at_taps():
+    def g(x):
+        return jnp.exp(x) * 2.0
+
+    _, found = fx.handle(fx.taps(g), _CountAbove())(X)
+    counts = {n.split(" @ ")[0]: int(v) for n, v in found["taps"].items()}
+    assert counts == {
+        "exp": int(jnp.sum(jnp.exp(X) > 1.0)),
+        "mul": int(jnp.sum(jnp.exp(X) * 2.0 > 1.0)),
+    }
