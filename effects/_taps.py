@@ -225,8 +225,8 @@ def taps(
 # Inserting the sites
 #
 
-# Never tapped: sites already, and equations that make no value of their own.
-_SKIP = frozenset({"effects_site", "name", "pjit", "jit", "closed_call"})
+# Never tapped: sites already (a tag, a `checkpoint_name`).
+_SKIP = frozenset({"effects_site", "name"})
 _SITE_PACKAGES = tuple(
     p + os.sep
     for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
