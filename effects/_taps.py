@@ -193,6 +193,15 @@ def taps(
 
     A callable with `fn`'s signature and results.
 
+    **Raises:**
+
+    - `TypeError`: `primitives` is not a primitive's name or names, `where`
+      is not callable, or `collection` is not a string.
+    - From [`handle`][effects.handle], naming the tap, what it raises for a
+      tag there: `Tag(mode="append")` of a tap in a `lax.while_loop` (use
+      `"last"` or a reduction), a tap in a `cond` whose predicate a `vmap`
+      inside the function batches (put the handler inside the `vmap`).
+
     **Example:**
 
     ```python
