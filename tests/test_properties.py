@@ -4569,7 +4569,8 @@ def test_the_reference_reproduces_a_hand_written_program():
 def test_taps_are_the_plain_program_unhandled_and_keep_the_laws(program):
     # `fx.taps` at every primitive of a generated program: unhandled, the
     # plain program's HLO; handled, the plain output and gradient, what is
-    # found the same under grad, and vmap on either side of `handle` alike.
+    # found the same under grad, two handlers as nested handles, and vmap on
+    # either side of `handle` alike.
     # (A sum of every tap's executions: it holds in while loops too.)
     f, x = program.function(), program.x()
     tapped = fx.taps(f)
@@ -4583,6 +4584,11 @@ def test_taps_are_the_plain_program_unhandled_and_keep_the_laws(program):
     grad, grad_found = jax.jit(jax.grad(handled_loss, has_aux=True))(x)
     assert_as_plain(grad, plain_grad, "gradient")
     assert_close(grad_found, found, rtol=1e-6, what="found under grad")
+    # Two handlers of taps in one handle equal the nested handles.
+    names = list(fx.sites(tapped)(x).get("taps", {}))
+    if names:
+        some = fx.Tag("taps", names=frozenset(names[::2]), mode="sum")
+        event(f"taps, handle(f, A, B): {_two_handlers(program, some, handler, tapped)}")
     xs = program.batch()
     outside = jax.jit(jax.vmap(fx.handle(tapped, handler)))(xs)
     try:
