@@ -178,16 +178,11 @@ _CODE = "effects-nonfinite-site:"
 
 
 def _finite(leaves) -> jax.Array:
-    ok = jnp.array(True)
-    for x in leaves:
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            ok = ok & jnp.all(jnp.isfinite(x))
-    return ok
+    return _nan_and_finite(leaves)[1]
 
 
 def _count(acc, x):  # (executions so far, the first non-finite one or -1)
-    n, first = acc
-    return n + 1, jnp.where((first < 0) & ~_finite(jax.tree.leaves(x)), n, first)
+    return _count_findings(acc, ~_finite(jax.tree.leaves(x)))
 
 
 # Of the whole batch under a vmap, not per example: an execution is one
@@ -509,16 +504,7 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dyna
     def output(zero, dynamic):
         numbering = numbered is not None
         checks = NonfiniteCheck(keys, True, zero, skip=custom, numbered=numbering)
-        out, _ = handle(call, checks)(dynamic)
-        if not (isinstance(out, jax.Array) and out.shape == ()):
-            got = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), out
-            )
-            raise ValueError(
-                "find_nonfinite(backward=True): the function must return a scalar "
-                f"(the loss), got {got}."
-            )
-        return out
+        return _scalar(handle(call, checks)(dynamic)[0])
 
     def forward(dynamic):
         handlers = (NonfiniteCheck(keys), *(Tag(c, mode=_COUNTER) for c in listed))
@@ -656,22 +642,14 @@ def _passes(backward: bool, call) -> list[Tapped]:
     """The programs checked, tapped at every primitive with an inexact
     output: the function, and with `backward` its gradient with respect to
     every inexact array among its arguments (its forward pass again, then the
-    backward pass)."""
-    call = _untagged(call)
+    backward pass). The function's own `checkify.check`s are dropped, and its
+    tags are the identity: its operations are what is checked."""
+    from jax.experimental import checkify  # (see `_nonfinite_check`)
+
+    call = _untagged(_without_checks(checkify, call))
     passes = [Tapped(call, None, None, False, _CHECKED, with_inputs=True)]
     if backward:
-
-        def loss(dynamic):
-            out = call(dynamic)
-            if not (isinstance(out, jax.Array) and out.shape == ()):
-                got = jax.tree.map(
-                    lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
-                    out,
-                )
-                raise ValueError(_NOT_SCALAR.format(got=got))
-            return out
-
-        grad = eqx.filter_grad(loss)
+        grad = eqx.filter_grad(lambda dynamic: _scalar(call(dynamic)))
         passes.append(Tapped(grad, None, None, False, _CHECKED, with_inputs=True))
     return passes
 
@@ -696,20 +674,24 @@ def _untagged(call):
     return untagged
 
 
-_NOT_SCALAR = (
-    "find_nonfinite(backward=True): the function must return a scalar (the "
-    "loss), got {got}."
-)
+def _scalar(out):
+    """`out`, the loss `find_nonfinite(backward=True)` differentiates."""
+    if not (isinstance(out, jax.Array) and out.shape == ()):
+        got = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), out
+        )
+        raise ValueError(
+            "find_nonfinite(backward=True): the function must return a scalar "
+            f"(the loss), got {got}."
+        )
+    return out
 
 
 def _tap_check(backward: bool, call, dynamic):
     """`(listed, check)`: per pass, its taps' `SiteInfo`s by name, and
-    `check(dynamic) -> (errors, counters, results)` per pass, jitted. The
-    function's own `checkify.check`s are dropped: its operations are what is
-    checked."""
+    `check(dynamic) -> (errors, counters, results)` per pass, jitted."""
     from jax.experimental import checkify  # (see `_nonfinite_check`)
 
-    call = _without_checks(checkify, call)
     listed, checked = [], []
     for tapped in _passes(backward, call):
         found = sites(tapped)(dynamic).get(_CHECKED, {})
@@ -750,9 +732,7 @@ def _tap_inputs(backward: bool, which: int, name, call, dynamic):
     """`inputs(dynamic)`: per example, the first execution of tap `name` of
     pass `which` that made a non-finite value from finite inputs, and its
     `(inputs, outputs)`."""
-    from jax.experimental import checkify
-
-    tapped = _function(_passes(backward, _without_checks(checkify, call))[which])
+    tapped = _function(_passes(backward, call)[which])
     handler = Tag(_CHECKED, names=name, mode=_FIRST)
 
     @jax.jit

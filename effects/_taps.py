@@ -77,21 +77,20 @@ class TapInfo:
         return f"{where} @ {self.location}" if self.file is not None else where
 
 
-def _as_selector(primitives, owner: str):
+def _primitive_names(primitives) -> frozenset | None:
+    """The selected primitives' names, None for every primitive; checked."""
     if primitives is None:
-        return lambda name: True
-    if isinstance(primitives, str):
-        primitives = (primitives,)
+        return None
     try:
-        names = frozenset(primitives)
+        names = frozenset((primitives,) if isinstance(primitives, str) else primitives)
     except TypeError:
         names = frozenset([primitives])
     if not all(isinstance(n, str) for n in names):
         raise TypeError(
-            f"{owner}: `primitives` must be None, a primitive's name or names "
+            "fx.taps: `primitives` must be None, a primitive's name or names "
             f'(like "log" or ("exp", "dot_general")), got {primitives!r}.'
         )
-    return names.__contains__
+    return names
 
 
 class Tapped(eqx.Module):
@@ -221,13 +220,7 @@ def taps(
         raise TypeError(f"fx.taps: `collection` must be a string, got {collection!r}.")
     if where is not None and not callable(where):
         raise TypeError(f"fx.taps: `where` must be a predicate, got {where!r}.")
-    _as_selector(primitives, "fx.taps")  # (checks it)
-    selected = None
-    if primitives is not None:
-        selected = frozenset(
-            (primitives,) if isinstance(primitives, str) else primitives
-        )
-    return Tapped(fn, selected, where, carries, collection)
+    return Tapped(fn, _primitive_names(primitives), where, carries, collection)
 
 
 #
@@ -322,7 +315,6 @@ class _Inserter:
 
     def __init__(self, tapped: Tapped):
         self.tapped = tapped
-        self.selects = _as_selector(tapped.primitives, "fx.taps")
         self.shapes: dict[str, list[str]] = {}  # base name -> shapes, in order
         self.done: dict[Any, Any] = {}  # key -> (jaxpr, tapped jaxpr)
         self.outer = _Outer()
@@ -382,7 +374,7 @@ class _Inserter:
             return [self.higher_order(eqn)]
         if prim in _SKIP or _compat.checkpoint_name_of(eqn) is not None:
             return [eqn]
-        if not self.selects(prim):
+        if self.tapped.primitives is not None and prim not in self.tapped.primitives:
             return [eqn]
         outs = [v for v in eqn.outvars if type(v) is not _compat.DropVar]
         if not outs or len(outs) != len(eqn.outvars):
