@@ -178,11 +178,16 @@ _CODE = "effects-nonfinite-site:"
 
 
 def _finite(leaves) -> jax.Array:
-    return _nan_and_finite(leaves)[1]
+    ok = jnp.array(True)
+    for x in leaves:
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            ok = ok & jnp.all(jnp.isfinite(x))
+    return ok
 
 
 def _count(acc, x):  # (executions so far, the first non-finite one or -1)
-    return _count_findings(acc, ~_finite(jax.tree.leaves(x)))
+    n, first = acc
+    return n + 1, jnp.where((first < 0) & ~_finite(jax.tree.leaves(x)), n, first)
 
 
 # Of the whole batch under a vmap, not per example: an execution is one
