@@ -87,16 +87,27 @@ _OWN_FILES = __file__.rsplit("/", 1)[0] + "/"
 
 def call_path(traceback) -> tuple[tuple[str, int, int], ...]:
     """(file, line, column) of each frame of `traceback` in neither JAX nor effects,
-    innermost first: where a site's `tag` was called, and from where (jax 0.7-0.12:
-    `source_info_util.user_frames`). An equation keeps the traceback of the call
-    that made it through JAX's transformations."""
+    innermost first, up to the trace that made the equation: where a site's `tag`
+    was called, and from where within that trace (jax 0.7-0.12:
+    `source_info_util.user_frames`). JAX caches the jaxprs of jits and branches
+    with the tracebacks of their first trace (jax 0.7-0.9 keep the frames around
+    it; 0.10 drops them), so a frame outside the trace can be another caller's."""
     if traceback is None:
         return ()
-    return tuple(
-        (f.file_name, f.start_line, f.start_column)
-        for f in _source_info_util.user_frames(traceback)
-        if not f.file_name.startswith(_OWN_FILES)
-    )
+    code, lasti = traceback.raw_frames()
+    frames = []
+    for c, i in zip(code, lasti):
+        if c.co_name.startswith("trace_to_") and c.co_filename.endswith(_PE_FILE):
+            break
+        if _source_info_util.is_user_filename(c.co_filename) and not (
+            c.co_filename.startswith(_OWN_FILES)
+        ):
+            f = _source_info_util.raw_frame_to_frame(c, i)
+            frames.append((f.file_name, f.start_line, f.start_column))
+    return tuple(frames)
+
+
+_PE_FILE = "interpreters/partial_eval.py"
 
 
 def new_eqn(invars, outvars, primitive, params, effects, source_info, ctx):
