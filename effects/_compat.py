@@ -23,6 +23,7 @@ from jax._src.api_util import debug_info as _debug_info
 from jax._src.api_util import fun_sourceinfo as _fun_sourceinfo
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax import lax as _lax_internal
 from jax.core import ShapedArray as ShapedArray
 from jax.core import Tracer as Tracer
 from jax.extend import core as jex_core
@@ -108,6 +109,16 @@ def call_path(traceback) -> tuple[tuple[str, int, int], ...]:
 
 
 _PE_FILE = "interpreters/partial_eval.py"
+
+
+def literal_array(literal):
+    """A literal's value as an array of its type, weak type included (jax
+    0.7-0.12: `lax._convert_element_type`; the value is a Python scalar or a
+    NumPy array, 0.10 `TypedFloat`s)."""
+    aval = literal.aval
+    return _lax_internal._convert_element_type(
+        literal.val, aval.dtype, weak_type=aval.weak_type
+    )
 
 
 def new_eqn(invars, outvars, primitive, params, effects, source_info, ctx):

@@ -349,12 +349,12 @@ def _site_rule(eqn, invals, scope: Scope) -> list[Any]:
     if eqn.params.get("recompute") and not scope.replaying:
         scope = scope.replay()  # a copy: its execution is reported by the original
     # A constant's literal holds a Python scalar (a bool, say): handlers get
-    # arrays.
+    # arrays, of its type.
     avals = [v.aval for v in eqn.invars]
     if any(type(v) is _compat.Literal for v in eqn.invars):
         invals = [
-            jax.numpy.asarray(x, a.dtype) if type(v) is _compat.Literal else x
-            for x, a, v in zip(invals, avals, eqn.invars)
+            _compat.literal_array(v) if type(v) is _compat.Literal else x
+            for x, v in zip(invals, eqn.invars)
         ]
     return handle_site(eqn.params, avals, invals, scope)
 

@@ -1787,3 +1787,27 @@ def test_at_in_a_while_loop_a_vmap_batches_is_refused_by_name():
         fx.handle(jax.vmap(count), LastIteration())(NS)
     _, found = jax.vmap(fx.handle(count, LastIteration()))(NS)
     np.testing.assert_array_equal(found["intermediates"]["c"], np.maximum(NS, 1) - 1)
+
+
+@pytest.mark.parametrize(
+    ("handler", "reference"),
+    [
+        (fx.Tag(), lambda x: x**2),
+        (fx.Intervene({"f": lambda v: 2 * v}), lambda x: 2 * x**2),
+    ],
+    ids=["tag", "intervene"],
+)
+def test_a_handled_function_returns_the_weak_type_jax_returns(handler, reference):
+    # (bug_weak_type_lost_handle_grad: a tag of a constant, from a Python float
+    # argument, gave handlers a strongly typed array, so the result of
+    # `handle(jax.grad(f), H)(3.0)` promoted the bfloat16 arrays it met)
+    f = lambda x: fx.tag(x**2, "f")  # noqa: E731
+    for fn, ref in ((f, reference), (jax.grad(f), jax.grad(reference))):
+        want = jax.jit(ref)(3.0)  # (weakly typed, as `fn(3.0)` is)
+        for got in (
+            fx.handle(fn, handler)(3.0)[0],
+            jax.jit(fx.handle(fn, handler))(3.0)[0],
+        ):
+            assert (got.dtype, got.weak_type) == (want.dtype, want.weak_type)
+            assert float(got) == float(want)
+            assert (jnp.ones(2, jnp.bfloat16) * got).dtype == jnp.bfloat16
