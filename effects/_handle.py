@@ -614,38 +614,49 @@ def _unknown_name(h, name: str | tuple[str, ...], probes, consumer) -> str:
     return message
 
 
-def _check_reporters(sites, handlers) -> None:
+def _check_reporters(traced: _Traced, handlers) -> None:
     """No two handlers report one site into `found`, one report over the
     other. The first handler that reports a site consumes it, unless its mode
     passes it on (`consumes=False`) or the site is a `checkpoint_name`, which
-    is never consumed: then the next that reports it would report it too."""
+    is never consumed: then the next that reports it would report it too. The
+    error names the first such site in program order."""
     modes = [mode_of(h) for h in handlers]
     if sum(m is not None for m in modes) < 2:
         return
     passes_on = any(m is not None and not m.consumes for m in modes)
-    for k, c, n, part in sites:  # at every call: no sorting, names only on error
+
+    def clash(key):
+        k, c, n, part = key
         if c != CHECKPOINT_NAME and not passes_on:
-            continue
+            return None
         probe, first = Site.probe(k, c, n, part), None
         for h, mode in zip(handlers, modes):
             if mode is None or acts_on(h, probe) != part:
                 continue
             if first is not None:
-                why = _PASSED_ON.format(first=type(first).__name__, name=n)
-                if c == CHECKPOINT_NAME:
-                    why = f"a `checkpoint_name` ({n!r}) is never consumed"
-                raise ValueError(
-                    _TWO_REPORTERS.format(
-                        first=type(first).__name__,
-                        second=type(h).__name__,
-                        where=probe.where(),
-                        collection=found_key(first) or c,
-                        why=why,
-                    )
-                )
+                return probe, first, h
             if mode.consumes and c != CHECKPOINT_NAME:
-                break
+                return None
             first = h
+        return None
+
+    # (at every call: the sites as a set, in program order only on error)
+    if not any(map(clash, traced.sites)):
+        return
+    in_order = dict.fromkeys(s.key for s in walk(traced.jaxpr).sites)
+    probe, first, second = next(filter(None, map(clash, in_order)))
+    why = _PASSED_ON.format(first=type(first).__name__, name=probe.name)
+    if probe.collection == CHECKPOINT_NAME:
+        why = f"a `checkpoint_name` ({probe.name!r}) is never consumed"
+    raise ValueError(
+        _TWO_REPORTERS.format(
+            first=type(first).__name__,
+            second=type(second).__name__,
+            where=probe.where(),
+            collection=found_key(first) or probe.collection,
+            why=why,
+        )
+    )
 
 
 def _consumes(h) -> bool:
@@ -1041,7 +1052,7 @@ def _program(
         _check_names(traced, handlers)
         _check_transposed(traced, handlers)
         _check_derivatives(traced, handlers)
-        _check_reporters(traced.sites, handlers)
+        _check_reporters(traced, handlers)
         _check_loop_invariant(traced, handlers)
         _check_recomputed_only(traced, handlers)
         _check_keys(traced, handlers)

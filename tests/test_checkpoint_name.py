@@ -204,6 +204,32 @@ def test_two_handlers_reporting_one_name_in_one_handle_is_an_error():
     np.testing.assert_allclose(outer[CN]["h"], jnp.sin(x))
 
 
+def test_the_two_reporters_error_names_the_first_site_in_program_order():
+    # (err_clash_error_names_random_tag: the name came from a set's order,
+    # one of three across hash seeds)
+    def f(x, tag):
+        a = tag(jnp.sin(x), "zz_first")
+        b = tag(jnp.cos(a), "mm_second")
+        return tag(b * 2, "aa_third").sum()
+
+    class Peek(fx.Handler):
+        mode = fx.Reduce(
+            jnp.maximum, lambda z: jnp.full_like(z, -jnp.inf), consumes=False
+        )
+
+        def apply(self, site, value, ctx):
+            ctx.emit(value)
+            return value
+
+    x = jnp.array([0.1, 0.7, 1.3])
+    for tag, handlers in (
+        (checkpoint_name, (fx.Tag(CN), fx.Stats(CN))),
+        (fx.tag, (Peek(), fx.Tag())),
+    ):
+        with pytest.raises(ValueError, match="both report the tag 'zz_first'"):
+            fx.handle(lambda x, tag=tag: f(x, tag), *handlers)(x)
+
+
 def test_a_name_an_earlier_handler_consumes_is_an_error_that_says_so():
     def f(x):
         return fx.tag(jnp.sin(x), "h") + fx.tag(x, "k")
