@@ -16,6 +16,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from ._debug import _numpy
 
@@ -310,10 +311,14 @@ def find_nonfinite(
     its own: the backward check of tags passes over it (the operations of
     the custom rule are searched).
 
-    It returns None only when every checked value is finite, and the output
-    (and gradient) too: where they are not but no operation made a NaN or an
-    Inf (the arguments hold one, or a constant of the program does), the
-    [`BadSite`][effects.BadSite] has a `note` that says so.
+    It returns None when every tag is finite, and the output (and gradient)
+    too: then the operations are not searched (one compiled run of the
+    function, and of its gradient, says so), so a NaN the function masks
+    away, as `jnp.where(x > 0, jnp.log(x), 0.0)` does, is not reported, unless
+    `backward=True` and it spoils the gradient. Where the output or gradient
+    is non-finite but no operation made a NaN or an Inf (the arguments hold
+    one, or a constant of the program does), the [`BadSite`][effects.BadSite]
+    has a `note` that says so.
 
     **Arguments:**
 
@@ -390,6 +395,17 @@ def find_nonfinite(
     """
     listed, keys, message, found = _first_failure(fn, args, kwargs, backward, None)
     if message is None:
+        # (no tag is non-finite: the operations are searched where the output
+        # or the gradient shows something to explain)
+        finite, dynamic = eager_cached(
+            ("find_nonfinite results", backward),
+            fn,
+            args,
+            kwargs,
+            functools.partial(_results, backward),
+        )
+        if all(finite(dynamic)):
+            return None
         return _tap_search(fn, args, kwargs, backward)
     code, *n = message.split(_CODE)[1].split()[0].split(":")
     collection, name = keys[int(code)]
@@ -587,25 +603,33 @@ _CHECKED = "effects.nonfinite"
 def _finding(value) -> jax.Array:
     nan_in, finite_in = _nan_and_finite(value[0])
     nan_out, finite_out = _nan_and_finite(value[1])
-    return (nan_out & ~nan_in) | (~finite_out & finite_in)
+    made_nan = lax.bitwise_and(nan_out, lax.bitwise_not(nan_in))
+    made_inf = lax.bitwise_and(lax.bitwise_not(finite_out), finite_in)
+    return lax.bitwise_or(made_nan, made_inf)
 
 
 def _nan_and_finite(tree) -> tuple[jax.Array, jax.Array]:
     """Whether an inexact leaf of `tree` holds a NaN, and whether all are
     finite: from the largest magnitude of each leaf, NaN where it holds one
     (XLA's maximum propagates it), else Inf where it holds one. One reduction
-    a leaf tells both."""
-    nan, finite = jnp.array(False), jnp.array(True)
+    a leaf tells both. (In `lax`: this runs at every operation of the
+    function, and each `jax.numpy` call is a jit call to trace.)"""
+    nan, finite = np.bool_(False), np.bool_(True)
     for x in jax.tree.leaves(tree):
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            largest = jnp.max(jnp.abs(x), initial=0)
-            nan, finite = nan | jnp.isnan(largest), finite & jnp.isfinite(largest)
+        if not jnp.issubdtype(x.dtype, jnp.inexact) or x.size == 0:
+            continue
+        largest = lax.abs(x)
+        if x.ndim:
+            largest = lax.reduce_max(largest, tuple(range(x.ndim)))
+        nan = lax.bitwise_or(nan, lax.ne(largest, largest))
+        finite = lax.bitwise_and(finite, lax.is_finite(largest))
     return nan, finite
 
 
 def _count_findings(acc, bad):  # (executions so far, the first finding or -1)
     n, first = acc
-    return n + 1, jnp.where((first < 0) & bad, n, first)
+    take = lax.bitwise_and(lax.lt(first, np.int32(0)), bad)
+    return lax.add(n, np.int32(1)), lax.select(take, n, first)
 
 
 def _keep_first(acc, x):  # and that execution's (inputs, outputs)
@@ -690,6 +714,24 @@ def _scalar(out):
             f"(the loss), got {got}."
         )
     return out
+
+
+def _results(backward: bool, call, dynamic):
+    """`finite(dynamic)`, jitted: whether the output is finite, and with
+    `backward` the gradient `_passes` checks too."""
+    from jax.experimental import checkify  # (see `_nonfinite_check`)
+
+    call = _untagged(_without_checks(checkify, call))
+
+    @jax.jit
+    def finite(dynamic):
+        out = call(dynamic)
+        if not backward:
+            return [_all_finite(out)]
+        grad = eqx.filter_grad(lambda dynamic: _scalar(call(dynamic)))(dynamic)
+        return [_all_finite(out), _all_finite(grad)]
+
+    return finite
 
 
 def _tap_check(backward: bool, call, dynamic):

@@ -152,6 +152,24 @@ def test_never_none_while_the_output_is_nonfinite():
     assert bad is not None and "kwargs['y']" in str(bad)
 
 
+def test_a_nan_the_output_masks_away_is_found_only_where_it_spoils_the_gradient():
+    def f(x):  # (the "double where" trap: log of 0, then masked)
+        return jnp.sum(jnp.where(x > 0, jnp.log(x), 0.0))
+
+    x = jnp.array([1.0, 0.0, 3.0])
+    assert np.isfinite(f(x)) and not np.isfinite(jax.grad(f)(x)).all()
+    # finite output and no tag: nothing to explain, and the operations are not
+    # searched (one compiled run of `f` tells)
+    assert fx.find_nonfinite(f, x) is None
+    # the gradient's NaN comes from the forward `log`, masked in the output
+    bad = fx.find_nonfinite(f, x, backward=True)
+    assert bad is not None and not bad.backward
+    assert (bad.primitive, bad.line) == ("log", _line(f, "jnp.log"))
+    assert (bad.inputs, bad.index) == ("log(0.0)[1] = -inf", (1,))
+    # and a finite function, forward and backward: None, no search
+    assert fx.find_nonfinite(lambda x: jnp.sum(jnp.exp(x)), x, backward=True) is None
+
+
 def test_a_second_call_compiles_nothing_new():
     x = jnp.array([1.0, 2.0, -3.0, 4.0])
     fx.find_nonfinite(scan_log, x, backward=True)
