@@ -6,8 +6,10 @@ plain `jax.jit` of the same model:
 - `fx.handle(fx.taps(model, "dot_general"), fx.Tag("taps"))`: every matmul's
   output collected (run time, first call);
 - the same with `fx.Stats("taps")`: seven statistics of every matmul;
-- `fx.find_nonfinite(loss, model, tokens)` (a check after every operation):
-  the first call and the second, against the plain loss's;
+- `fx.find_nonfinite(loss, model, tokens)`: of the finite model (one run
+  says the output is finite: no search), and of a loss with a NaN after the
+  model (a check after every operation), the first call and the second,
+  against the plain loss's;
 - cold trace and lowering of `jax.grad(loss)` with a site after every
   primitive of the gradient, handled by `fx.Stats("taps")`, against the plain
   gradient's.
@@ -125,21 +127,29 @@ def main():
         )
         rows.append(ratio_row(f"{what}: first call", pair, limit_first))
 
-    plain_loss = jax.jit(loss)
+    def loss_nan(m, t):  # a NaN after the model: every operation is searched
+        out = loss(m, t)
+        return out + jnp.sqrt(-1.0 - out * out)
+
     assert fx.find_nonfinite(loss, model, tokens) is None
-    pair = compare_cold(
-        lambda: lambda m=fresh(model): fx.find_nonfinite(loss, m, tokens),
-        lambda: blocking(jax.jit(loss), fresh(model), tokens),
-        repeats=max(repeats // 3, 1),
-        warmup=0,
-    )
-    rows.append(ratio_row("find_nonfinite (every operation): first call", pair, 6.0))
-    pair = compare(
-        lambda: fx.find_nonfinite(loss, model, tokens),
-        blocking(plain_loss, model, tokens),
-        repeats=repeats,
-    )
-    rows.append(ratio_row("find_nonfinite: second call", pair, 1.3))
+    assert fx.find_nonfinite(loss_nan, model, tokens).primitive == "sqrt"
+    for what, fn in (
+        ("a finite model (no search of the operations)", loss),
+        ("a NaN after the model (every operation searched)", loss_nan),
+    ):
+        pair = compare_cold(
+            lambda fn=fn: lambda m=fresh(model): fx.find_nonfinite(fn, m, tokens),
+            lambda fn=fn: blocking(jax.jit(fn), fresh(model), tokens),
+            repeats=max(repeats // 3, 1),
+            warmup=0,
+        )
+        rows.append(ratio_row(f"find_nonfinite, {what}: first call", pair, 6.0))
+        pair = compare(
+            lambda fn=fn: fx.find_nonfinite(fn, model, tokens),
+            blocking(jax.jit(fn), model, tokens),
+            repeats=repeats,
+        )
+        rows.append(ratio_row(f"find_nonfinite, {what}: second call", pair, 1.3))
 
     grad = jax.grad(loss)
     for what, handler in (
