@@ -37,7 +37,7 @@ from ._primitives import batched_sites, handling, probing, site_p
 from ._rewrite import per_state, trace_rewrite
 from ._scope import Handlers, Rewrite, Scope, Unbatched
 from ._site import CHECKPOINT_NAME, NotVarying, Site
-from ._walk import recomputed_only, sites_in, walk
+from ._walk import differentiated_names, recomputed_only, sites_in, walk
 
 _NOT_CALLABLE = "handle: the first argument must be a callable, got {fn!r}."
 _NOT_HANDLER = (
@@ -965,8 +965,11 @@ def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:
     arrays, the function's constants and the arrays among its arguments:
     done again, splicing nothing, where a handler changed a value in a
     region that was spliced (see `_rewrite.trace_rewrite`)."""
+    differentiated = frozenset()
+    if any(k[1] == CHECKPOINT_NAME for k in traced.sites):
+        differentiated = differentiated_names(traced.jaxpr)
     for splice in (True, False):
-        info, rewrite = {}, Rewrite(splice=splice)
+        info, rewrite = {}, Rewrite(splice=splice, differentiated=differentiated)
 
         def rewritten(front, run_in, rewrite=rewrite, info=info):
             handlers = _merge(front, config.static, config.treedef)

@@ -9,6 +9,7 @@ Calls are traced once, on the scope they are in; loops and branches as
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -499,8 +500,23 @@ def _checkpoint_name_rule(eqn, invals, scope: Scope) -> list[Any]:
     """Handlers act on a `checkpoint_name` as on a tag, and the name stays on
     the value they leave: remat policies that select by name keep working, and
     handlers further out see it again."""
-    leaves, _ = _act(site_of(eqn, scope.shards), list(invals), scope)
+    site = site_of(eqn, scope.shards)
+    leaves, _ = _act(site, list(invals), scope)
+    key = site.kind, site.collection, site.name, site.part
+    changed = any(map(operator.is_not, leaves, invals))
+    if changed and key in scope.rewrite.differentiated:
+        raise ValueError(_CHANGED_DIFFERENTIATED.format(name=site.name))
     return _bind(eqn, leaves)
+
+
+_CHANGED_DIFFERENTIATED = (
+    "A handler changes the checkpoint_name {name!r}, which a `jax.grad` (or "
+    "`jax.jvp`) inside the handled function differentiates: JAX differentiated "
+    "the program before the handler changed the value, so its derivative would "
+    "be the old value's. Differentiate the handled function instead "
+    "(`jax.grad(lambda x: fx.handle(f, ...)(x)[0])`), or mark the value with "
+    "`fx.tag`, whose derivative follows what a handler does to it."
+)
 
 
 #

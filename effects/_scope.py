@@ -163,6 +163,9 @@ class Rewrite:
     # The jaxprs of the calls rewritten so far, by `_jaxpr.structure` (see
     # `_rules._call_rule`).
     jaxprs: dict = dataclasses.field(default_factory=dict)
+    # The `checkpoint_name`s JAX differentiated before the rewrite (see
+    # `_walk.differentiated_names`): a handler may look at them, not change them.
+    differentiated: frozenset = frozenset()
 
     def check_orders(self, scope: Scope) -> None:
         """Refuses a call number `_counted` found by order where that order

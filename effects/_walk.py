@@ -13,7 +13,7 @@ import jax
 
 from . import _compat, _jaxpr
 from ._primitives import handling, site_p
-from ._site import Site, checkpoint_name_params
+from ._site import CHECKPOINT_NAME, Site, checkpoint_name_params
 
 Key = tuple[str, str, str, str]  # (kind, collection, name, part)
 
@@ -158,3 +158,24 @@ def traced(fn, *args):
     carrying their effect, so that none is dropped as unused."""
     with handling(True):
         return jax.make_jaxpr(fn)(*args).jaxpr
+
+
+def differentiated_names(jaxpr) -> frozenset[Key]:
+    """The `checkpoint_name`s of `jaxpr` that JAX's differentiation went
+    through (a `jax.grad` or `jax.jvp` inside the handled function): the
+    name's equation, one around it, or one reading its value (a loop's
+    invariant part JAX moved out) was made by a JVP, as its name stack says
+    (`jvp(...)`). A tag carries its derivative; a name does not."""
+    found = set()
+    for s in walk(jaxpr).sites:
+        if s.key[1] != CHECKPOINT_NAME or s.key in found:
+            continue
+        holder = s.path[-1].jaxpr if s.path else jaxpr
+        out = s.eqn.outvars[0]
+        readers = (e for e in holder.eqns if any(v is out for v in e.invars))
+        if any(
+            "jvp(" in str(_compat.name_stack(e))
+            for e in (*(r.eqn for r in s.path), s.eqn, *readers)
+        ):
+            found.add(s.key)
+    return frozenset(found)

@@ -334,3 +334,47 @@ def test_checkpoint_name_under_remat3_is_a_site():
         assert "cn" in listing and "RematTraced" in listing
         with pytest.raises(ValueError, match=r"'cn'.*`RematTraced`.*jax_remat3"):
             fx.handle(wrapped, fx.Tag(CN))(x)
+
+
+def _loss_in_a_scan(x):
+    def body(c, _):
+        h = checkpoint_name(jnp.sin(x), "h")  # (loop-invariant: JAX moves it out)
+        return c + jnp.sum(h * h), None
+
+    return jax.lax.scan(body, 0.0, None, length=2)[0]
+
+
+@pytest.mark.parametrize(
+    "differentiate",
+    [
+        jax.grad,
+        lambda f: jax.jit(jax.grad(f)),
+        lambda f: jax.grad(jax.jit(f)),
+        lambda f: lambda x: jax.jvp(f, (x,), (jnp.ones_like(x),))[1],
+    ],
+    ids=["grad", "jit-grad", "grad-jit", "jvp"],
+)
+@pytest.mark.parametrize("loss", ["plain", "scan"])
+def test_changing_a_name_a_grad_inside_differentiates_is_refused(differentiate, loss):
+    # (the derivative was JAX's before the handler changed the value: it gave
+    # the new value times the old derivative, where `jax.grad(handle(f))`
+    # gives zero)
+    def plain(x):
+        h = checkpoint_name(jnp.sin(x), "h")
+        return jnp.sum(h * h)
+
+    f = {"plain": plain, "scan": _loss_in_a_scan}[loss]
+    x = jnp.array([0.3, 0.7])
+    ones = fx.Substitute({"h": jnp.ones(2)}, collection=CN)
+    with pytest.raises(ValueError, match="changes the checkpoint_name 'h'.*jax.grad"):
+        fx.handle(differentiate(f), ones)(x)
+    # what the error points to: differentiating the handled function
+    g = differentiate(lambda x: fx.handle(f, ones)(x)[0])(x)
+    np.testing.assert_allclose(g, np.zeros(2))
+    # a handler that looks is not refused, and the derivative is JAX's
+    out, found = fx.handle(differentiate(f), fx.Tag(CN, mode="last"))(x)
+    np.testing.assert_allclose(out, differentiate(f)(x), rtol=1e-6)
+    np.testing.assert_allclose(found[CN]["h"], np.sin(x), rtol=1e-6)
+    # nor is a change where nothing is differentiated
+    out, _ = fx.handle(f, ones)(x)
+    np.testing.assert_allclose(out, 2.0 * {"plain": 1, "scan": 2}[loss])
