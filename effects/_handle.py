@@ -100,14 +100,6 @@ _CONSUMED_BEFORE = (
     "handler's `names`, or handle in two steps: "
     "`fx.handle(fx.handle(f, {before_type}(...)), {handler}(...))`."
 )
-_ALL_CONSUMED_BEFORE = (
-    "{handler} matches no site left: every one it matches (the {kind} {name!r} "
-    "of collection {collection!r} among them) is consumed by {before}, which comes "
-    "before it in the same `fx.handle`: handlers act in order and the first "
-    "that matches a site consumes it. Narrow the earlier handler's `names`, or "
-    "handle in two steps: "
-    "`fx.handle(fx.handle(f, {before_type}(...)), {handler}(...))`."
-)
 _CONSUMED_INSIDE = (
     "{handler}: {where} is reported by a handler of the `fx.handle` inside "
     "this one, which consumes it: the first handler that matches a site "
@@ -449,9 +441,7 @@ def _check_names(traced: _Traced, handlers) -> None:
     for i, h in enumerate(handlers):
         select = h.matches
         exact, globs = select.required() if isinstance(select, Select) else ((), ())
-        # (a handler that names none must still see a site it matches, when
-        # one that consumes comes before it)
-        if not (exact or globs or any(map(_consumes, handlers[:i]))):
+        if not (exact or globs):
             continue
         if probes is None:
             probes = [Site.probe(*s) for s in sorted(sites)]
@@ -477,13 +467,9 @@ def _check_names(traced: _Traced, handlers) -> None:
             )
 
         # Each name must exist, and a filter of glob patterns alone select a
-        # site, so a pattern with a typo is not an empty `found`. A handler
-        # naming none matches what it matches, and that must not all be gone.
-        names = exact or ((globs,) if globs else (None,))
-        for name in names:
+        # site, so a pattern with a typo is not an empty `found`.
+        for name in exact or (globs,):
             mine = [p for p in probes if _named(p, name) and h.matches(p)]
-            if name is None and not mine:
-                break  # (nothing to see: no error, as in a handle of its own)
             if not mine:
                 raise ValueError(_unknown_name(h, name, probes, consumer))
             if all(consumer(p) is not None for p in mine):
@@ -496,9 +482,8 @@ def _check_names(traced: _Traced, handlers) -> None:
                         )
                     )
                 before = type(handlers[j]).__name__
-                template = _CONSUMED_BEFORE if name else _ALL_CONSUMED_BEFORE
                 raise ValueError(
-                    template.format(
+                    _CONSUMED_BEFORE.format(
                         before=f"{before} (handler {j})",
                         before_type=before,
                         handler=type(h).__name__,
@@ -585,11 +570,8 @@ def _kind(kind: str) -> str:
     return "tag" if kind == "tag" else "perturb site"
 
 
-def _named(site: Site, name: str | tuple[str, ...] | None) -> bool:
-    """Whether `site` is named `name`, or matches one of the glob patterns
-    (any name, for None: a handler that names none)."""
-    if name is None:
-        return True
+def _named(site: Site, name: str | tuple[str, ...]) -> bool:
+    """Whether `site` is named `name`, or matches one of the glob patterns."""
     if isinstance(name, tuple):
         return any(fnmatch.fnmatchcase(site.name, g) for g in name)
     return site.name == name

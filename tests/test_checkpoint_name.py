@@ -239,26 +239,6 @@ def test_a_name_an_earlier_handler_consumes_is_an_error_that_says_so():
     with pytest.raises(ValueError, match="no tag named 'x'.*Known names: 'k'"):
         fx.handle(f, fx.Tag(names="h"), fx.Substitute({"x": 1.0}))(0.5)
 
-    # A handler that names none, all of whose sites an earlier one consumed
-    # (a user handler, then `Stats()`): the same error, not an empty report.
-    class Count(fx.Handler):
-        mode = "sum"
-
-        def apply(self, site, value, ctx):
-            ctx.emit(jnp.int32(1))
-            return value
-
-    with pytest.raises(
-        ValueError, match=r"Stats matches no site left.*consumed by Count \(handler 0\)"
-    ):
-        fx.handle(f, Count(), fx.Stats())(0.5)
-    # what it matches that is left, it reports; with nothing to match, nothing
-    _, found = fx.handle(f, fx.Tag(names="h"), fx.Stats())(0.5)
-    np.testing.assert_allclose(found["intermediates"]["h"][0], np.sin(0.5))
-    (k,) = found["intermediates"]["k"]
-    assert (float(k["min"]), float(k["max"]), int(k["nan_count"])) == (0.5, 0.5, 0)
-    assert fx.handle(lambda x: x, Count(), fx.Stats())(0.5)[1] == {"intermediates": {}}
-
 
 @pytest.mark.parametrize("mark", [fx.tag, fx.perturb])
 def test_the_checkpoint_name_collection_is_reserved(mark):
