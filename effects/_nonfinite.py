@@ -616,7 +616,7 @@ def _finding(value) -> jax.Array:
     return lax.bitwise_or(made_nan, made_inf)
 
 
-def _nan_and_finite(tree) -> tuple[jax.Array, jax.Array]:
+def _nan_and_finite(tree) -> tuple[Any, Any]:  # (bool arrays, or NumPy bools)
     """Whether an inexact leaf of `tree` holds a NaN, and whether all are
     finite: from the largest magnitude of each leaf, NaN where it holds one
     (XLA's maximum propagates it), else Inf where it holds one. One reduction
