@@ -1811,3 +1811,41 @@ def test_a_handled_function_returns_the_weak_type_jax_returns(handler, reference
             assert (got.dtype, got.weak_type) == (want.dtype, want.weak_type)
             assert float(got) == float(want)
             assert (jnp.ones(2, jnp.bfloat16) * got).dtype == jnp.bfloat16
+
+
+def test_a_strict_handler_of_a_name_reported_twice_in_a_while_body_is_refused():
+    # (fuzz_strict_name_twice_in_while: the property's oracle expected the
+    # while loop's refusal; the refusal that applies first is that the body
+    # reports the name twice, which a strict handler cannot collect either)
+    from jax.ad_checkpoint import checkpoint_name
+
+    class Strict(fx.Handler):
+        mode = "strict"
+
+        @property
+        def matches(self):
+            return fx.Select(frozenset({"n3"}), collection="checkpoint_name")
+
+        def apply(self, site, value, ctx):
+            ctx.emit(value)
+            return value
+
+    def f(x):
+        def inner(v, i):
+            v = checkpoint_name(v, "n3")
+            v = checkpoint_name(v, "n3")  # the same name twice in one execution
+            return checkpoint_name(v, "n4")
+
+        def body(s):
+            i, v = s
+            return i + 1, jnp.sin(jax.jit(inner)(v, i))
+
+        return lax.while_loop(lambda s: s[0] < 2, body, (jnp.int32(0), x))[1]
+
+    with pytest.raises(ValueError, match="'n3'.*executed more than once.*'append'"):
+        fx.handle(f, Strict())(jnp.ones(3))
+    out, found = fx.handle(f, fx.Tag("checkpoint_name", names="n3", mode="last"))(
+        jnp.ones(3)
+    )
+    np.testing.assert_allclose(out, f(jnp.ones(3)))
+    np.testing.assert_allclose(found["checkpoint_name"]["n3"], jnp.sin(jnp.ones(3)))
