@@ -397,14 +397,7 @@ def find_nonfinite(
     if message is None:
         # (no tag is non-finite: the operations are searched where the output
         # or the gradient shows something to explain)
-        finite, dynamic = eager_cached(
-            ("find_nonfinite results", backward),
-            fn,
-            args,
-            kwargs,
-            functools.partial(_results, backward),
-        )
-        if all(finite(dynamic)):
+        if all(_finite_results(fn, args, kwargs, backward)):
             return None
         return _tap_search(fn, args, kwargs, backward)
     code, *n = message.split(_CODE)[1].split()[0].split(":")
@@ -550,7 +543,7 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dyna
         errors = (err, backward_checked(dynamic)[0]) if backward else (err,)
         return errors, found
 
-    return listed, keys, jax.jit(check, compiler_options=_NO_FUSION)
+    return listed, keys, jax.jit(check, compiler_options=_RUN_ONCE)
 
 
 # Compiled without XLA's fusion pass. On CPU it copies a chain of cheap
@@ -566,7 +559,7 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dyna
 # not pay back: the search of a 2-block GPT (width 64) took 9.4 s, 7.2 s
 # without them. Neither changes what an operation computes (fast math stays
 # off).
-_NO_FUSION = {
+_RUN_ONCE = {
     "xla_disable_hlo_passes": "fusion",
     "xla_backend_optimization_level": 0,
     "xla_llvm_disable_expensive_passes": True,
@@ -724,6 +717,19 @@ def _scalar(out):
     return out
 
 
+def _finite_results(fn, args, kwargs, backward: bool) -> list[bool]:
+    """Whether the output is finite, and with `backward` the gradient
+    `_passes` checks too: one compiled run, cached as the checks are."""
+    finite, dynamic = eager_cached(
+        ("find_nonfinite results", backward),
+        fn,
+        args,
+        kwargs,
+        functools.partial(_results, backward),
+    )
+    return [bool(ok) for ok in finite(dynamic)]
+
+
 def _results(backward: bool, call, dynamic):
     """`finite(dynamic)`, jitted: whether the output is finite, and with
     `backward` the gradient `_passes` checks too."""
@@ -744,7 +750,7 @@ def _results(backward: bool, call, dynamic):
 
 def _tap_check(backward: bool, call, dynamic):
     """`(listed, check)`: per pass, its taps' `SiteInfo`s by name, and
-    `check(dynamic) -> (errors, counters, results)` per pass, jitted."""
+    `check(dynamic) -> (errors, counters)` per pass, jitted."""
     from jax.experimental import checkify  # (see `_nonfinite_check`)
 
     listed, checked = [], []
@@ -764,15 +770,14 @@ def _tap_check(backward: bool, call, dynamic):
         checked.append(checkify.checkify(run, errors=checkify.user_checks))
 
     def check(dynamic):
-        errors, counters, results = [], [], []
+        errors, counters = [], []
         for run in checked:
-            err, (out, found) = run(dynamic)
+            err, (_, found) = run(dynamic)
             errors.append(err)
             counters.append(found)
-            results.append(_all_finite(out))
-        return errors, counters, results
+        return errors, counters
 
-    return listed, jax.jit(check, compiler_options=_NO_FUSION)
+    return listed, jax.jit(check, compiler_options=_RUN_ONCE)
 
 
 def _all_finite(tree) -> jax.Array:
@@ -805,7 +810,7 @@ def _tap_search(fn, args, kwargs, backward: bool) -> BadSite | None:
         (listed, check), dynamic = eager_cached(
             ("find_nonfinite taps", backward), fn, args, kwargs, make
         )
-        errors, counters, results = check(dynamic)
+        errors, counters = check(dynamic)
     except ValueError as e:
         if not any(m in str(e) for m in _EVERY_EXAMPLE):
             raise
@@ -814,7 +819,8 @@ def _tap_search(fn, args, kwargs, backward: bool) -> BadSite | None:
     messages = [err.get() for err in errors]
     failed = next(((i, m) for i, m in enumerate(messages) if m), None)
     if failed is None:
-        return _unexplained(args, kwargs, [bool(ok) for ok in results], backward)
+        finite = _finite_results(fn, args, kwargs, backward)
+        return _unexplained(args, kwargs, finite, backward)
     which, message = failed
     code = int(message.split(_CODE)[1].split()[0].split(":")[0])
     name = list(listed[which])[code]

@@ -516,7 +516,7 @@ def test_indexing_by_a_vmap_index_over_an_explicitly_sharded_batch_fails():
 
 def test_xla_fusion_copies_a_chain_into_each_of_its_values_a_program_returns():
     # docs/performance.md, "Many values of one chain" (`Tag()` of every step
-    # returns them all), and `effects._nonfinite._NO_FUSION`: with
+    # returns them all), and `effects._nonfinite._RUN_ONCE`: with
     # `backward=True`, `find_nonfinite` checks the cotangent of every tag, and
     # so reads every value of the backward pass's chain. On CPU, XLA's fusion
     # pass copies the chain of operations it deems cheap (`sin`, `add`,
