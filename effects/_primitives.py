@@ -78,6 +78,11 @@ class _SitePrimitive(Primitive):
                 params["every_branch"] = True
         return super().bind(*args, **params)
 
+    def is_high(self, *avals, **params) -> bool:
+        # (JAX's looks for a jaxpr among the params at every bind; a site's
+        # params hold none)
+        return False
+
 
 site_p = _SitePrimitive("effects_site")
 site_p.multiple_results = True
@@ -349,14 +354,19 @@ def _bind_site(fn: str, value, name, collection, kind):
         return leaves[0] if treedef is LEAF else jax.tree.unflatten(treedef, leaves)
     if _compat.folding_constants() and not any(map(_compat.is_tracer, leaves)):
         raise ValueError(_FOLDED.format(fn=fn, name=name, collection=collection))
-    params = dict(
+    # Bound with the effect, unmarked: `site_p.bind`'s checks, done here. (A
+    # site `tag` binds is never bound by a cond's batching rule: only one
+    # bound again from a branch's jaxpr is; see `_compat.in_every_branch`.)
+    outs = Primitive.bind(
+        site_p,
+        *leaves,
         name=name,
         collection=collection,
         kind=kind,
         treedef=treedef,
         batch=((),) * len(leaves),
+        effect=True,
     )
-    outs = site_p.bind(*leaves, **params)
     return outs[0] if treedef is LEAF else jax.tree.unflatten(treedef, outs)
 
 
