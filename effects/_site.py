@@ -115,7 +115,10 @@ class Site:
 
     def batch_sizes(self) -> tuple[int, ...]:
         """The sizes of the vmap batch axes the value has, outermost first."""
-        return tuple(size for _, size in self.batch[0]) if self.batch else ()
+        batch = self.batch
+        if not batch or not batch[0]:  # (most sites: under no vmap)
+            return ()
+        return tuple(size for _, size in batch[0])
 
     @property
     def nbatch(self) -> int:
