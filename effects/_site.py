@@ -51,7 +51,7 @@ def checkpoint_name_params(name: str) -> dict[str, Any]:
     )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Site:
     """A site as a handler sees it: one [`fx.tag`][effects.tag] or
     [`fx.perturb`][effects.perturb] call of the program (or a
@@ -88,6 +88,26 @@ class Site:
     # The number a value's site shares with its tangent's and cotangent's
     # (`_primitives._site_jvp`); None for a value nothing differentiates.
     pair: int | None = None
+
+    def __init__(
+        self,
+        name: str,
+        collection: str,
+        kind: str,
+        treedef: Any,
+        batch: tuple,
+        avals: tuple,
+        shards: tuple = (),
+        part: str = "value",
+        pair: int | None = None,
+    ):
+        # The fields set in one step: a frozen dataclass's own `__init__` sets
+        # them one by one, which costs twice as much, and a site is made at
+        # every execution the rewriter meets and for every check by name.
+        fields = {"name": name, "collection": collection, "kind": kind}
+        fields["treedef"], fields["batch"], fields["avals"] = treedef, batch, avals
+        fields["shards"], fields["part"], fields["pair"] = shards, part, pair
+        object.__setattr__(self, "__dict__", fields)
 
     @classmethod
     def from_eqn(cls, params, avals, shards=()) -> Site:
