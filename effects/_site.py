@@ -104,7 +104,7 @@ class Site:
         # The fields set in one step: a frozen dataclass's own `__init__` sets
         # them one by one, which costs twice as much, and a site is made at
         # every execution the rewriter meets and for every check by name.
-        fields = {"name": name, "collection": collection, "kind": kind}
+        fields: dict[str, Any] = {"name": name, "collection": collection, "kind": kind}
         fields["treedef"], fields["batch"], fields["avals"] = treedef, batch, avals
         fields["shards"], fields["part"], fields["pair"] = shards, part, pair
         object.__setattr__(self, "__dict__", fields)
