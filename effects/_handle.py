@@ -253,23 +253,20 @@ class _LRU:
                 del self.items[next(iter(self.items))]
 
 
-_SIZE = 64  # entries of each kind per function
+_SIZE = 256  # entries per function (traces, programs, wrappers, ... together)
 
 
-class _Cache:
-    """What is cached for one function, each kind in its own LRU so that one
-    kind filling up drops none of another."""
+class _Cache(_LRU):
+    """What is cached for one function, by kind and key: `("trace",
+    signature)` -> `_Traced`; `("program", (signature, handler configuration,
+    handlers' array types, handling state))` -> `_Program`; `("wrapper",
+    handler configuration)` -> the `_Handled` for those handlers; `("eager",
+    (signature, handler configuration))` -> the `Jitted` call used outside any
+    transformation; `(tool, signature)` -> what a tool made (`eager_cached`)."""
 
     def __init__(self, owner=None):
+        super().__init__(_SIZE)
         self.owner = id(owner)  # (see `_cache_for`)
-        self.traces = _LRU(_SIZE)  # argument signature -> `_Traced`
-        # (signature, handler configuration, handlers' array types) -> `_Program`
-        self.programs = _LRU(_SIZE)
-        self.wrappers = _LRU(_SIZE)  # handlers -> the `_Handled` for them
-        # (signature, handler configuration) -> the `Jitted` call used outside
-        # any transformation
-        self.eager = _LRU(_SIZE)
-        self.made = _LRU(_SIZE)  # what `eager_cached` made
 
 
 # Functions whose trace may be cached: their arrays are read when traced, as
@@ -280,10 +277,10 @@ class _Cache:
 _CACHEABLE = (types.FunctionType, functools.partial, type(jax.jit(lambda: None)))
 _CACHE = "_effects_cache"  # a function's `__dict__` entry holding its `_Cache`
 
-# Bound methods (a new object per attribute access) by function and object, and
-# Equinox modules by structure (see `_cache_for`).
-_per_method = _LRU(_SIZE)
-_per_module = _LRU(_SIZE)
+# The caches of bound methods (a new object per attribute access), by
+# `("method", (function, object))`, and of Equinox modules, by `("module",
+# structure)` (see `_cache_for`).
+_shared = _LRU(_SIZE)
 
 
 def _cache_for(fn) -> _Cache | None:
@@ -299,9 +296,9 @@ def _cache_for(fn) -> _Cache | None:
     if isinstance(fn, types.MethodType):
         if type(fn.__self__).__hash__ is object.__hash__:
             return None
-        table, key = _per_method, (fn.__func__, fn.__self__)
+        key = "method", (fn.__func__, fn.__self__)
     elif isinstance(fn, eqx.Module):
-        table, key = _per_module, _split(fn)[1:]
+        key = "module", _split(fn)[1:]
     elif isinstance(fn, _CACHEABLE):
         # Not a `weakref.WeakKeyDictionary` keyed by `fn`: the cache holds the
         # wrapper `handle` returns, which holds `fn` (`jax.jit` caches per
@@ -321,10 +318,10 @@ def _cache_for(fn) -> _Cache | None:
     # (hashed first: an empty table's `get` would not hash `key`)
     if _hashable(key) is None:  # unhashable after all (a field holding a list)
         return None
-    cache = table.get(key)
+    cache = _shared.get(key)
     if cache is None:
         cache = _Cache()
-        table.put(key, cache)
+        _shared.put(key, cache)
     return cache
 
 
@@ -1030,7 +1027,7 @@ def _program(
     key = None
     if sig is not None:
         key = (sig, config.cache_key, tuple(map(aval, h_leaves)), bool(handling.value))
-        program = cache.programs.get(key)
+        program = cache.get(("program", key))
         if program is not None:
             return program
     # The sites whose values a vmap inside `fn` batches although they do not
@@ -1072,7 +1069,7 @@ def _program(
     if key is not None and not any(
         map(_compat.is_tracer, [*program.consts, *traced.consts])
     ):
-        cache.programs.put(key, program)
+        cache.put(("program", key), program)
     return program
 
 
@@ -1081,11 +1078,11 @@ def _traced(cache: _Cache, fn, static, treedef, dynamic, sig, batched) -> _Trace
     `batched` batched by any vmap."""
     if sig is not None and batched:
         sig = (sig, batched)
-    traced = None if sig is None else cache.traces.get(sig)
+    traced = None if sig is None else cache.get(("trace", sig))
     if traced is None:
         traced = _trace(fn, static, treedef, dynamic, batched)
         if sig is not None and not any(map(_compat.is_tracer, traced.consts)):
-            cache.traces.put(sig, traced)
+            cache.put(("trace", sig), traced)
     return traced
 
 
@@ -1197,11 +1194,11 @@ class _Handled:
         # dispatch op by op (compiled anew when a static argument is unhashable).
         sig = _signature(static, treedef, dynamic)
         key = None if sig is None else (sig, self._config.cache_key)
-        jitted = None if key is None else self.cache.eager.get(key)
+        jitted = None if key is None else self.cache.get(("eager", key))
         if jitted is None:
             jitted = Jitted(apply)
             if key is not None:
-                self.cache.eager.put(key, jitted)
+                self.cache.put(("eager", key), jitted)
         return jitted(self._h_leaves, dynamic)
 
 
@@ -1222,10 +1219,10 @@ def _memoized(fn, handlers) -> _Handled:
     config, arrays = _Config.of(handlers)
     if config.key is None:  # an unhashable leaf that is not an array
         return _Handled(fn, handlers, cache, (config, arrays))
-    wrapper = cache.wrappers.get(config.key)
+    wrapper = cache.get(("wrapper", config.key))
     if wrapper is None:
         wrapper = _Handled(fn, handlers, cache, (config, arrays))
-        cache.wrappers.put(config.key, wrapper)
+        cache.put(("wrapper", config.key), wrapper)
     # Handlers holding arrays (`Perturb(deltas)`, `Substitute(values)`): a new
     # wrapper each call, since the arrays differ, sharing what is cached for
     # handlers that differ only in their arrays' values.
@@ -1263,11 +1260,11 @@ def eager_cached(what, fn, args, kwargs, make) -> tuple[Any, list[Any]]:
         return out[0] if nnx else out
 
     sig = None if cache is None else _signature(static, treedef, dynamic)
-    made = None if sig is None else cache.made.get((what, sig))  # pyright: ignore
+    made = None if sig is None else cache.get((what, sig))  # pyright: ignore
     if made is None:
         made = make(call, dynamic)
         if sig is not None:
-            cache.made.put((what, sig), made)  # pyright: ignore
+            cache.put((what, sig), made)  # pyright: ignore
     return made, dynamic
 
 

@@ -928,7 +928,7 @@ def test_methods_of_objects_whose_hash_fails_are_not_cached():
         def apply(self, x):
             return fx.tag(self.scales[0] * x, "h")
 
-    fx._handle._per_method.items.clear()
+    fx._handle._shared.items.clear()
     with pytest.raises(TypeError):
         hash(Listed([2.0]))
     for scale in (2.0, 3.0):
