@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -24,7 +23,7 @@ from ._site import (
     CHECKPOINT_NAME,
     Site,
 )
-from ._walk import site_of, walk
+from ._walk import NOT_YET, analysis, site_of, walk
 
 Rule = Callable[[Any, list[Any], Scope], list[Any]]
 # The rules for higher-order primitives, by primitive: `_rules` fills it (the
@@ -36,16 +35,13 @@ rules: dict[Any, Rule] = {}
 #
 
 
-_runs_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _plain_runs(jaxpr) -> dict[int, tuple[int, Any, list[Any]]]:
     """Each maximal run of equations holding no site (itself or in its
     sub-jaxprs: see `walk`), by its first equation: `(index after it, the run
     as a jaxpr, the variables it reads)`. Such equations are copied into the
     caller's trace as they are, never traced again."""
-    runs = _runs_cache.get(jaxpr)
-    if runs is None:
+    found = analysis(jaxpr)
+    if found.runs is NOT_YET:
         runs, per_eqn, i = {}, walk(jaxpr).per_eqn, 0
         while i < len(per_eqn):
             if per_eqn[i]:
@@ -57,11 +53,8 @@ def _plain_runs(jaxpr) -> dict[int, tuple[int, Any, list[Any]]]:
             part, part_in = _jaxpr.equations_jaxpr(jaxpr, i, stop)
             runs[i] = (stop, part, part_in)
             i = stop
-        _runs_cache[jaxpr] = runs
-    return runs
-
-
-_kept_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        found.runs = runs
+    return found.runs
 
 
 class _Kept(NamedTuple):
@@ -78,8 +71,9 @@ class _Kept(NamedTuple):
 
 def _kept(jaxpr) -> _Kept | None:
     """`jaxpr` as a `_Kept`, or None where it is not one."""
-    if jaxpr in _kept_cache:
-        return _kept_cache[jaxpr]
+    found = analysis(jaxpr)
+    if found.kept is not NOT_YET:
+        return found.kept
     hit, subst, eqns, sites = None, {}, [], []
     var = _compat.Var
 
@@ -105,7 +99,7 @@ def _kept(jaxpr) -> _Kept | None:
             break
     else:
         hit = _Kept(eqns, sites, read) if sites else None
-    _kept_cache[jaxpr] = hit
+    found.kept = hit
     return hit
 
 
@@ -542,16 +536,14 @@ def _state() -> tuple[bool, Any]:
     return bool(handling.value), probing.value
 
 
-_per_state_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def per_state(jaxpr):
     """`jaxpr`, traced in the current state, with the rule thunk of every
     custom_jvp/custom_vjp equation in it and its sub-jaxprs made one that gives
     each state its own trace of the rule."""
     birth = _state()
-    hit = _per_state_cache.get(jaxpr)
-    if hit is not None and hit[0] == birth:
+    found = analysis(jaxpr)
+    hit = found.per_state
+    if hit is not NOT_YET and hit[0] == birth:
         return jaxpr if hit[1] is None else hit[1]
     eqns = []
     for eqn in jaxpr.eqns:
@@ -570,7 +562,7 @@ def per_state(jaxpr):
         eqns.append(eqn if params is eqn.params else eqn.replace(params=params))
     changed = any(a is not b for a, b in zip(eqns, jaxpr.eqns))
     new = jaxpr.replace(eqns=eqns) if changed else None
-    _per_state_cache[jaxpr] = (birth, new)  # (None: the jaxpr itself, kept weakly)
+    found.per_state = (birth, new)  # (None: the jaxpr itself)
     return jaxpr if new is None else new
 
 

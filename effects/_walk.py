@@ -80,14 +80,43 @@ class _Walk(NamedTuple):
     primitives: frozenset  # of every equation, in sub-jaxprs too
 
 
-_walks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+NOT_YET = object()  # (a part of an `Analysis` not computed yet)
+
+
+class Analysis:
+    """What is read of one jaxpr, each part computed where first read and kept
+    as long as the jaxpr lives: its sites (`walk`), and the rewriter's views of
+    it (see `_rewrite`): the runs of its equations that hold no site
+    (`runs`), its equations as if each site kept its value (`kept`), and its
+    copy whose custom rules trace once per handling state (`per_state`). No
+    part holds the jaxpr itself, which the table keeps weakly."""
+
+    __slots__ = ("walk", "runs", "kept", "per_state")
+    walk: Any
+    runs: Any
+    kept: Any
+    per_state: Any
+
+    def __init__(self):
+        self.walk = self.runs = self.kept = self.per_state = NOT_YET
+
+
+_analyses: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def analysis(jaxpr) -> Analysis:
+    """`jaxpr`'s analysis, as far as it is computed."""
+    found = _analyses.get(jaxpr)
+    if found is None:
+        found = _analyses[jaxpr] = Analysis()
+    return found
 
 
 def walk(jaxpr) -> _Walk:
     """The sites of an open `jaxpr` and its sub-jaxprs."""
-    found = _walks.get(jaxpr)
-    if found is not None:
-        return found
+    known = analysis(jaxpr)
+    if known.walk is not NOT_YET:
+        return known.walk
     sites, per_eqn, primitives = [], [], set()
     for eqn in jaxpr.eqns:
         primitives.add(eqn.primitive)
@@ -103,7 +132,7 @@ def walk(jaxpr) -> _Walk:
             mine |= inner.keys
             primitives |= inner.primitives
         per_eqn.append(mine)
-    found = _walks[jaxpr] = _Walk(
+    found = known.walk = _Walk(
         tuple(sites),
         frozenset().union(*per_eqn),
         tuple(per_eqn),
