@@ -9,9 +9,9 @@ from ._debug import Statistics as Statistics
 from ._debug import Stats as Stats
 from ._debug import Summary as Summary
 from ._debug import summary as summary
+from ._grads import intermediate_grads as intermediate_grads
 from ._handle import Found as Found
 from ._handle import handle as handle
-from ._handle import intermediate_grads as intermediate_grads
 from ._handlers import (
     Append as Append,
 )

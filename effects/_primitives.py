@@ -166,7 +166,7 @@ def _site_transpose(cts, *args, **params):
         # A value site in a function `jax.linear_transpose` transposes: the
         # transposed program never computes the value. Marked, the identity on
         # the cotangents, so that a handler of it is refused by name
-        # (`_handle._check_transposed`) rather than find nothing.
+        # (`_checks._check_transposed`) rather than find nothing.
         cts = [ad.instantiate_zeros(c) for c in cts]
         return site_p.bind(*cts, **dict(params, transposed=True))
     n = len(args) // 2

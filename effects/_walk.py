@@ -175,7 +175,7 @@ def recomputes(eqn) -> bool:
     "Staged eqn is same as input eqn"): its sites keep the `forward` marks an
     earlier partial evaluation gave them, and tell nothing. A region holding
     no other `forward` site has JAX's mark alone to go by: it is taken for a
-    recomputation (`_handle._check_recomputed_only` refuses a handler that
+    recomputation (`_checks._check_recomputed_only` refuses a handler that
     would then report a site none of whose copies it takes for its own)."""
     if eqn.primitive is not _compat.remat_p or not eqn.params.get("differentiated"):
         return False
