@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, ParamSpec
+from typing import Any
 
 import jax
 import numpy as np
 
 from . import _compat
-from ._handle import Found, Jitted, eager_cached, functional, handle
+from ._handle import Found, Jitted, P, eager_cached, functional, handle
 from ._handlers import Names, Perturb
 from ._site import NotVarying
-
-P = ParamSpec("P")  # (named as users read them in `handle`'s signature)
-
 
 _NO_SITES = {
     "perturb": (

@@ -354,19 +354,17 @@ def _bind_site(fn: str, value, name, collection, kind):
         return leaves[0] if treedef is LEAF else jax.tree.unflatten(treedef, leaves)
     if _compat.folding_constants() and not any(map(_compat.is_tracer, leaves)):
         raise ValueError(_FOLDED.format(fn=fn, name=name, collection=collection))
-    # Bound with the effect, unmarked: `site_p.bind`'s checks, done here. (A
-    # site `tag` binds is never bound by a cond's batching rule: only one
-    # bound again from a branch's jaxpr is; see `_compat.in_every_branch`.)
-    outs = Primitive.bind(
-        site_p,
-        *leaves,
+    params = dict(
         name=name,
         collection=collection,
         kind=kind,
         treedef=treedef,
         batch=((),) * len(leaves),
-        effect=True,
     )
+    # Bound with the effect, unmarked: `site_p.bind`'s checks, done here. (A
+    # site `tag` binds is never bound by a cond's batching rule: only one
+    # bound again from a branch's jaxpr is; see `_compat.in_every_branch`.)
+    outs = bind_site(leaves, params, True)
     return outs[0] if treedef is LEAF else jax.tree.unflatten(treedef, outs)
 
 

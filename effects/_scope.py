@@ -647,7 +647,7 @@ def act(
         init = functools.partial(_acc_init, mode, site, sizes)
         acc = scope.acc(key, init, sizes)
         extra = len(scope.acc_batch[key]) - len(sizes)
-    axes = tuple(f"effects_example_{i}" for i in range(len(sizes))) if sizes else ()
+    axes = tuple(f"effects_example_{i}" for i in range(len(sizes)))
     at = _counted(scope, index, site, key, within)
     same: list[bool] = []
 
