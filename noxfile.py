@@ -39,8 +39,11 @@ JAX_MINORS = {
 # minor is one `nox -s "tests_jax(0.9)"` away.
 _IN_CI = ("0.8", "0.11")
 
-# .ci/run runs `nox -s tests`, then every session tagged CI (`nox -t ci`).
+# .ci/run runs `nox -s tests`, then every session tagged `ci` (`nox -t ci`), one
+# after the other, then those tagged `ci-one-core` two at a time: each runs one
+# process, and CI has two cores.
 CI = ["ci"]
+CI_ONE_CORE = ["ci-one-core"]
 
 
 _VERSIONS = """
@@ -57,17 +60,23 @@ _REPEAT = {"EFFECTS_LEAK_CHECKS": "0", "EFFECTS_FUZZ_EXAMPLES": "6"}
 
 # What the sessions that repeat the library's tests on other versions leave to
 # `tests` (the newest JAX and jax 0.10, the two ends): the docs' pages and
-# notebooks, the repro scripts of real code and the two-process run. They call
-# the public API the library's tests check on every version; run everywhere,
-# they took a third of each repeat's time, and CI's 40 minutes were past.
+# notebooks, the repro scripts of real code, the two-process run, and the tests
+# marked `slow` (end-to-end runs of real models and solvers, the generators'
+# coverage). They call the public API the library's tests check on every
+# version; run everywhere, they took half of each repeat's time, and CI's 40
+# minutes were past.
 _ENDS_ONLY = [
-    f"--ignore=tests/{name}"
-    for name in (
-        "test_docs.py",
-        "test_notebooks.py",
-        "test_repros.py",
-        "test_multiprocess.py",
-    )
+    *(
+        f"--ignore=tests/{name}"
+        for name in (
+            "test_docs.py",
+            "test_notebooks.py",
+            "test_repros.py",
+            "test_multiprocess.py",
+        )
+    ),
+    "-m",
+    "not slow",
 ]
 
 
@@ -85,8 +94,12 @@ def tests(session: nox.Session) -> None:
     """The test suite on the newest JAX each Python resolves to (CPU), with
     JAX's tracer-leak checking on the oldest Python."""
     session.install("-e", ".[test]")
-    leaks = "1" if session.python == PYTHONS[0] else "0"
-    _pytest(session, EFFECTS_LEAK_CHECKS=leaks)
+    if session.python == PYTHONS[0]:
+        # (the generated programs in full on the newest JAX; here, as where the
+        # suite repeats, the first of them)
+        _pytest(session, EFFECTS_LEAK_CHECKS="1", EFFECTS_FUZZ_EXAMPLES="6")
+    else:
+        _pytest(session, EFFECTS_LEAK_CHECKS="0")
 
 
 @nox.session
@@ -149,22 +162,29 @@ def cuda(session: nox.Session) -> None:
     _pytest(session, workers="0", JAX_PLATFORMS="cuda,cpu", **_REPEAT)
 
 
-@nox.session(python="3.11", tags=CI)
-def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check."""
-    session.install("-e", ".[lint,flax]")
-    session.run("ruff", "check", ".")
-    session.run("ruff", "format", "--check", ".")
+# The sessions CI runs two at a time, longest first: .ci/run starts them in
+# the order they are defined here.
 
 
-@nox.session(python="3.11", tags=CI)
-def typecheck(session: nox.Session) -> None:
-    """pyright on effects/."""
-    session.install("-e", ".[lint,flax]")
-    session.run("pyright", "--pythonpath", f"{session.virtualenv.location}/bin/python")
+@nox.session(python="3.11", tags=CI_ONE_CORE)
+def bench_smoke(session: nox.Session) -> None:
+    """Every benchmark's smallest case once, its values checked (no timing)."""
+    session.install("-e", ".[flax]")
+    session.run("python", "benchmarks/run_all.py", "--smoke")
 
 
-@nox.session(python="3.11", tags=CI)
+@nox.session(python="3.11", tags=CI_ONE_CORE)
+def examples(session: nox.Session) -> None:
+    """Run every script in examples/."""
+    session.install("-e", ".[test,plot]")
+    scripts = sorted(p for p in _glob("examples/*.py"))
+    if not scripts:
+        session.error("no scripts in examples/")
+    for script in scripts:
+        session.run("python", script)
+
+
+@nox.session(python="3.11", tags=CI_ONE_CORE)
 def docs(session: nox.Session) -> None:
     """Build the docs strictly and run every notebook."""
     session.install("-e", ".[docs,test,notebooks]")
@@ -183,22 +203,19 @@ def docs(session: nox.Session) -> None:
     session.run("pytest", "-n", "auto", "tests/test_notebooks.py", *session.posargs)
 
 
-@nox.session(python="3.11", tags=CI)
-def examples(session: nox.Session) -> None:
-    """Run every script in examples/."""
-    session.install("-e", ".[test,plot]")
-    scripts = sorted(p for p in _glob("examples/*.py"))
-    if not scripts:
-        session.error("no scripts in examples/")
-    for script in scripts:
-        session.run("python", script)
+@nox.session(python="3.11", tags=CI_ONE_CORE)
+def typecheck(session: nox.Session) -> None:
+    """pyright on effects/."""
+    session.install("-e", ".[lint,flax]")
+    session.run("pyright", "--pythonpath", f"{session.virtualenv.location}/bin/python")
 
 
-@nox.session(python="3.11", tags=CI)
-def bench_smoke(session: nox.Session) -> None:
-    """Every benchmark's smallest case once, its values checked (no timing)."""
-    session.install("-e", ".[flax]")
-    session.run("python", "benchmarks/run_all.py", "--smoke")
+@nox.session(python="3.11", tags=CI_ONE_CORE)
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check."""
+    session.install("-e", ".[lint,flax]")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
 
 
 # Not among the default sessions: run it with `nox -s bench` (`-- --quick` for a

@@ -42,7 +42,11 @@ _LEAKS_CHECKED_ELSEWHERE = {
 
 @pytest.fixture(autouse=True)
 def _leak_checks_where_they_find(request):
-    if request.path.name in _LEAKS_CHECKED_ELSEWHERE:
+    # (a `slow` test, an end-to-end run of a model, calls what the library's
+    # own tests check, on a larger program: leak-checked, it cost twice as
+    # much; one that needs the checker turns it on itself)
+    slow = request.node.get_closest_marker("slow") is not None
+    if slow or request.path.name in _LEAKS_CHECKED_ELSEWHERE:
         with no_leak_checks():
             yield
     else:

@@ -87,6 +87,7 @@ def test_stats_per_example_under_vmap_in_either_order():
         assert_stats(entry, values["h"][0][b])
 
 
+@pytest.mark.slow
 def test_stats_over_the_whole_batch():
     # Per token (two vmaps, as an Equinox model's over tokens) and in a scan:
     # per_example=False summarises each execution over all examples at once.
@@ -136,6 +137,7 @@ def test_stats_over_the_whole_batch():
         )
 
 
+@pytest.mark.slow
 def test_summary_combines_the_examples_of_stats_exactly():
     # Per example under two vmaps and a scan, with NaNs and Infs in some
     # examples only, and an example with no finite value at all: the combined
@@ -766,6 +768,7 @@ def test_find_nonfinite_backward_the_example_of_its_docstring_and_errors():
         fx.find_nonfinite(lambda x: fx.tag(x, "t"), x, backward=True)
 
 
+@pytest.mark.slow
 def test_models_as_arguments_equinox_and_nnx():
     # An Equinox module holds functions among its leaves: they stay static.
     mlp = fx.tag_modules(eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(0)))
@@ -932,6 +935,7 @@ def test_find_nonfinite_of_equinox_models_compiles_once():
     assert bool(jnp.all(jnp.isfinite(models[2](x))))
 
 
+@pytest.mark.slow
 def test_find_nonfinite_backward_of_an_equinox_model_argument_compiles_once():
     # `find_nonfinite(loss, model, x, backward=True)` again with a new x, or a
     # new model of the same structure: nothing traced or compiled again.

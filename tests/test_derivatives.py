@@ -733,6 +733,7 @@ def _sum_squares(model, x, delta=None):
     return jnp.sum(jnp.tanh(model(x, delta)) ** 2)
 
 
+@pytest.mark.slow
 def test_every_layer_of_an_equinox_transformer():
     # Full float32 matmuls: a GPU's default (TF32) rounds the two programs
     # compared below differently, beyond the tolerance.
@@ -760,6 +761,7 @@ def test_every_layer_of_an_equinox_transformer():
         assert_trees_close(jax.tree.leaves(by_filter), jax.tree.leaves(want))
 
 
+@pytest.mark.slow
 def test_every_layer_of_a_flax_nnx_model():
     nnx = pytest.importorskip("flax.nnx")
 
@@ -796,6 +798,7 @@ def test_every_layer_of_a_flax_nnx_model():
     assert_trees_close(cotangents["norm"], (by_hand,), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_an_optax_step_with_a_patched_layer():
     optax = pytest.importorskip("optax")
     params = list(jax.random.normal(jax.random.key(0), (4, 8, 8)) / np.sqrt(8))
@@ -893,6 +896,7 @@ def test_a_looking_handler_of_a_residual_optimistix_linearizes(solver):
     assert_trees_close(found["intermediates"]["r"], seen[-1])
 
 
+@pytest.mark.slow
 def test_cotangents_inside_a_diffrax_solve():
     # The solve's loop is a custom_vjp whose backward rule recomputes the
     # forward steps (checkpointed) and runs their VJPs in a loop: the

@@ -555,12 +555,14 @@ assert len(found) == len(expected), "reported more than was patched"
 )
 
 
+@pytest.mark.slow
 def test_the_snapshot_sees_patches_and_nothing_else():
     result = run_fresh(_DETECTOR_SCRIPT)
     if result.returncode != 0:
         pytest.fail(result.stdout + result.stderr, pytrace=False)
 
 
+@pytest.mark.slow
 def test_jax_stays_untouched():
     result = run_fresh(_EFFECTS_SCRIPT)
     if result.returncode != 0:
@@ -857,6 +859,7 @@ def _variants():
     ]
 
 
+@pytest.mark.slow
 def test_no_stale_program_for_changed_handlers_dtype_shape_or_static_arguments():
     variants = _variants()
     base = variants[0]
@@ -1034,6 +1037,7 @@ def _handle_many_shapes() -> weakref.ref:
     return weakref.ref(big)
 
 
+@pytest.mark.slow
 def test_caches_keep_no_dead_function_alive():
     ref = _handle_many_shapes()
     gc.collect()

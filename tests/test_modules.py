@@ -385,6 +385,7 @@ def _captured(tree, prefix=()):
     return out
 
 
+@pytest.mark.slow
 def test_linen_names_and_values_match_capture_intermediates():
     model = CNN()
     x = jnp.linspace(0.0, 1.0, 2 * 5 * 5).reshape(2, 5, 5, 1)

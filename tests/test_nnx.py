@@ -134,6 +134,7 @@ def test_a_method_bound_to_a_module():
     assert_trees_close(found, {"intermediates": {"lin": (plain.features(X),)}})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jit", [False, True])
 def test_inside_nnx_grad_a_training_loop_matches_the_plain_one(jit):
     # The pattern the docs show: handle inside nnx.value_and_grad. Two steps

@@ -104,6 +104,7 @@ def _loss(model, x):
     return jnp.sum(model(x) ** 2)
 
 
+@pytest.mark.slow
 def test_c_an_equinox_mlp_whose_block_3_takes_sqrt_of_zero():
     model, x = _mlp(), jnp.ones(4)
     grads = jax.jit(jax.grad(_loss))(model, x)
@@ -207,6 +208,7 @@ def _field(t, y, args):
     return -args * jnp.sqrt(y)
 
 
+@pytest.mark.slow
 def test_diffrax_backward_nan_and_a_finite_solve():
     diffrax = pytest.importorskip("diffrax")
 
@@ -230,6 +232,7 @@ def _diffrax_cases(solve):
     assert "checkpointed-bwd" in bad.name  # (diffrax's backward pass)
 
 
+@pytest.mark.slow
 def test_an_nnx_model_backward():
     nnx = pytest.importorskip("flax.nnx")
 

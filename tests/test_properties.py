@@ -2311,6 +2311,7 @@ def test_a_batched_cond_in_a_kept_cond_is_refused_under_vmap():
         fx.handle(jax.vmap(f, in_axes=(0, None)), fx.Tag())(xs, k)
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=min(EXAMPLES, 3))
 @given(programs())
 def test_rewriting_generated_programs_leaks_no_tracer(program):
@@ -4179,6 +4180,7 @@ def _with_infos(programs_, handlers):
     )
 
 
+@pytest.mark.slow
 def test_the_handler_generator_covers_every_part():
     """A sample of `user_handlers`' draws holds every matcher, transform,
     emission, mode, target collection, and both spellings and consumes;
@@ -4431,6 +4433,7 @@ def test_at_under_a_derivative_of_a_function_called_several_times(
         assert_close(outside, want, rtol=2e-5, what=f"{transform}(handle(f))")
 
 
+@pytest.mark.slow
 def test_the_generator_covers_every_construct():
     """A sample of the generator's programs holds every node kind, shared names,
     data and index predicates, every collection, checkpoint policies,

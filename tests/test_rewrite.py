@@ -895,6 +895,7 @@ def test_jax_leak_checker_false_report():
         jax.grad(f)(jnp.ones((2, 2)))
 
 
+@pytest.mark.slow
 def test_jax_leak_checker_false_report_in_a_differentiated_shard_map():
     # JAX alone: an effect that depends on a tangent (a `jax.debug.print` in a
     # custom_jvp rule), in a `shard_map` under `grad`, is reported as a leak
@@ -1227,13 +1228,15 @@ def _evaluates_a_site(interpreted) -> bool:
 @pytest.mark.parametrize(
     "handlers",
     [
-        (fx.Tag(),),
-        (fx.Stats(),),
-        (fx.Tag(mode="sum"),),
-        (fx.Tag(names="h"), fx.Stats()),
-        (_Doubles(),),
+        pytest.param((fx.Tag(),), id="tag"),
+        # (each compiles seven statistics of every site, under `enable_checks`)
+        pytest.param((fx.Stats(),), id="stats", marks=pytest.mark.slow),
+        pytest.param((fx.Tag(mode="sum"),), id="sum"),
+        pytest.param(
+            (fx.Tag(names="h"), fx.Stats()), id="tag-then-stats", marks=pytest.mark.slow
+        ),
+        pytest.param((_Doubles(),), id="changes-the-value"),
     ],
-    ids=["tag", "stats", "sum", "tag-then-stats", "changes-the-value"],
 )
 def test_a_program_whose_handlers_keep_its_values_is_not_traced_again(
     handlers, where, monkeypatch

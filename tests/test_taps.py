@@ -230,6 +230,7 @@ def test_intervene_at_the_input_of_a_log_recovers_the_loss():
     assert_trees_close(out, jnp.sum(jnp.log(fixed)))
 
 
+@pytest.mark.slow
 def test_stats_of_every_matmul_of_an_unedited_model():
     model = eqx.nn.MLP(3, 2, width_size=5, depth=2, key=jax.random.key(0))
     x = jnp.array([0.1, -0.2, 0.3])
