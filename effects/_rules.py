@@ -189,15 +189,6 @@ def _entering(scope: Scope, key: Key):
     return None if found is None else (types_key(found[0]), found[1])
 
 
-def _flat(trees) -> list[Any]:
-    return jax.tree.leaves(list(trees))
-
-
-def _unflat(trees, leaves) -> list[Any]:
-    """The trees shaped like `trees`, from the leaves `_flat` gives."""
-    return jax.tree.structure(list(trees)).unflatten(leaves)
-
-
 #
 # Regions
 #
@@ -206,16 +197,20 @@ def _unflat(trees, leaves) -> list[Any]:
 class Region:
     """Sub-jaxprs (a loop body, a cond's branches, a shard_map's body) with
     what the handlers emit in them threaded through, as a plan says. Made, it
-    has taken from the enclosing scope the accumulators entering the region
-    (`accs`) and its per-execution inputs (`inputs`), flat; `trace` traces a
-    body with those as extra inputs and outputs, and `leave` gives what came
-    out back to the scope. A rule reads:
+    has taken from the enclosing scope the state the region threads, as two
+    pytrees flattened at its boundary: `carried` (the accumulators, and a
+    while_loop's iteration where a handler reads it), which the region
+    returns updated, and `sliced` (the per-execution inputs, and a scan's
+    iterations), which a scan slices per iteration. `trace` traces a body with
+    the carried leaves among its inputs and outputs at `at` (`(i, o)`: before
+    its `i`-th input and `o`-th output; at the end by default), the sliced ones
+    after its inputs, and the entries it appends after its outputs; `leave`
+    gives what came out back to the scope. A rule reads:
 
         region, [(body, hoisted)] = Region.traced(scope, [(jaxpr, consts)], in_avals)
-        # body: (*hoisted, *args, *accs, *inputs) -> (*outs, *accs, *entries)
-        outs = _bind(eqn, [*hoisted, *invals, *region.accs, *region.inputs], ...)
-        region.leave(outs[n_out:])
-        return outs[:n_out]
+        # body: (*hoisted, *args, *carried, *sliced) -> (*outs, *carried, *entries)
+        outs = _bind(eqn, [*hoisted, *region.args(invals)], ...)
+        return region.leave(outs)
     """
 
     def __init__(
@@ -226,33 +221,42 @@ class Region:
         accs=None,
         loop: str | None = None,
         outside: Scope | None = None,
+        at: tuple[int, int] | None = None,
     ):
         self.scope, self.plan, self.boundary, self.loop = scope, plan, boundary, loop
+        self.at = at
         # The scope a trace starts from, for what the plan does not thread.
         self.outside = scope if outside is None else outside
         if accs is None:
-            accs = _flat(plan.acc(scope, key) for key in plan.acc_avals)
-        self.accs, self.inputs = accs, []
+            accs = [plan.acc(scope, key) for key in plan.acc_avals]
+        inputs = []
         for key, specs in plan.inputs.items():
             outside_specs = [
                 (boundary.stacked(a, lead), boundary.after(lead)) for a, lead in specs
             ]
             values = scope.take_inputs(key, outside_specs, plan.sites[key])
             for value, (_, lead) in zip(values, specs):
-                self.inputs += jax.tree.leaves(boundary.to_inside(value, lead))
+                inputs.append(boundary.to_inside(value, lead))
+        carried: dict[str, Any] = {"accs": accs}
+        sliced: dict[str, Any] = {"inputs": inputs}
         # A loop's iteration, where a handler reads it (`Context.at`): a scan's
-        # as one more input sliced per iteration, a while_loop's as a counter
-        # after the accumulators in its carry.
-        self.counter = plan.index and loop == "lax.while_loop"
+        # sliced per iteration, a while_loop's carried and counted.
+        if plan.index and loop == "lax.while_loop":
+            carried["index"] = jnp.int32(0)
         if plan.index and loop == "lax.scan":
-            self.inputs.append(jnp.arange(boundary.size, dtype=jnp.int32))
-        if self.counter:
-            self.accs = [*self.accs, jnp.int32(0)]
+            sliced["index"] = jnp.arange(boundary.size, dtype=jnp.int32)
+        self.carried, self._carried = jax.tree.flatten(carried)
+        self.sliced, self._sliced = jax.tree.flatten(sliced)
         # Whether this region's traces are first traces, traced again.
         self.provisional = scope.provisional
         # Per trace: what it found, and the entries it returns.
         self.found: list[Plan] = []
         self.out: list[dict[Key, list[tuple[Any, Axes]]]] = []
+
+    def args(self, invals) -> list[Any]:
+        """The equation's own inputs with the state the region threads."""
+        i = len(invals) if self.at is None else self.at[0]
+        return [*invals[:i], *self.carried, *invals[i:], *self.sliced]
 
     @classmethod
     def traced(
@@ -264,6 +268,7 @@ class Region:
         loop: str | None = None,
         enter=None,
         outside: Scope | None = None,
+        at: tuple[int, int] | None = None,
     ):
         """The region of `bodies` (`(jaxpr, consts)`: a body, or a cond's
         branches), and each body traced, `(open jaxpr, its constants)`.
@@ -287,7 +292,7 @@ class Region:
         known = [_known(outside, key, j) for key, (j, _) in zip(keys, bodies)]
         plans = [plan for plan in known if plan is not None]
         if len(plans) < len(bodies):
-            first = cls(scope, Plan(), boundary, [], loop, outside)
+            first = cls(scope, Plan(), boundary, [], loop, outside, at)
             first.provisional = True
             traced = [first.trace(j, c, in_avals) for j, c in bodies]
             plans = first.found
@@ -310,11 +315,11 @@ class Region:
                 complete or shortcut
             ):
                 if not complete:
-                    cls(scope, plan, boundary, None, loop, outside)
+                    cls(scope, plan, boundary, None, loop, outside, at)
                 return first, traced
         plan = Plan.merged(plans, scope.handlers)
         accs = None if enter is None else enter(plan)
-        region = cls(scope, plan, boundary, accs, loop, outside)
+        region = cls(scope, plan, boundary, accs, loop, outside, at)
         traced = [
             region.trace(j, c, in_avals, own if len(bodies) > 1 else None)
             for (j, c), own in zip(bodies, plans)
@@ -323,26 +328,26 @@ class Region:
         return region, traced
 
     def trace(self, jaxpr, consts, in_avals, own: Plan | None = None):
-        """Traces the region `(*args, *accs, *inputs) -> (*outs, *accs,
-        *entries)`; entries a run does not emit (a branch that did not tag a
-        name) are zeros. `own`: the plan of this run alone (a branch), whose
-        executions take the first of the inputs. Returns the open jaxpr, which
-        takes the constants it closes over first, and those constants."""
+        """Traces the region `(*args, *carried, *sliced) -> (*outs, *carried,
+        *entries)`, the carried state at `at`; entries a run does not emit (a
+        branch that did not tag a name) are zeros. `own`: the plan of this run
+        alone (a branch), whose executions take the first of the inputs.
+        Returns the open jaxpr, which takes the constants it closes over first,
+        and those constants."""
         plan, scope, b = self.plan, self.scope, self.boundary
         own_inputs = plan.inputs if own is None else own.inputs
-        acc_trees = list(plan.acc_avals.values())
-        input_trees = [avals for specs in plan.inputs.values() for avals, _ in specs]
-        n_args, n_acc = len(in_avals), len(self.accs) - self.counter
-        n_in = len(jax.tree.leaves(input_trees))
-        # Where the loop's iteration comes in, if it is threaded.
-        at = n_acc if self.counter else -1 if len(self.inputs) > n_in else None
+        n_args, n_carried = len(in_avals), len(self.carried)
+        i, o = (n_args, None) if self.at is None else self.at
 
         def fn(*flat):
-            args, flat = flat[:n_args], [b.enter(x) for x in flat[n_args:]]
-            accs = _unflat(acc_trees, flat[:n_acc])
-            given = iter(_unflat(input_trees, flat[n_acc + self.counter :][:n_in]))
+            args = [*flat[:i], *flat[i + n_carried : n_args + n_carried]]
+            state = [b.enter(x) for x in flat[i : i + n_carried]]
+            carried = self._carried.unflatten(state)
+            sliced = self._sliced.unflatten(map(b.enter, flat[n_args + n_carried :]))
+            given = iter(sliced["inputs"])
+            index = carried.get("index", sliced.get("index"))
             sub = scope.inner(
-                accs=dict(zip(plan.acc_avals, accs)),
+                accs=dict(zip(plan.acc_avals, carried["accs"])),
                 acc_batch=plan.acc_batch,
                 inputs={
                     k: [next(given) for _ in v][: len(own_inputs.get(k, ()))]
@@ -350,7 +355,9 @@ class Region:
                 },
                 shards=scope.shards + ((b.marker,) if b.stack == "shard" else ()),
                 scans=scope.scans + (b.stack == "scan"),
-                index=scope.index + _index(flat, at, self.loop),
+                # (a loop's iteration, None where it is not threaded: a first
+                # trace; see `_scope._counted`)
+                index=scope.index + (() if self.loop is None else (index,)),
                 outside=self.outside,
                 provisional=self.provisional,
             )
@@ -369,59 +376,54 @@ class Region:
                 if (found.sites.get(key) or plan.sites[key]).part == "cotangent":
                     got, fill = fill, got
                 entries += got + fill
-            accs = [sub.accs[k] for k in plan.acc_avals]
-            counter = [flat[n_acc] + 1] if self.counter else []
-            return [*outs, *map(b.leave, _flat([*accs, *entries])), *counter]
+            carried["accs"] = [
+                jax.tree.map(b.leave, sub.accs[k]) for k in plan.acc_avals
+            ]
+            if "index" in carried:
+                carried["index"] = carried["index"] + 1
+            outs.insert(len(outs) if o is None else o, jax.tree.leaves(carried))
+            return [*jax.tree.leaves(outs), *map(b.leave, jax.tree.leaves(entries))]
 
         avals = [
-            *in_avals,
-            *(b.acc_aval(jax.typeof(x)) for x in self.accs),
-            *(b.input_aval(jax.typeof(x)) for x in self.inputs),
+            *in_avals[:i],
+            *(b.acc_aval(jax.typeof(x)) for x in self.carried),
+            *in_avals[i:],
+            *(b.input_aval(jax.typeof(x)) for x in self.sliced),
         ]
         if b.stack != "shard":
             return _jaxpr.trace(fn, avals)
         with _compat.shard_map_body(b.params):
             return _jaxpr.trace(fn, avals)
 
-    def leave(self, leaves) -> None:
-        """Gives the enclosing scope what the region returned after its own
-        outputs: the accumulators, then the entries (stacked along their first
-        axis by a scan or shard_map), and what it did (its sites, their
-        executions, whether a handler read the loops' iterations)."""
-        scope, b = self.scope, self.boundary
+    def leave(self, outs) -> list[Any]:
+        """Gives the enclosing scope what the region returned besides the
+        equation's own outputs: the carried state, then the entries (stacked
+        along their first axis by a scan or shard_map), and what it did (its
+        sites, their executions, whether a handler read the loops'
+        iterations). Returns the equation's own outputs."""
+        scope, b, plan = self.scope, self.boundary, self.plan
         done = Plan.merged(self.found)
         for key, site in done.sites.items():  # known in order of first execution
             scope.sites.setdefault(key, site)
         for key, n in done.calls.items():
             scope.calls[key] = scope.count(key) + n
         scope.wants_index |= done.index
-        n_acc = len(self.accs) - self.counter
-        self.set_accs(leaves[:n_acc])
         specs = [(k, *spec) for k, specs in self.out[0].items() for spec in specs]
-        entries = leaves[n_acc : len(leaves) - self.counter]
-        values = _unflat([avals for _, avals, _ in specs], entries)
-        for (key, _, lead), value in zip(specs, values):
-            scope.add_entry(key, b.from_inside(value, lead), b.after(lead))
-
-    def set_accs(self, leaves) -> None:
-        """The accumulators leaving the region (a shard_map's, one per shard,
-        after the batch axes)."""
-        plan, scope, b = self.plan, self.scope, self.boundary
-        trees = list(plan.acc_avals.values())
-        for key, value in zip(plan.acc_avals, _unflat(trees, list(leaves))):
+        entries = jax.tree.structure([avals for _, avals, _ in specs])
+        n_own = len(outs) - len(self.carried) - entries.num_leaves
+        o = n_own if self.at is None else self.at[1]
+        carried = self._carried.unflatten(outs[o : o + len(self.carried)])
+        for key, value in zip(plan.acc_avals, carried["accs"]):
+            # (a shard_map's, one per shard, after the batch axes)
             scope.accs[key] = value
             if b.stack == "shard":
                 axes = plan.acc_batch[key]
                 scope.accs[key] = b.from_inside(value, axes)
                 scope.acc_batch[key] = b.after(axes)
-
-
-def _index(flat, at: int | None, loop: str | None) -> tuple:
-    """A loop's iteration inside its region: threaded, or where it is not
-    (a first trace), None (see `_scope._counted`)."""
-    if at is not None:
-        return (flat[at],)
-    return () if loop is None else (None,)
+        values = entries.unflatten(outs[len(outs) - entries.num_leaves :])
+        for (key, _, lead), value in zip(specs, values):
+            scope.add_entry(key, b.from_inside(value, lead), b.after(lead))
+        return [*outs[:o], *outs[o + len(self.carried) : n_own + len(self.carried)]]
 
 
 def _known(outside: Scope, key, jaxpr) -> Plan | None:
@@ -514,42 +516,30 @@ rules[_compat.remat_p] = functools.partial(_call_rule, name="jaxpr")
 
 def _scan_rule(eqn, invals, scope: Scope) -> list[Any]:
     p = eqn.params
-    closed, length = p["jaxpr"], p["length"]
+    closed = p["jaxpr"]
     n_consts, n_carry = _compat.scan_counts(p)
-    n_xs, n_ys = len(invals) - n_consts - n_carry, len(eqn.outvars) - n_carry
-    in_avals = closed.in_avals
-    boundary = Boundary("scan", length)
+    # The body is (hoisted, consts, carry, carried, xs, sliced) -> (carry,
+    # carried, ys, entries): the carried state extends the carry, the sliced
+    # the xs, and the entries the ys.
     region, [(body, hoisted)] = Region.traced(
-        scope, [(closed.jaxpr, closed.consts)], in_avals, boundary, "lax.scan"
+        scope,
+        [(closed.jaxpr, closed.consts)],
+        closed.in_avals,
+        Boundary("scan", p["length"]),
+        "lax.scan",
+        at=(n_consts + n_carry, n_carry),
     )
-    # The region is (hoisted, consts, carry, xs, accs, inputs) -> (carry, ys, accs,
-    # entries); scan wants the accumulators in the carry: (hoisted, consts, carry,
-    # accs, xs, inputs) -> (carry, accs, ys, entries).
-    n_h, n_acc = len(hoisted), len(region.accs)
-    x_end = n_h + len(invals)
-    accs_in = (x_end, x_end + n_acc, x_end - n_xs)
-    accs_out = (n_carry + n_ys, n_carry + n_ys + n_acc, n_carry)
-    body = body.replace(
-        invars=_moved(body.invars, *accs_in), outvars=_moved(body.outvars, *accs_out)
-    )
+    n_state = len(region.carried)
     params = _compat.scan_params(
         p,
         _compat.ClosedJaxpr(body, ()),
-        n_consts=n_h + n_consts,
-        n_carry=n_carry + n_acc,
-        n_xs=n_xs + len(region.inputs),
-        n_ys=len(body.outvars) - n_carry - n_acc,
+        n_consts=len(hoisted) + n_consts,
+        n_carry=n_carry + n_state,
+        n_xs=len(invals) - n_consts - n_carry + len(region.sliced),
+        n_ys=len(body.outvars) - n_carry - n_state,
     )
-    args = [*hoisted, *invals, *region.accs, *region.inputs]
-    outs = _bind(eqn, _moved(args, *accs_in), **params)
-    region.leave(outs[n_carry : n_carry + n_acc] + outs[n_carry + n_acc + n_ys :])
-    return outs[:n_carry] + outs[n_carry + n_acc : n_carry + n_acc + n_ys]
-
-
-def _moved(seq, start: int, stop: int, to: int) -> list[Any]:
-    """`seq` with its items `start:stop` moved to `to`, an index before `start`."""
-    seq = list(seq)
-    return seq[:to] + seq[start:stop] + seq[to:start] + seq[stop:]
+    outs = _bind(eqn, [*hoisted, *region.args(invals)], **params)
+    return region.leave(outs)
 
 
 rules[_compat.scan_p] = _scan_rule
@@ -573,41 +563,42 @@ def _while_rule(eqn, invals, scope: Scope) -> list[Any]:
     region, [(new_body, hoisted)] = Region.traced(
         scope, [(body.jaxpr, body.consts)], body.in_avals, loop="lax.while_loop"
     )
-    batch = cond.out_avals[0].shape
-    if batch:
-        # (a vmap batched the predicate: each example runs its own number of
-        # iterations, and JAX's loop keeps each example's carry, so what the
-        # handlers thread must be per example too: neither one count of the
-        # iterations nor a reduction over the whole batch)
-        if region.counter:
-            where = next(iter(region.plan.sites.values())).where()
-            raise ValueError(_AT_IN_BATCHED_WHILE.format(where=where))
-        for key, axes in region.plan.acc_batch.items():
-            if axes[: len(batch)] != batch:
-                raise ValueError(
-                    _WHOLE_BATCH_IN_BATCHED_WHILE.format(
-                        handler=type(scope.handlers[key[0]]).__name__,
-                        where=region.plan.sites[key].where(),
-                    )
-                )
-    # (hoisted, body_consts, carry, accs) -> (carry, accs): the accumulators
-    # extend the carry; cond_fun ignores them.
+    _per_example(region.plan, scope, cond.out_avals[0].shape)
+    # (hoisted, body_consts, carry, carried) -> (carry, carried): the carried
+    # state extends the carry; cond_fun ignores it.
     new_cond = _jaxpr.insert_invars(
-        cond.jaxpr, len(cond.jaxpr.invars), [jax.typeof(x) for x in region.accs]
+        cond.jaxpr, len(cond.jaxpr.invars), [jax.typeof(x) for x in region.carried]
     )
     params = dict(
         cond_jaxpr=_compat.ClosedJaxpr(new_cond, cond.consts),
         body_jaxpr=_compat.ClosedJaxpr(new_body, ()),
         body_nconsts=len(hoisted) + n_bc,
     )
-    args = [*invals[:n_cc], *hoisted, *invals[n_cc:], *region.accs]
-    outs = _bind(eqn, args, **params)
-    n_carry = len(invals) - n_cc - n_bc
-    region.leave(outs[n_carry:])
-    return outs[:n_carry]
+    args = [*invals[:n_cc], *hoisted, *region.args(invals[n_cc:])]
+    return region.leave(_bind(eqn, args, **params))
 
 
 rules[_compat.while_p] = _while_rule
+
+
+def _per_example(plan: Plan, scope: Scope, batch: tuple[int, ...]) -> None:
+    """Refuses what a while_loop whose predicate a vmap batched (`batch`, its
+    shape) cannot thread: each example runs its own number of iterations, and
+    JAX's loop keeps each example's carry, so what the handlers thread must be
+    per example too: neither one count of the iterations nor a reduction over
+    the whole batch."""
+    if batch and plan.index:
+        where = next(iter(plan.sites.values())).where()
+        raise ValueError(_AT_IN_BATCHED_WHILE.format(where=where))
+    for key, axes in plan.acc_batch.items() if batch else ():
+        if axes[: len(batch)] != batch:
+            raise ValueError(
+                _WHOLE_BATCH_IN_BATCHED_WHILE.format(
+                    handler=type(scope.handlers[key[0]]).__name__,
+                    where=plan.sites[key].where(),
+                )
+            )
+
 
 _AT_IN_BATCHED_WHILE = (
     "A handler reads `at` in the lax.while_loop holding {where}, whose "
@@ -645,11 +636,8 @@ def _cond_rule(eqn, invals, scope: Scope) -> list[Any]:
         body = _jaxpr.insert_invars(body, 0, before)
         new_branches.append(_compat.ClosedJaxpr(body, ()))
     all_hoisted = [c for _, hoisted in traced for c in hoisted]
-    args = [invals[0], *all_hoisted, *invals[1:], *region.accs, *region.inputs]
-    outs = _bind(eqn, args, branches=tuple(new_branches))
-    n_out = len(eqn.outvars)
-    region.leave(outs[n_out:])
-    return outs[:n_out]
+    args = [invals[0], *all_hoisted, *region.args(invals[1:])]
+    return region.leave(_bind(eqn, args, branches=tuple(new_branches)))
 
 
 rules[_compat.cond_p] = _cond_rule
@@ -820,7 +808,7 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
                 value = b.to_inside(scope.acc(key, None, have), inside)
             else:
                 value = b.repeated(plan.acc(scope, key))
-            accs += jax.tree.leaves(value)
+            accs.append(value)
         return accs
 
     body = p["jaxpr"]
@@ -835,11 +823,10 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
         jaxpr=new_body,
         in_specs=(replicated,) * len(hoisted)
         + tuple(p["in_specs"])
-        + (b.spec,) * (len(region.accs) + len(region.inputs)),
+        + (b.spec,) * (len(region.carried) + len(region.sliced)),
         out_specs=tuple(p["out_specs"]) + (b.spec,) * (len(new_body.outvars) - n_out),
     )
-    outs = _bind(eqn, [*hoisted, *invals, *region.accs, *region.inputs], **params)
-    region.leave(outs[n_out:])
+    outs = region.leave(_bind(eqn, [*hoisted, *region.args(invals)], **params))
     for key, inside in region.plan.acc_batch.items():
         # What it starts as, stacked, for a region around that threads it: one
         # first made here, or one made before in that region that entered
@@ -849,7 +836,7 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
             init = scope.acc_inits.get(key)
         if init is not None:
             scope.acc_inits[key] = functools.partial(b.repeated_init, init, inside)
-    return outs[:n_out]
+    return outs
 
 
 rules[_compat.shard_map_p] = _shard_map_rule
