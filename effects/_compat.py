@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -93,19 +93,22 @@ def call_path(traceback) -> tuple[tuple[str, int, int], ...]:
     `source_info_util.user_frames`). JAX caches the jaxprs of jits and branches
     with the tracebacks of their first trace (jax 0.7-0.9 keep the frames around
     it; 0.10 drops them), so a frame outside the trace can be another caller's."""
+    return tuple(call_frames(traceback))
+
+
+def call_frames(traceback) -> Iterator[tuple[str, int, int]]:
+    """`call_path`'s frames, one at a time (reading a frame's line costs)."""
     if traceback is None:
-        return ()
+        return
     code, lasti = traceback.raw_frames()
-    frames = []
     for c, i in zip(code, lasti):
         if c.co_name.startswith("trace_to_") and c.co_filename.endswith(_PE_FILE):
-            break
+            return
         if _source_info_util.is_user_filename(c.co_filename) and not (
             c.co_filename.startswith(_OWN_FILES)
         ):
             f = _source_info_util.raw_frame_to_frame(c, i)
-            frames.append((f.file_name, f.start_line, f.start_column))
-    return tuple(frames)
+            yield f.file_name, f.start_line, f.start_column
 
 
 _PE_FILE = "interpreters/partial_eval.py"

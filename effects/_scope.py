@@ -442,7 +442,7 @@ class Scope:
                     error=str(e).splitlines()[0].rstrip("."),
                 )
             ) from e
-        if types_of(new) != types_of(acc):
+        if types_key(new) != types_key(acc):
             raise ValueError(
                 _ACC_CHANGED.format(
                     where=self.where(key),

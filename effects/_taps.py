@@ -276,16 +276,19 @@ class _Outer(NamedTuple):
 
 
 def _info(eqn, primitive: str, outvars, outer: _Outer, operands=()) -> TapInfo:
-    frames = _compat.call_path(eqn.source_info.traceback)
-    user = next((f for f in frames if not f[0].startswith(_SITE_PACKAGES)), None)
+    frames = _compat.call_frames(eqn.source_info.traceback)
+    first = next(frames, None)
+    user = first
+    if first is not None and first[0].startswith(_SITE_PACKAGES):
+        user = next((f for f in frames if not f[0].startswith(_SITE_PACKAGES)), None)
     library = None
-    if frames and frames[0] is not user:
-        library = f"{os.path.basename(frames[0][0])}:{frames[0][1]}"
+    if first is not None and first is not user:
+        library = f"{os.path.basename(first[0])}:{first[1]}"
     file, line = (outer.file, outer.line) if user is None else user[:2]
-    if not frames:
+    if first is None:
         library = outer.library
     elif file is None:  # (only an installed package's frames: the first of them)
-        file, line, library = *frames[0][:2], None
+        file, line, library = *first[:2], None
     shape = ",".join(_describe(v.aval) for v in outvars)
     return TapInfo(
         primitive,
