@@ -5,10 +5,6 @@ from importlib import metadata as _metadata
 # `_rules` fills the rewriter's table of rules for higher-order primitives
 # (`_rewrite.rules`); it imports `_rewrite`, so the package imports it.
 from . import _handle, _nnx, _rules  # noqa: F401
-from ._debug import Statistics as Statistics
-from ._debug import Stats as Stats
-from ._debug import Summary as Summary
-from ._debug import summary as summary
 from ._grads import intermediate_grads as intermediate_grads
 from ._handle import Found as Found
 from ._handle import handle as handle
@@ -51,6 +47,10 @@ from ._site import Site as Site
 from ._sites import SiteInfo as SiteInfo
 from ._sites import Sites as Sites
 from ._sites import sites as sites
+from ._stats import Statistics as Statistics
+from ._stats import Stats as Stats
+from ._stats import Summary as Summary
+from ._stats import summary as summary
 from ._taps import TapInfo as TapInfo
 from ._taps import taps as taps
 

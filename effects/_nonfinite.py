@@ -18,8 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._debug import _numpy
-
 # `eager_cached`: `find_nonfinite` caches its compiled check as `handle` caches
 # its jitted calls, on the function itself (an Equinox module's per
 # structure), dying with it. Public API cannot: a cache of our own keyed by the
@@ -28,6 +26,7 @@ from ._handle import eager_cached, handle
 from ._handlers import Handler, Reduce, Tag
 from ._primitives import handling
 from ._sites import sites
+from ._stats import _numpy
 from ._taps import Tapped
 
 

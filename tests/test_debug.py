@@ -994,8 +994,8 @@ def test_find_nonfinite_keeps_no_dead_function_alive():
 @pytest.mark.parametrize(
     "module, internals",
     [
-        # `text_table`: the table layout `_debug` shares with `fx.sites`.
-        ("_debug", {"text_table"}),
+        # `text_table`: the table layout `_stats` shares with `fx.sites`.
+        ("_stats", {"text_table"}),
         # `eager_cached`: caching on the user's function (see `_nonfinite`);
         # `Tapped`: the taps whose values are their equations' inputs and
         # outputs; `handling`: to trace the function with its tags the

@@ -1,4 +1,4 @@
-"""Debugging tools on the public API: `Stats`, a handler (on the public handler
+"""Statistics on the public API: `Stats`, a handler (on the public handler
 protocol) that keeps summary statistics of each execution of a tag instead of
 its value; and `summary`, which renders what `Tag` or `Stats` found as a
 table. (`sites`, which lists every site of a program, lives with the walk it
