@@ -272,7 +272,7 @@ class Region:
     ):
         """The region of `bodies` (`(jaxpr, consts)`: a body, or a cond's
         branches), and each body traced, `(open jaxpr, its constants)`.
-        `enter(plan)`: the accumulators entering, flat (by default as
+        `enter(plan)`: the accumulators entering, one tree each (by default as
         `Plan.acc` makes them); `outside`: the scope a first trace starts from.
 
         A first trace threads nothing. Where the handlers in the bodies only
