@@ -63,7 +63,7 @@ def marked(jaxpr) -> frozenset[Key]:
 
 def _key(located) -> Key:
     kind, collection, name, part = located.key
-    path = _compat.call_path(located.eqn.source_info.traceback)
+    path = tuple(_compat.call_frames(located.eqn.source_info.traceback))
     return kind, collection, name, path, part
 
 

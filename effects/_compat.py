@@ -86,18 +86,14 @@ def in_every_branch(deep: bool = False) -> bool:
 _OWN_FILES = __file__.rsplit("/", 1)[0] + "/"
 
 
-def call_path(traceback) -> tuple[tuple[str, int, int], ...]:
+def call_frames(traceback) -> Iterator[tuple[str, int, int]]:
     """(file, line, column) of each frame of `traceback` in neither JAX nor effects,
     innermost first, up to the trace that made the equation: where a site's `tag`
     was called, and from where within that trace (jax 0.7-0.12:
     `source_info_util.user_frames`). JAX caches the jaxprs of jits and branches
     with the tracebacks of their first trace (jax 0.7-0.9 keep the frames around
-    it; 0.10 drops them), so a frame outside the trace can be another caller's."""
-    return tuple(call_frames(traceback))
-
-
-def call_frames(traceback) -> Iterator[tuple[str, int, int]]:
-    """`call_path`'s frames, one at a time (reading a frame's line costs)."""
+    it; 0.10 drops them), so a frame outside the trace can be another caller's.
+    One at a time: reading a frame's line costs, and a tap reads one or two."""
     if traceback is None:
         return
     code, lasti = traceback.raw_frames()
