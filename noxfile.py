@@ -20,9 +20,8 @@ PYTHONS = ["3.11", "3.13"]
 # Every JAX minor release from the floor in pyproject.toml to the newest, with
 # the Python it runs on here (jax 0.11 and later need Python 3.12). Flax is not
 # pinned: the resolver picks the newest Flax that supports the pinned JAX
-# (0.12.0 for jax 0.7, 0.12.6 for 0.8 and 0.9, 0.12.8 for 0.10).
+# (0.12.6 for 0.8 and 0.9, 0.12.8 for 0.10).
 JAX_MINORS = {
-    "0.7": "3.11",
     "0.8": "3.11",
     "0.9": "3.11",
     "0.10": "3.11",
@@ -31,13 +30,13 @@ JAX_MINORS = {
 }
 
 # The minors CI runs besides `tests` (0.10 on Python 3.11, 0.12 on 3.13) and
-# `minimums` (which resolves jax 0.7.2, as `tests_jax(0.7)` does, with an older
-# Equinox): those whose internals `effects/_compat.py` branches on and no other
-# CI session runs. 0.8 changed `get_bind_params`, `pcast` and the `remat_p`
-# export; 0.11 scan's params (flat trees), without 0.12's `jax.Inline`. 0.9
+# `minimums` (which resolves jax 0.8.0, the floor, with an older Equinox and
+# Flax: 0.8's branches of `effects/_compat.py`, `get_bind_params`' pair among
+# them): those whose internals `_compat` branches on and no other CI session
+# runs. 0.11 has scan's params as flat trees, without 0.12's `jax.Inline`. 0.9
 # takes 0.8's branches (hijax and `newly_manual_axes` are 0.10+). Every other
 # minor is one `nox -s "tests_jax(0.9)"` away.
-_IN_CI = ("0.8", "0.11")
+_IN_CI = ("0.11",)
 
 # .ci/run runs `nox -s tests`, then every session tagged `ci` (`nox -t ci`), one
 # after the other, then those tagged `ci-one-core` two at a time: each runs one
@@ -58,13 +57,14 @@ print("python", sys.version.split()[0], *(f"{n} {m.version(n)}" for n in names))
 # versions run without it, with fewer generated programs per property test.
 _REPEAT = {"EFFECTS_LEAK_CHECKS": "0", "EFFECTS_FUZZ_EXAMPLES": "6"}
 
-# What the sessions that repeat the library's tests on other versions leave to
-# `tests` (the newest JAX and jax 0.10, the two ends): the docs' pages and
-# notebooks, the repro scripts of real code, the two-process run, and the tests
-# marked `slow` (end-to-end runs of real models and solvers, the generators'
-# coverage). They call the public API the library's tests check on every
-# version; run everywhere, they took half of each repeat's time, and CI's 40
-# minutes were past.
+# What every session but `tests` on the newest Python (the newest JAX) leaves
+# to it: the docs' pages and notebooks, the repro scripts of real code, the
+# two-process run, and the tests marked `slow` (end-to-end runs of real models
+# and solvers, the generators' coverage). They call the public API the
+# library's tests check on every version; run everywhere, they took half of
+# each repeat's time and a third of the leak-checked session's (unchecked even
+# there), and CI's 40 minutes were past. (The `docs` session runs the
+# notebooks, and `examples` the examples, on Python 3.11.)
 _ENDS_ONLY = [
     *(
         f"--ignore=tests/{name}"
@@ -91,13 +91,16 @@ def _pytest(
 
 @nox.session(python=PYTHONS)
 def tests(session: nox.Session) -> None:
-    """The test suite on the newest JAX each Python resolves to (CPU), with
-    JAX's tracer-leak checking on the oldest Python."""
+    """The test suite on the newest JAX each Python resolves to (CPU): whole
+    on the newest Python; on the oldest, the library's tests (`_ENDS_ONLY`)
+    with JAX's tracer-leak checking on."""
     session.install("-e", ".[test]")
     if session.python == PYTHONS[0]:
         # (the generated programs in full on the newest JAX; here, as where the
         # suite repeats, the first of them)
-        _pytest(session, EFFECTS_LEAK_CHECKS="1", EFFECTS_FUZZ_EXAMPLES="6")
+        _pytest(
+            session, *_ENDS_ONLY, EFFECTS_LEAK_CHECKS="1", EFFECTS_FUZZ_EXAMPLES="6"
+        )
     else:
         _pytest(session, EFFECTS_LEAK_CHECKS="0")
 
@@ -112,7 +115,8 @@ def tests(session: nox.Session) -> None:
 )
 def tests_jax(session: nox.Session, jax: str) -> None:
     """The library's tests on each JAX minor release, pinned (`jax==0.X.*`), on
-    CPU: the suite but what `tests` runs at both ends only (`_ENDS_ONLY`)."""
+    CPU: the suite but what only `tests` on the newest Python runs
+    (`_ENDS_ONLY`)."""
     session.install("-e", ".[test]", f"jax=={jax}.*", f"jaxlib=={jax}.*")
     _pytest(session, *_ENDS_ONLY, **_REPEAT)
 

@@ -290,9 +290,9 @@ def inline_into_trace(jaxpr: Jaxpr, args: Sequence[Any]) -> list[Any] | None:
 def bind_eqn(eqn, invals, params):
     """Binds `eqn`'s primitive with `params` as `jax.core.eval_jaxpr` does."""
     # jax 0.10: `get_bind_params` returns the params (subfunctions among them);
-    # before jax 0.8 it returned `(subfuns, params)`.
+    # jax 0.8 returns `(subfuns, params)`.
     bind_params = eqn.primitive.get_bind_params(params)
-    if isinstance(bind_params, tuple):  # pragma: no cover - older JAX
+    if isinstance(bind_params, tuple):  # pragma: no cover - jax 0.8
         subfuns, bind_params = bind_params
         return eqn.primitive.bind(*subfuns, *invals, **bind_params)
     return eqn.primitive.bind(*invals, **bind_params)
@@ -320,20 +320,10 @@ _prims = jex_core.primitives
 scan_p = _prims.scan_p
 while_p = _prims.while_p
 cond_p = _prims.cond_p
-pjit_p = getattr(_prims, "jit_p", None) or getattr(_prims, "pjit_p")  # jit_p: jax 0.7+
-# jax 0.8+: `jax.extend.core.primitives.remat_p`; jax 0.7 exports it only
-# from `jax._src.ad_checkpoint`.
-if hasattr(_prims, "remat_p"):
-    remat_p = _prims.remat_p
-else:
-    from jax._src.ad_checkpoint import remat_p as remat_p  # noqa: E402
+pjit_p = _prims.jit_p
+remat_p = _prims.remat_p
 closed_call_p = _prims.closed_call_p
-# `jax.ad_checkpoint.checkpoint_name`'s primitive; jax 0.7 exports it only from
-# `jax._src.ad_checkpoint`.
-if hasattr(_prims, "name_p"):
-    name_p = _prims.name_p
-else:
-    from jax._src.ad_checkpoint import name_p as name_p  # noqa: E402
+name_p = _prims.name_p  # `jax.ad_checkpoint.checkpoint_name`'s primitive
 custom_jvp_call_p = _prims.custom_jvp_call_p
 custom_vjp_call_p = _prims.custom_vjp_call_p
 
@@ -441,9 +431,7 @@ def _vary(x, axes):
     missing = tuple(a for a in axes if a not in varying_axes(jax.typeof(x)))
     if not missing:
         return x
-    if hasattr(jax.lax, "pcast"):  # jax 0.8+
-        return jax.lax.pcast(x, missing, to="varying")
-    return jax.lax.pvary(x, missing)  # pyright: ignore  # jax 0.7
+    return jax.lax.pcast(x, missing, to="varying")
 
 
 def mapped_aval(length: int, aval):
@@ -496,8 +484,8 @@ def scan_params(params, jaxpr, *, n_consts: int, n_carry: int, n_xs: int, n_ys: 
 # `jax.custom_vjp` and `jax.custom_jvp` under the `jax_remat3`,
 # `jax_custom_vjp3` and `jax_custom_jvp3` flags (`RematTraced`,
 # `CustomVJPTraced`, `CustomJVPTraced`).
-# The module is taken only where JAX itself imported it: on jax 0.7 importing it
-# registers rules for its primitives in JAX's tables, which is JAX's business.
+# The module is taken only where JAX itself imported it: on older JAX importing
+# it registers rules for its primitives in JAX's tables, which is JAX's business.
 _hijax = sys.modules.get("jax._src.hijax")
 try:
     from jax._src import stages as _stages

@@ -124,12 +124,7 @@ class CountCompiles:
         return self
 
     def __exit__(self, *exc):
-        unregister = getattr(jax.monitoring, "unregister_event_duration_listener", None)
-        if unregister is None:  # jax 0.6-0.7: only the private spelling
-            from jax._src import monitoring
-
-            unregister = monitoring._unregister_event_duration_listener_by_callback
-        unregister(self)
+        jax.monitoring.unregister_event_duration_listener(self)
 
 
 def run_fresh(script: str) -> subprocess.CompletedProcess:

@@ -1616,7 +1616,6 @@ def has_data_cond_with_sites(node, collections) -> bool:
 JAX_VMA_REFUSALS = (
     "requires varying manual axes to match",
     "pvary is a invariant->variant collective",
-    "Collective pvary must be applied to a non-device-varying type",  # jax 0.7
 )
 
 

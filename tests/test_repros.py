@@ -1072,12 +1072,6 @@ def test_pmap_substitute_takes_the_tag_layout():
     """pmap lowers to a shard_map: its axis is the shard axis."""
     f = jax.pmap(_times_h, devices=devices(8))
     x = _X16.reshape(8, 2)
-    if "xla_pmap" in str(jax.make_jaxpr(f)(x)):
-        # Before jax 0.8, pmap is its own `xla_pmap` primitive, which effects
-        # has no rule for: a clear error (tests/test_rewrite.py checks it too).
-        with pytest.raises(ValueError, match="xla_pmap"):
-            fx.handle(f, fx.Tag())(x)
-        return
     found = fx.handle(f, fx.Tag())(x)[1]["intermediates"]["h"][0]
     assert found.shape == (8, 2)
     assert_trees_close(fx.handle(f, fx.Substitute({"h": found}))(x)[0], f(x))

@@ -409,13 +409,6 @@ def test_site_inside_primitive(case, placement, request):
         request.getfixturevalue("jax_leak_check_false_report")
     if placement.startswith("vmap"):
         x = batch_of(x)
-    if case == "pmap" and "xla_pmap" in str(jax.make_jaxpr(f)(x)):
-        # jax 0.6-0.7 (unless `jax_pmap_shmap_merge`): pmap binds its own
-        # `xla_pmap` primitive rather than shard_map, and effects has no rule for
-        # it; handling must fail loudly, naming it.
-        with pytest.raises(ValueError, match="xla_pmap"):
-            run_placement(placement, f, x, fx.Tag(mode=mode))
-        return
     got = run_placement(placement, f, x, fx.Tag(mode=mode))
     # References run under one jit: op-by-op dispatch compiles every op when
     # tracer-leak checking is on.
@@ -1929,8 +1922,6 @@ def _gather_constant(table):
 
 
 def _mark_varying(table):
-    if not hasattr(jax.lax, "pcast"):  # jax 0.7
-        return jax.lax.pvary(table[:1], ("s",))  # pyright: ignore[reportAttributeAccessIssue]
     return jax.lax.pcast(table[:1], ("s",), to="varying")
 
 
@@ -1941,8 +1932,7 @@ def _mark_varying(table):
         (
             _mark_varying,
             0,
-            # (jax 0.7: "Collective pvary must be applied to a non-device-varying")
-            "pvary is a invariant->variant collective|Collective pvary must be",
+            "pvary is a invariant->variant collective",
         ),
     ],
     ids=["gather", "pcast"],
