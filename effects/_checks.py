@@ -84,8 +84,9 @@ _IN_CUSTOM_RULE = (
     "predicate)."
 )
 _CONSUMED_BEFORE = (
-    "{handler}: {what} is consumed by {before}, which comes before it in the same `fx.handle`: handlers act in "
-    "order and the first that matches a site consumes it. Narrow the earlier "
+    "{handler}: {what} is consumed by {before}, which comes before it in the "
+    "same `fx.handle`: handlers act in order and the first that matches a site "
+    "consumes it. Narrow the earlier "
     "handler's `names`, or handle in two steps: "
     "`fx.handle(fx.handle(f, {before_type}(...)), {handler}(...))`."
 )
