@@ -30,7 +30,7 @@ JAX_MINORS = {
 }
 
 # The minors CI runs besides `tests` (0.10 on Python 3.11, 0.12 on 3.13) and
-# `minimums` (which resolves jax 0.8.0, the floor, with an older Equinox and
+# `minimums` (which resolves jax 0.8.2, the floor, with an older Equinox and
 # Flax: 0.8's branches of `effects/_compat.py`, `get_bind_params`' pair among
 # them): those whose internals `_compat` branches on and no other CI session
 # runs. 0.11 has scan's params as flat trees, without 0.12's `jax.Inline`. 0.9

@@ -84,9 +84,9 @@ _IN_CUSTOM_RULE = (
     "predicate)."
 )
 _CONSUMED_BEFORE = (
-    "{handler}: {what} is consumed by {before}, which comes before it in the "
-    "same `fx.handle`: handlers act in order and the first that matches a site "
-    "consumes it. Narrow the earlier "
+    "{handler}: the {kind} {name!r} (collection {collection!r}) is consumed by "
+    "{before}, which comes before it in the same `fx.handle`: handlers act in "
+    "order and the first that matches a site consumes it. Narrow the earlier "
     "handler's `names`, or handle in two steps: "
     "`fx.handle(fx.handle(f, {before_type}(...)), {handler}(...))`."
 )
@@ -125,6 +125,8 @@ def _check_names(jaxpr, sites, handlers) -> None:
     for i, h in enumerate(handlers):
         select = h.matches
         exact, globs = select.required() if isinstance(select, Select) else ((), ())
+        if not (exact or globs):
+            continue
         if probes is None:
             probes = [Site.probe(*s) for s in sorted(sites)]
             inside = frozenset(
@@ -149,13 +151,12 @@ def _check_names(jaxpr, sites, handlers) -> None:
             )
 
         # Each name must exist, and a filter of glob patterns alone select a
-        # site, so a pattern with a typo is not an empty `found`. A handler
-        # that names none must see some site it matches where it matches any.
-        for name in exact or ((globs,) if globs else (None,)):
+        # site, so a pattern with a typo is not an empty `found`.
+        for name in exact or (globs,):
             mine = [p for p in probes if _named(p, name) and h.matches(p)]
-            if not mine and name is not None:
+            if not mine:
                 raise ValueError(_unknown_name(h, name, probes, consumer))
-            if mine and all(consumer(p) is not None for p in mine):
+            if all(consumer(p) is not None for p in mine):
                 j = consumer(mine[0])
                 assert j is not None
                 if j < 0:
@@ -170,12 +171,9 @@ def _check_names(jaxpr, sites, handlers) -> None:
                         before=f"{before} (handler {j})",
                         before_type=before,
                         handler=type(h).__name__,
-                        what=(
-                            f"the {_kind(mine[0].kind)} {mine[0].name!r} "
-                            f"(collection {mine[0].collection!r})"
-                            if name is not None
-                            else f"every site it matches ({_some(mine)})"
-                        ),
+                        kind=_kind(mine[0].kind),
+                        name=mine[0].name,
+                        collection=mine[0].collection,
                     )
                 )
 
@@ -256,19 +254,8 @@ def _kind(kind: str) -> str:
     return "tag" if kind == "tag" else "perturb site"
 
 
-def _some(sites, shown: int = 3) -> str:
-    """The first `shown` of `sites`, and how many more."""
-    more = len(sites) - shown
-    return ", ".join(s.where() for s in sites[:shown]) + (
-        f" and {more} more" if more > 0 else ""
-    )
-
-
-def _named(site: Site, name: str | tuple[str, ...] | None) -> bool:
-    """Whether `site` is named `name`, or matches one of the glob patterns
-    (any name: None)."""
-    if name is None:
-        return True
+def _named(site: Site, name: str | tuple[str, ...]) -> bool:
+    """Whether `site` is named `name`, or matches one of the glob patterns."""
     if isinstance(name, tuple):
         return any(fnmatch.fnmatchcase(site.name, g) for g in name)
     return site.name == name

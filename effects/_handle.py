@@ -456,7 +456,7 @@ def _report(scope: Scope, handlers) -> Found:
             collection = f"{collection}:{site.part}"
         names = found.setdefault(collection, Found())
         if key in scope.accs:
-            names[name] = scope.accs[key]
+            names[name] = scope.accs[key].value
         elif key in scope.entries:
             values = tuple(v for v, _ in scope.entries[key])
             if site.part == "cotangent":  # (a backward pass runs last first)

@@ -25,7 +25,7 @@ from . import _compat, _jaxpr
 from ._handlers import mode_label
 from ._layout import WHOLE, Axes, Boundary
 from ._rewrite import _bind, _matched, rules, run, trace_rewrite
-from ._scope import Key, Scope, types_key, types_of, zeros
+from ._scope import Acc, Key, Scope, types_key, types_of, zeros
 from ._site import Site, describe
 from ._walk import recomputes, sites_in
 
@@ -40,8 +40,8 @@ class Plan:
 
     # key -> init thunk, for those first made inside
     accs: dict[Key, Any] = dataclasses.field(default_factory=dict)
-    acc_avals: dict[Key, Any] = dataclasses.field(default_factory=dict)
-    acc_batch: dict[Key, Axes] = dataclasses.field(default_factory=dict)
+    # key -> the types and batch axes of the accumulators it threads
+    acc_avals: dict[Key, Acc] = dataclasses.field(default_factory=dict)
     # key -> [(avals tree, lead)]
     entries: dict[Key, list[tuple[Any, Axes]]] = dataclasses.field(default_factory=dict)
     # key -> [(avals tree, lead)], of the inputs the trace was not given
@@ -57,8 +57,7 @@ class Plan:
         outside = sub.outside
         return cls(
             accs=dict(sub.acc_inits),
-            acc_avals={k: types_of(sub.accs[k]) for k in sub.touched},
-            acc_batch={k: sub.acc_batch[k] for k in sub.touched},
+            acc_avals={k: sub.accs[k].types() for k in sub.touched},
             entries={
                 k: [(types_of(v), lead) for v, lead in vs]
                 for k, vs in sub.entries.items()
@@ -79,16 +78,14 @@ class Plan:
         if found.inputs or (found.index and not self.index):
             return False
         return all(
-            key in self.acc_avals
-            and self.acc_batch[key] == found.acc_batch[key]
-            and types_key(self.acc_avals[key]) == types_key(avals)
-            for key, avals in found.acc_avals.items()
+            key in self.acc_avals and self.acc_avals[key].key() == acc.key()
+            for key, acc in found.acc_avals.items()
         )
 
     def acc(self, scope: Scope, key: Key):
         """One accumulator's value entering the region (made, or grown by the
         vmap batch axes it has inside)."""
-        return scope.acc(key, self.accs.get(key), self.acc_batch[key])
+        return scope.acc(key, self.accs.get(key), self.acc_avals[key].batch)
 
     def forbid(self, loop: str, scope: Scope) -> None:
         """Refuses what a loop cannot do: a single value, and in a while_loop
@@ -127,12 +124,12 @@ class Plan:
             merged.index |= plan.index
             for key, n in plan.calls.items():  # (entries of a name, likewise)
                 merged.calls[key] = max(n, merged.calls.get(key, 0))
-            for key, avals in plan.acc_avals.items():
+            for key, acc in plan.acc_avals.items():
                 # Where branches differ, the accumulator of the branch under
                 # more vmaps (the other's grows to it).
-                batch = plan.acc_batch[key]
-                if len(batch) >= len(merged.acc_batch.get(key, ())):
-                    merged.acc_avals[key], merged.acc_batch[key] = avals, batch
+                have = merged.acc_avals.get(key)
+                if have is None or len(acc.batch) >= len(have.batch):
+                    merged.acc_avals[key] = acc
             for ours, theirs in [
                 (merged.entries, plan.entries),
                 (merged.inputs, plan.inputs),
@@ -186,7 +183,7 @@ def _entering(scope: Scope, key: Key):
     """What a region's plan depends on of the accumulator `key` it starts from
     in `scope` (see `Scope.entering`)."""
     found = scope.entering(key)
-    return None if found is None else (types_key(found[0]), found[1])
+    return None if found is None else found.key()
 
 
 #
@@ -347,8 +344,10 @@ class Region:
             given = iter(sliced["inputs"])
             index = carried.get("index", sliced.get("index"))
             sub = scope.inner(
-                accs=dict(zip(plan.acc_avals, carried["accs"])),
-                acc_batch=plan.acc_batch,
+                accs={
+                    k: Acc(value, acc.batch)
+                    for (k, acc), value in zip(plan.acc_avals.items(), carried["accs"])
+                },
                 inputs={
                     k: [next(given) for _ in v][: len(own_inputs.get(k, ()))]
                     for k, v in plan.inputs.items()
@@ -377,7 +376,7 @@ class Region:
                     got, fill = fill, got
                 entries += got + fill
             carried["accs"] = [
-                jax.tree.map(b.leave, sub.accs[k]) for k in plan.acc_avals
+                jax.tree.map(b.leave, sub.accs[k].value) for k in plan.acc_avals
             ]
             if "index" in carried:
                 carried["index"] = carried["index"] + 1
@@ -413,13 +412,13 @@ class Region:
         n_own = len(outs) - len(self.carried) - entries.num_leaves
         o = n_own if self.at is None else self.at[1]
         carried = self._carried.unflatten(outs[o : o + len(self.carried)])
-        for key, value in zip(plan.acc_avals, carried["accs"]):
+        for (key, acc), value in zip(plan.acc_avals.items(), carried["accs"]):
             # (a shard_map's, one per shard, after the batch axes)
-            scope.accs[key] = value
             if b.stack == "shard":
-                axes = plan.acc_batch[key]
-                scope.accs[key] = b.from_inside(value, axes)
-                scope.acc_batch[key] = b.after(axes)
+                value, axes = b.from_inside(value, acc.batch), b.after(acc.batch)
+                scope.accs[key] = Acc(value, axes)
+            else:
+                scope.accs[key] = Acc(value, acc.batch)
         values = entries.unflatten(outs[len(outs) - entries.num_leaves :])
         for (key, _, lead), value in zip(specs, values):
             scope.add_entry(key, b.from_inside(value, lead), b.after(lead))
@@ -433,8 +432,7 @@ def _known(outside: Scope, key, jaxpr) -> Plan | None:
     was first made, and meets it threaded in the second)."""
     for kept, plan, entered in outside.rewrite.plans.get(key, ()):
         if kept is jaxpr and all(
-            _entering(outside, k)
-            in (e, (types_key(plan.acc_avals[k]), plan.acc_batch[k]))
+            _entering(outside, k) in (e, plan.acc_avals[k].key())
             for k, e in entered.items()
         ):
             return plan
@@ -590,8 +588,8 @@ def _per_example(plan: Plan, scope: Scope, batch: tuple[int, ...]) -> None:
     if batch and plan.index:
         where = next(iter(plan.sites.values())).where()
         raise ValueError(_AT_IN_BATCHED_WHILE.format(where=where))
-    for key, axes in plan.acc_batch.items() if batch else ():
-        if axes[: len(batch)] != batch:
+    for key, acc in plan.acc_avals.items() if batch else ():
+        if acc.batch[: len(batch)] != batch:
             raise ValueError(
                 _WHOLE_BATCH_IN_BATCHED_WHILE.format(
                     handler=type(scope.handlers[key[0]]).__name__,
@@ -790,17 +788,18 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
     # shard sees them (`local`).
     m = b.marker
     visible = scope.visible()
-    split = {k for k, (_, axes) in visible.items() if m in axes}
+    split = {k for k, acc in visible.items() if m in acc.batch}
     local = scope.inner()
     for k, (types, axes) in visible.items():
-        local.accs[k] = b.without(types, axes) if k in split else types
-        local.acc_batch[k] = tuple(a for a in axes if a != m)
+        types = b.without(types, axes) if k in split else types
+        local.accs[k] = Acc(types, tuple(a for a in axes if a != m))
 
     def enter(plan):
         accs = []
-        for key, inside in plan.acc_batch.items():
+        for key, acc in plan.acc_avals.items():
+            inside = acc.batch
             if key in split:
-                have = visible[key][1]
+                have = visible[key].batch
                 if have != b.after(inside):
                     raise ValueError(
                         _ACC_GROWS_IN_SHARD_MAP.format(where=plan.sites[key].where())
@@ -827,7 +826,7 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
         out_specs=tuple(p["out_specs"]) + (b.spec,) * (len(new_body.outvars) - n_out),
     )
     outs = region.leave(_bind(eqn, [*hoisted, *region.args(invals)], **params))
-    for key, inside in region.plan.acc_batch.items():
+    for key, acc in region.plan.acc_avals.items():
         # What it starts as, stacked, for a region around that threads it: one
         # first made here, or one made before in that region that entered
         # whole and leaves split.
@@ -835,7 +834,7 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
         if init is None and key not in split:
             init = scope.acc_inits.get(key)
         if init is not None:
-            scope.acc_inits[key] = functools.partial(b.repeated_init, init, inside)
+            scope.acc_inits[key] = functools.partial(b.repeated_init, init, acc.batch)
     return outs
 
 

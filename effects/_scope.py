@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -191,7 +191,6 @@ class Scope:
         handlers: tuple[Handler, ...],
         *,
         accs=None,
-        acc_batch=None,
         inputs=None,
         replaying: bool = False,
         provisional: bool = False,
@@ -219,7 +218,7 @@ class Scope:
         # In a region's first trace that is traced again (`_rules.Region.traced`).
         self.provisional = provisional
         self.entries: dict[Key, list[tuple[Any, Axes]]] = {}
-        self.accs: dict[Key, Any] = dict(accs or {})
+        self.accs: dict[Key, Acc] = dict(accs or {})
         # The scope this region is in. A region's first trace (see
         # `_rules.Region.traced`) starts from its accumulators (and those of
         # the scopes it is in): each made here only when the region first
@@ -236,9 +235,6 @@ class Scope:
         # Per key appended to, how many entries it had before (with `touched`,
         # what `traced` lifts out of a trace).
         self.appended: dict[Key, int] = {}
-        # Per accumulator: the sizes of the vmap batch axes it has, outermost
-        # first (leading, in the layout handlers see).
-        self.acc_batch: dict[Key, Axes] = dict(acc_batch or {})
         self.input_avals: dict[Key, list[tuple[Any, Axes]]] = {}
         self.sites: dict[Key, Site] = {}
         self.rewrite = Rewrite() if rewrite is None else rewrite
@@ -326,15 +322,14 @@ class Scope:
         grown by the vmap batch axes `batch` has and it lacks."""
         if key not in self.accs and not self._enter(key):
             self.acc_inits[key] = init
-            self.accs[key], self.acc_batch[key] = init(), batch
+            self.accs[key] = Acc(init(), batch)
         self.touched[key] = None
-        have = self.acc_batch[key]
+        value, have = self.accs[key]
         if batch != have:
             # The name executes both outside and inside a vmap: the accumulator
             # is per example, as if each example ran alone.
             if batch[: len(have)] == have:  # deeper: the accumulator grows
-                self.accs[key] = grow(self.accs[key], have, batch)
-                self.acc_batch[key] = batch
+                self.accs[key] = Acc(grow(value, have, batch), batch)
                 made = self.acc_inits.get(key)
                 if made is not None:  # (a region threading it starts it grown)
                     self.acc_inits[key] = lambda: grow(made(), have, batch)
@@ -342,9 +337,9 @@ class Scope:
                 raise ValueError(
                     _BATCH_MISMATCH.format(where=self.where(key), a=have, b=batch)
                 )
-        return self.accs[key]
+        return self.accs[key].value
 
-    def entering(self, key: Key) -> tuple[Any, Axes] | None:
+    def entering(self, key: Key) -> Acc | None:
         """The types and batch axes of the accumulator `key` a region in this
         scope starts from: this scope's, or one a scope outside has; None
         where there is none (the region makes it)."""
@@ -353,7 +348,7 @@ class Scope:
             scope = scope.outside
         if scope is None:
             return None
-        return types_of(scope.accs[key]), scope.acc_batch[key]
+        return scope.accs[key].types()
 
     def _enter(self, key: Key) -> bool:
         """Makes here, as zeros, the accumulator `key` the region would start
@@ -361,18 +356,18 @@ class Scope:
         entering = self.entering(key)
         if entering is None:
             return False
-        types, self.acc_batch[key] = entering
-        self.accs[key] = jax.tree.map(_compat.vary_over_manual_axes, zeros(types))
+        value = jax.tree.map(_compat.vary_over_manual_axes, zeros(entering.value))
+        self.accs[key] = Acc(value, entering.batch)
         return True
 
-    def visible(self) -> dict[Key, tuple[Any, Axes]]:
+    def visible(self) -> dict[Key, Acc]:
         """`entering` of every accumulator a region in this scope may start
         from."""
         found, scope = {}, self
         while scope is not None:
-            for key, value in scope.accs.items():
+            for key, acc in scope.accs.items():
                 if key not in found:
-                    found[key] = types_of(value), scope.acc_batch[key]
+                    found[key] = acc.types()
             scope = scope.outside
         return found
 
@@ -395,10 +390,14 @@ class Scope:
             accs[:] = self.touched
             added[:] = self.appended.items()
             new = [self.entries[k][n:] for k, n in added]
-            values = [[self.accs[k] for k in accs], [v for e in new for v, _ in e]]
+            values = [
+                [self.accs[k].value for k in accs],
+                [v for e in new for v, _ in e],
+            ]
             # No tracer of this trace stays in the scope: `leave` puts back
             # what the bound jaxpr returns.
-            self.accs.update(dict.fromkeys(accs))
+            for k in accs:
+                self.accs[k] = self.accs[k]._replace(value=None)
             for k, n in added:
                 del self.entries[k][n:]
             leaves, tree = jax.tree.flatten(values)
@@ -416,7 +415,8 @@ class Scope:
         def leave(leaves) -> None:
             tree, axes = shape
             out_accs, new = jax.tree.unflatten(tree, leaves)
-            self.accs.update(zip(accs, out_accs))
+            for k, value in zip(accs, out_accs):
+                self.accs[k] = self.accs[k]._replace(value=value)
             it = iter(new)
             for (k, _), a in zip(added, axes):
                 self.entries[k] += [(next(it), x) for x in a]
@@ -517,6 +517,21 @@ def _check_input(value, avals, site: Site, owner: str) -> None:
 
 def types_of(tree):
     return jax.tree.map(shape_dtype, tree)
+
+
+class Acc(NamedTuple):
+    """An accumulator (or its types): its value, and the sizes of the vmap
+    batch axes it has, leading, outermost first."""
+
+    value: Any
+    batch: Axes
+
+    def types(self) -> Acc:
+        return Acc(types_of(self.value), self.batch)
+
+    def key(self) -> tuple:
+        """What two accumulators' types must share to be alike."""
+        return types_key(self.value), self.batch
 
 
 def types_key(types) -> tuple:
@@ -646,7 +661,7 @@ def act(
     if mode is not None and mode.reduces:
         init = functools.partial(_acc_init, mode, site, sizes)
         acc = scope.acc(key, init, sizes)
-        extra = len(scope.acc_batch[key]) - len(sizes)
+        extra = len(scope.accs[key].batch) - len(sizes)
     axes = tuple(f"effects_example_{i}" for i in range(len(sizes)))
     at = _counted(scope, index, site, key, within)
     same: list[bool] = []
@@ -684,7 +699,7 @@ def act(
     for value in appended:
         scope.add_entry(key, value, sizes)
     if mode is not None and mode.reduces:
-        scope.accs[key] = acc
+        scope.accs[key] = scope.accs[key]._replace(value=acc)
     return _into_program(scope, handler, site, leaves, same, changed)
 
 

@@ -1512,31 +1512,6 @@ def test_a_name_consumed_by_an_earlier_handler_is_unknown_to_later_ones():
     assert_trees_close((out, found), (4.0 * jnp.sin(X), expected))
 
 
-def test_a_handler_of_every_name_whose_sites_an_earlier_one_consumed_says_so():
-    # A handler that names nothing (a user's counter, then `Stats()`) finds
-    # nothing when the one before it consumes every site: as clear an error as
-    # for a name it gives, not an empty `found`.
-    def f(x):
-        return fx.tag(jnp.sin(fx.tag(x, "a")), "b") * 2.0
-
-    with pytest.raises(
-        ValueError,
-        match="Stats: every site it matches \\(tag 'a' .*, tag 'b' .*\\) is "
-        "consumed by Tag \\(handler 0\\)",
-    ):
-        fx.handle(f, fx.Tag(), fx.Stats())(X)
-    # Where it still matches one site, it handles that one; with no sites at
-    # all, it has nothing to say.
-    out, found = fx.handle(f, fx.Tag(names="a"), fx.Stats())(X)
-    _, stats = fx.handle(f, fx.Stats(names="b"))(X)
-    _, tags = fx.handle(f, fx.Tag(names="a"))(X)
-    collected = {"intermediates": {**tags["intermediates"], **stats["intermediates"]}}
-    assert_trees_close((out, found), (f(X), collected))
-    assert fx.handle(lambda x: x * 2.0, fx.Tag(), fx.Stats())(X)[1] == {
-        "intermediates": {}
-    }
-
-
 def test_jax_errors_while_tracing_name_the_users_function():
     def branchy_model(x):
         h = fx.tag(jnp.sin(x), "h")
