@@ -31,6 +31,21 @@ def n_batch(axes: Axes) -> int:
     return sum(isinstance(a, int) for a in axes)
 
 
+def example_axes(n: int) -> tuple[str, ...]:
+    """The names of the vmaps a handler's `apply` runs under, one per vmap
+    batch axis of the value, outermost first (`Context.batch_index`)."""
+    return tuple(f"effects_example_{i}" for i in range(n))
+
+
+def under_vmaps(fn, names, in_axes: Any = 0):
+    """`fn` of one example, under one vmap per name in `names` (None: an
+    unnamed one), the first the outermost: it takes and gives values whose
+    leading axes are those vmaps' batch axes, the layout `found` has."""
+    for name in reversed(names):
+        fn = jax.vmap(fn, in_axes=in_axes, axis_name=name)
+    return fn
+
+
 def grow(tree, have: Axes, want: Axes):
     """`tree`, whose leaves lead with the axes `have`, broadcast to lead with
     `want` (`have` is a prefix of `want`, both outermost first)."""

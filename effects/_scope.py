@@ -16,7 +16,7 @@ from jax import lax
 
 from . import _compat
 from ._handlers import NO_INPUT, Context, Handler, Misfit, mode_label, mode_of
-from ._layout import Axes, grow, to_program
+from ._layout import Axes, example_axes, grow, to_program, under_vmaps
 from ._site import Site, describe, shape_dtype, strong
 
 # (handler index, (site kind, collection, name)); with a third element, the
@@ -427,9 +427,7 @@ class Scope:
         """`reduce.fn(acc, value)` for one example, where `acc` may have
         `extra` leading batch axes that `value` lacks (the name executed under
         more vmaps elsewhere): then per example of those."""
-        fn = reduce.fn
-        for _ in range(extra):
-            fn = jax.vmap(fn, in_axes=(0, None))
+        fn = under_vmaps(reduce.fn, (None,) * extra, in_axes=(0, None))
         try:
             new = jax.tree.map(strong, fn(acc, value))
         except (TypeError, ValueError) as e:
@@ -569,7 +567,7 @@ def _acc_init(reduce, site: Site, sizes: tuple[int, ...]):
 
     def per_example(x):
         x = strong(x)
-        x = jnp.broadcast_to(x, sizes + x.shape) if sizes else x
+        x = grow(x, (), sizes) if sizes else x
         if spec is not None:  # (batch axes sharded as the value's)
             x = jax.sharding.reshard(x, jax.sharding.PartitionSpec(*spec))
         return _compat.vary_over_manual_axes(x)
@@ -662,7 +660,7 @@ def act(
         init = functools.partial(_acc_init, mode, site, sizes)
         acc = scope.acc(key, init, sizes)
         extra = len(scope.accs[key].batch) - len(sizes)
-    axes = tuple(f"effects_example_{i}" for i in range(len(sizes)))
+    axes = example_axes(len(sizes))
     at = _counted(scope, index, site, key, within)
     same: list[bool] = []
 
@@ -692,9 +690,7 @@ def act(
         same[:], changed = _applied(handler, site, value, ctx, unknown)
         return changed, appended, state[0]
 
-    fn = one
-    for name in reversed(axes):  # the outermost vmap last
-        fn = jax.vmap(fn, axis_name=name)
+    fn = under_vmaps(one, axes)
     changed, appended, acc = fn(front, entry, acc, front_primal)
     for value in appended:
         scope.add_entry(key, value, sizes)
