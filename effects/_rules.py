@@ -414,11 +414,10 @@ class Region:
         carried = self._carried.unflatten(outs[o : o + len(self.carried)])
         for (key, acc), value in zip(plan.acc_avals.items(), carried["accs"]):
             # (a shard_map's, one per shard, after the batch axes)
+            batch = acc.batch
             if b.stack == "shard":
-                value, axes = b.from_inside(value, acc.batch), b.after(acc.batch)
-                scope.accs[key] = Acc(value, axes)
-            else:
-                scope.accs[key] = Acc(value, acc.batch)
+                value, batch = b.from_inside(value, batch), b.after(batch)
+            scope.accs[key] = Acc(value, batch)
         values = entries.unflatten(outs[len(outs) - entries.num_leaves :])
         for (key, _, lead), value in zip(specs, values):
             scope.add_entry(key, b.from_inside(value, lead), b.after(lead))

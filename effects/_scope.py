@@ -695,7 +695,7 @@ def act(
     for value in appended:
         scope.add_entry(key, value, sizes)
     if mode is not None and mode.reduces:
-        scope.accs[key] = scope.accs[key]._replace(value=acc)
+        scope.accs[key] = Acc(acc, scope.accs[key].batch)
     return _into_program(scope, handler, site, leaves, same, changed)
 
 
