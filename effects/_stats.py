@@ -6,6 +6,7 @@ lists, in `_sites`; `find_nonfinite` in `_nonfinite`.)"""
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 import math
@@ -16,7 +17,9 @@ import jax
 import jax.export
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from . import _compat
 from ._handlers import Append, Names, Tag
 from ._sites import text_table
 
@@ -114,28 +117,106 @@ def _leaf_stats(x, xp=jnp) -> dict[str, Any]:
         x = xp.abs(x)
     if xp is np or not xp.issubdtype(x.dtype, xp.floating) or x.dtype.itemsize < 4:
         x = x.astype(np.float64 if xp is np else np.float32)
-    finite, nan = xp.isfinite(x), xp.array(xp.nan, x.dtype)
-    count = xp.sum(finite)
-    n = xp.maximum(count, 1)
+    if xp is jnp:
+        return dict(zip(STAT_KEYS, _device_stats_of(x)))
+    finite, nan = np.isfinite(x), np.float64(np.nan)
+    count = np.sum(finite)
+    n = np.maximum(count, 1)
     # Moments of the values over the largest of them: the sums of finite
     # values near the dtype's largest would overflow.
-    scale = xp.max(xp.abs(x), initial=0, where=finite)
-    scale = xp.where(scale > 0, scale, xp.ones_like(scale))
+    scale = np.max(np.abs(x), initial=0, where=finite)
+    scale = scale if scale > 0 else 1.0
     y = x / scale
-    mean = xp.sum(y, where=finite) / n
+    mean = np.sum(y, where=finite) / n
 
     def some(v):  # NaN where there is no finite value
-        return xp.where(count > 0, v, nan)
+        return v if count > 0 else nan
 
     return {
         "mean": some(mean * scale),
-        "std": some(xp.sqrt(xp.sum((y - mean) ** 2, where=finite) / n) * scale),
-        "min": some(xp.min(x, initial=xp.inf, where=finite)),
-        "max": some(xp.max(x, initial=-xp.inf, where=finite)),
-        "mean_abs": some(xp.sum(xp.abs(y), where=finite) / n * scale),
-        "nan_count": xp.sum(xp.isnan(x), dtype=np.int32),
-        "inf_count": xp.sum(xp.isinf(x), dtype=np.int32),
+        "std": some(np.sqrt(np.sum((y - mean) ** 2, where=finite) / n) * scale),
+        "min": some(np.min(x, initial=np.inf, where=finite)),
+        "max": some(np.max(x, initial=-np.inf, where=finite)),
+        "mean_abs": some(np.sum(np.abs(y), where=finite) / n * scale),
+        "nan_count": np.sum(np.isnan(x), dtype=np.int32),
+        "inf_count": np.sum(np.isinf(x), dtype=np.int32),
     }
+
+
+# On device, the same statistics in `lax`, in as few passes over the value as
+# XLA's CPU code makes fast: it vectorizes a reduction of arithmetic (a sum, a
+# maximum) but not one that reads a comparison (`isfinite`, a mask), several
+# times slower, nor one over a value it shares between reductions, which it
+# writes out. The common case, every value finite and the sums in range, is
+# four passes: the extremes, then the moments' plain sums; a NaN or an Inf in
+# the value, or a sum out of range, makes one of them non-finite, and then a
+# cond computes them again with masks, over the largest value. (Under a vmap
+# whose examples differ in that, both run, and each example takes its own.)
+
+
+def _device_stats_of(x) -> tuple[Any, ...]:
+    axes = tuple(range(x.ndim))
+    big = np.array(np.inf, x.dtype)
+    lo, hi = lax.reduce((x, x), (big, -big), _min_max, axes)
+    n = np.array(max(x.size, 1), x.dtype)
+    mean = lax.reduce_sum(x, axes) / n
+    mean_abs = lax.reduce_sum(lax.abs(x), axes) / n
+    std = lax.sqrt(lax.reduce_sum(lax.square(x - mean), axes) / n)
+    # (in a shard_map, zeros that vary over its axes as the counts computed do)
+    zero = _compat.vary_like(np.int32(0), jax.typeof(mean))
+    fast = (mean, std, lo, hi, mean_abs, zero, zero)
+    # (XLA's min and max propagate a NaN; the sums overflow to an Inf or a NaN)
+    finite = [lax.is_finite(v) for v in (lo, hi, mean, std, mean_abs)]
+    clean = functools.reduce(lax.bitwise_and, finite)
+    return lax.cond(clean, _given, _stats_with_masks, fast, x)
+
+
+def _given(fast, _):
+    return fast
+
+
+def _min_max(a, b):
+    return lax.min(a[0], b[0]), lax.max(a[1], b[1])
+
+
+def _stats_with_masks(_, x):
+    """The statistics over the finite values of `x`, the moments as sums over
+    the largest of them: sums of finite values near the dtype's largest would
+    overflow."""
+    axes, dtype = tuple(range(x.ndim)), x.dtype
+    finite = lax.is_finite(x)
+    # (counted in floats where they are exact, up to 2**24: XLA's CPU compiler
+    # takes twice as long over a sum of integers)
+    counter = np.float32 if x.size <= 2**24 else np.int32
+
+    def counted(bits):
+        total = lax.reduce_sum(lax.convert_element_type(bits, counter), axes)
+        return lax.convert_element_type(total, np.int32)
+
+    count, nans = counted(finite), counted(lax.ne(x, x))
+    big, zeros = lax.full_like(x, np.inf), lax.full_like(x, 0)
+    inf = np.array(np.inf, dtype)
+    lo, hi = lax.reduce(
+        (lax.select(finite, x, big), lax.select(finite, x, -big)),
+        (inf, -inf),
+        _min_max,
+        axes,
+    )
+    scale = lax.max(lax.abs(lo), lax.abs(hi))
+    scale = lax.select(lax.lt(scale, inf), scale, np.array(1, dtype))  # (none)
+    scale = lax.select(lax.gt(scale, np.array(0, dtype)), scale, np.array(1, dtype))
+    n = lax.convert_element_type(lax.max(count, np.int32(1)), dtype)
+    y = lax.select(finite, x / scale, zeros)
+    mean = lax.reduce_sum(y, axes) / n
+    centred = lax.select(finite, y - mean, zeros)
+    std = lax.sqrt(lax.reduce_sum(lax.square(centred), axes) / n)
+    mean_abs = lax.reduce_sum(lax.abs(y), axes) / n
+    some, nan = lax.gt(count, np.int32(0)), np.array(np.nan, dtype)
+    mean, std, lo, hi, mean_abs = (
+        lax.select(some, v, nan)
+        for v in (mean * scale, std * scale, lo, hi, mean_abs * scale)
+    )
+    return mean, std, lo, hi, mean_abs, nans, np.int32(x.size) - count - nans
 
 
 def _over_examples(stats: Mapping[str, np.ndarray], size: int, axes: int):
