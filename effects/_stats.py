@@ -187,10 +187,10 @@ def _stats_with_masks(_, x):
     finite = lax.is_finite(x)
     # (counted in floats where they are exact, up to 2**24: XLA's CPU compiler
     # takes twice as long over a sum of integers)
-    counter = np.float32 if x.size <= 2**24 else np.int32
+    tally = np.float32 if x.size <= 2**24 else np.int32
 
     def counted(bits):
-        total = lax.reduce_sum(lax.convert_element_type(bits, counter), axes)
+        total = lax.reduce_sum(lax.convert_element_type(bits, tally), axes)
         return lax.convert_element_type(total, np.int32)
 
     count, nans = counted(finite), counted(lax.ne(x, x))
