@@ -202,9 +202,9 @@ def _stats_with_masks(_, x):
         _min_max,
         axes,
     )
-    scale = lax.max(lax.abs(lo), lax.abs(hi))
-    scale = lax.select(lax.lt(scale, inf), scale, np.array(1, dtype))  # (none)
-    scale = lax.select(lax.gt(scale, np.array(0, dtype)), scale, np.array(1, dtype))
+    scale = lax.max(lax.abs(lo), lax.abs(hi))  # (Inf where none is finite)
+    usable = lax.bitwise_and(lax.gt(scale, np.array(0, dtype)), lax.lt(scale, inf))
+    scale = lax.select(usable, scale, np.array(1, dtype))
     n = lax.convert_element_type(lax.max(count, np.int32(1)), dtype)
     y = lax.select(finite, x / scale, zeros)
     mean = lax.reduce_sum(y, axes) / n
