@@ -118,7 +118,7 @@ def _leaf_stats(x, xp=jnp) -> dict[str, Any]:
     if xp is np or not xp.issubdtype(x.dtype, xp.floating) or x.dtype.itemsize < 4:
         x = x.astype(np.float64 if xp is np else np.float32)
     if xp is jnp:
-        return dict(zip(STAT_KEYS, _device_stats_of(x)))
+        return dict(zip(STAT_KEYS, _traced_once(x)))
     finite, nan = np.isfinite(x), np.float64(np.nan)
     count = np.sum(finite)
     n = np.maximum(count, 1)
@@ -169,6 +169,11 @@ def _device_stats_of(x) -> tuple[Any, ...]:
     finite = [lax.is_finite(v) for v in (lo, hi, mean, std, mean_abs)]
     clean = functools.reduce(lax.bitwise_and, finite)
     return lax.cond(clean, _given, _stats_with_masks, fast, x)
+
+
+# (one jit, so that JAX traces and lowers them once per type: a program
+# taps thousands of values of a few types)
+_traced_once = jax.jit(_device_stats_of)
 
 
 def _given(fast, _):
