@@ -150,11 +150,33 @@ def _leaf_stats(x, xp=jnp) -> dict[str, Any]:
 # writes out. The common case, every value finite and the sums in range, is
 # four passes: the extremes, then the moments' plain sums; a NaN or an Inf in
 # the value, or a sum out of range, makes one of them non-finite, and then a
-# cond computes them again with masks, over the largest value. (Under a vmap
-# whose examples differ in that, both run, and each example takes its own.)
+# cond computes them again with masks, over the largest value. Under vmaps,
+# one cond for all the examples (JAX would make a batched cond a select, which
+# runs both): the masks where any example needs them.
 
 
 def _device_stats_of(x) -> tuple[Any, ...]:
+    return tuple(v[0] for v in _each(x[None]))
+
+
+@jax.custom_batching.custom_vmap
+def _each(x) -> tuple[Any, ...]:
+    """The statistics of each `x[i]`."""
+    fast, clean = jax.vmap(_fast)(x)
+    every = lax.reduce_and(clean, (0,))
+    return lax.cond(every, _given, jax.vmap(_stats_with_masks, (None, 0)), fast, x)
+
+
+@_each.def_vmap
+def _each_batched(axis_size, in_batched, x):
+    del axis_size, in_batched  # (`x`, the one input, is batched, at its front)
+    stats = _each(x.reshape(-1, *x.shape[2:]))
+    return tuple(v.reshape(x.shape[:2]) for v in stats), (True,) * len(stats)
+
+
+def _fast(x) -> tuple[tuple[Any, ...], Any]:
+    """The statistics of `x` if its values are finite and its sums in range,
+    and whether they are."""
     axes = tuple(range(x.ndim))
     big = np.array(np.inf, x.dtype)
     lo, hi = lax.reduce((x, x), (big, -big), _min_max, axes)
@@ -164,11 +186,12 @@ def _device_stats_of(x) -> tuple[Any, ...]:
     std = lax.sqrt(lax.reduce_sum(lax.square(x - mean), axes) / n)
     # (in a shard_map, zeros that vary over its axes as the counts computed do)
     zero = _compat.vary_like(np.int32(0), jax.typeof(mean))
-    fast = (mean, std, lo, hi, mean_abs, zero, zero)
-    # (XLA's min and max propagate a NaN; the sums overflow to an Inf or a NaN)
+    # (XLA's min and max propagate a NaN; the sums overflow to an Inf or a NaN;
+    # the squares of tiny values underflow to a std of 0 between unequal ones)
     finite = [lax.is_finite(v) for v in (lo, hi, mean, std, mean_abs)]
-    clean = functools.reduce(lax.bitwise_and, finite)
-    return lax.cond(clean, _given, _stats_with_masks, fast, x)
+    spread = lax.bitwise_or(lax.gt(std, np.array(0, x.dtype)), lax.eq(lo, hi))
+    clean = functools.reduce(lax.bitwise_and, finite, spread)
+    return (mean, std, lo, hi, mean_abs, zero, zero), clean
 
 
 # (one jit, so that JAX traces and lowers them once per type: a program
@@ -185,9 +208,12 @@ def _min_max(a, b):
 
 
 def _stats_with_masks(_, x):
-    """The statistics over the finite values of `x`, the moments as sums over
-    the largest of them: sums of finite values near the dtype's largest would
-    overflow."""
+    """The statistics over the finite values of `x`, the moments as sums of
+    the values over a scale, 2**-20 of the largest: sums of finite values near
+    the dtype's largest would overflow, and squares of tiny ones underflow.
+    (Not the largest itself: XLA divides by multiplying by the reciprocal,
+    which for a divisor near the dtype's largest is below its smallest normal
+    value, and flushed to zero.)"""
     axes, dtype = tuple(range(x.ndim)), x.dtype
     finite = lax.is_finite(x)
     # (counted in floats where they are exact, up to 2**24: XLA's CPU compiler
@@ -207,9 +233,11 @@ def _stats_with_masks(_, x):
         _min_max,
         axes,
     )
-    scale = lax.max(lax.abs(lo), lax.abs(hi))  # (Inf where none is finite)
-    usable = lax.bitwise_and(lax.gt(scale, np.array(0, dtype)), lax.lt(scale, inf))
-    scale = lax.select(usable, scale, np.array(1, dtype))
+    largest = lax.max(lax.abs(lo), lax.abs(hi))  # (Inf where none is finite)
+    usable = lax.bitwise_and(
+        lax.ge(largest, np.array(2**-100, dtype)), lax.lt(largest, inf)
+    )
+    scale = lax.select(usable, largest * np.array(2**-20, dtype), np.array(1, dtype))
     n = lax.convert_element_type(lax.max(count, np.int32(1)), dtype)
     y = lax.select(finite, x / scale, zeros)
     mean = lax.reduce_sum(y, axes) / n

@@ -1036,6 +1036,45 @@ def test_stats_of_values_near_the_largest_finite_are_finite(values, dtype):
     assert_stats(found["intermediates"]["h"][0], np.asarray(x, np.float64))
 
 
+@pytest.mark.parametrize(
+    "values",
+    [[1e-30, -2e-30, 0.0], [1e-20, 3e-20, 2e-20], [3e38, 3e38, -1e38, jnp.inf]],
+)
+def test_stats_of_tiny_and_huge_values_match_numpy_to_their_scale(values):
+    # (no absolute tolerance: the squares of tiny values underflowed to a std
+    # of 0, and XLA's reciprocal of a divisor near the largest float32 was
+    # flushed to zero, a mean of 0)
+    x = jnp.asarray(values, jnp.float32)
+    _, found = jax.jit(fx.handle(lambda x: fx.tag(x, "h"), fx.Stats()))(x)
+    got, want = found["intermediates"]["h"][0], numpy_stats(x)
+    for k in STATS:
+        np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-5, err_msg=k)
+
+
+def test_stats_under_a_vmap_test_every_example_once_and_mask_where_one_needs():
+    # One cond for all the examples, where JAX makes a cond under a vmap a
+    # select, which runs both branches: each example's own figures, whether
+    # all are finite or one is not, under one vmap and two.
+    rows = np.random.default_rng(0).normal(size=(3, 4, 5)).astype(np.float32)
+    bad = rows.copy()
+    bad[1, 2, 3], bad[2, 0, 0] = np.nan, -np.inf
+    for inner in (False, True):
+        g = (
+            (lambda x: fx.tag(2 * x, "h"))
+            if not inner
+            else jax.vmap(lambda x: fx.tag(2 * x, "h"))
+        )
+        handled = fx.handle(jax.vmap(g), fx.Stats())
+        assert "cond" in str(jax.make_jaxpr(handled)(rows))
+        for xs in (rows, bad):
+            _, found = jax.jit(handled)(xs)
+            (got,) = found["intermediates"]["h"]
+            for i in range(3):
+                for j in range(4) if inner else [None]:
+                    at = (i,) if j is None else (i, j)
+                    assert_stats({k: got[k][at] for k in STATS}, 2 * xs[at])
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("backward", [False, True])
 def test_find_nonfinite_in_a_reversed_scan_gives_the_position(reverse, backward):
