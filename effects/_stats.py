@@ -155,8 +155,16 @@ def _leaf_stats(x, xp=jnp) -> dict[str, Any]:
 # runs both): the masks where any example needs them.
 
 
+@jax.custom_batching.custom_vmap
 def _device_stats_of(x) -> tuple[Any, ...]:
-    return tuple(v[0] for v in _each(x[None]))
+    fast, clean = _fast(x)
+    return lax.cond(clean, _given, _stats_with_masks, fast, x)
+
+
+@_device_stats_of.def_vmap
+def _device_stats_batched(axis_size, in_batched, x):
+    del axis_size, in_batched  # (`x`, the one input, is batched, at its front)
+    return _each(x), (True,) * len(STAT_KEYS)
 
 
 @jax.custom_batching.custom_vmap
