@@ -118,7 +118,9 @@ def _leaf_stats(x, xp=jnp) -> dict[str, Any]:
     if xp is np or not xp.issubdtype(x.dtype, xp.floating) or x.dtype.itemsize < 4:
         x = x.astype(np.float64 if xp is np else np.float32)
     if xp is jnp:
-        return dict(zip(STAT_KEYS, _traced_once(x)))
+        # (a report's figures, not differentiated: JAX's linearization cannot
+        # split a custom_vmap)
+        return dict(zip(STAT_KEYS, _traced_once(lax.stop_gradient(x))))
     finite, nan = np.isfinite(x), np.float64(np.nan)
     count = np.sum(finite)
     n = np.maximum(count, 1)
@@ -155,14 +157,18 @@ def _leaf_stats(x, xp=jnp) -> dict[str, Any]:
 # runs both): the masks where any example needs them.
 
 
-@jax.custom_batching.custom_vmap
-def _device_stats_of(x) -> tuple[Any, ...]:
+def _one(x) -> tuple[Any, ...]:
     fast, clean = _fast(x)
     return lax.cond(clean, _given, _stats_with_masks, fast, x)
 
 
+@jax.custom_batching.custom_vmap
+def _device_stats_of(x) -> tuple[Any, ...]:
+    return _one(x)
+
+
 @_device_stats_of.def_vmap
-def _device_stats_batched(axis_size, in_batched, x):
+def _batched(axis_size, in_batched, x):
     del axis_size, in_batched  # (`x`, the one input, is batched, at its front)
     return _each(x), (True,) * len(STAT_KEYS)
 
@@ -307,7 +313,10 @@ class Stats(Tag):
     per example by default, with the batch axes first; with
     `per_example=False`, over the whole value, batch axes included: one set
     per execution, whatever the batch. [`fx.summary`][effects.summary]
-    renders them as a table.
+    renders them as a table. The statistics are figures to read, not to
+    differentiate: `jax.grad` sees them as constants. (To differentiate a
+    value's statistics, compute them from what [`Tag`][effects.Tag]
+    collects.)
 
     **Arguments:**
 
