@@ -644,12 +644,10 @@ _FINDINGS = Reduce(_count_findings, lambda _: (jnp.int32(0), jnp.int32(-1)))
 _FIRST = Reduce(_keep_first, lambda z: (jnp.int32(0), jnp.int32(-1), z))
 
 
-class TapCheck(Handler):
-    """At every tap of `_CHECKED` in `keys`: a `checkify` check that its
-    equation made no NaN or Inf its inputs did not hold (the first failing
-    one in execution order is reported, its index in `keys` as its code),
-    and a count of its executions up to the first that did (`_FINDINGS`):
-    one test of the values for both."""
+class TapFindings(Handler):
+    """At every tap of `_CHECKED` in `keys`: whether its equation made a NaN
+    or an Inf its inputs did not hold, counted over its executions up to the
+    first that did (`_FINDINGS`)."""
 
     keys: tuple = dataclasses.field(metadata={"static": True})  # (collection, name)s
 
@@ -657,6 +655,16 @@ class TapCheck(Handler):
 
     def matches(self, site):
         return (site.collection, site.name) in self.keys
+
+    def apply(self, site, value, ctx):
+        ctx.emit(_finding(value))
+        return value
+
+
+class TapCheck(TapFindings):
+    """`TapFindings`, and at each tap a `checkify` check that its equation made
+    no NaN or Inf its inputs did not hold: the first failing one in execution
+    order is reported, its index in `keys` as its code."""
 
     def apply(self, site, value, ctx):
         from jax.experimental import checkify
@@ -747,18 +755,20 @@ def _results(backward: bool, call, dynamic):
     return finite
 
 
-def _tap_check(backward: bool, call, dynamic):
+def _tap_check(backward: bool, checked: bool, call, dynamic):
     """`(listed, check)`: per pass, its taps' `SiteInfo`s by name, and
-    `check(dynamic) -> (errors, counters)` per pass, jitted."""
+    `check(dynamic) -> (errors, counters)` per pass, jitted: with `checked`,
+    checkify's errors, whose first is the first finding in execution order;
+    else None, and only the counters (`TapFindings`), a smaller program."""
     from jax.experimental import checkify  # (see `_nonfinite_check`)
 
-    listed, checked = [], []
+    listed, runs = [], []
     for tapped in _passes(backward, call):
         found = sites(tapped)(dynamic).get(_CHECKED, {})
         tapped = _function(tapped)
         keys = tuple((_CHECKED, name) for name in found)
         listed.append(found)
-        handlers = (TapCheck(keys),)
+        handlers = ((TapCheck if checked else TapFindings)(keys),)
 
         def run(dynamic, tapped=tapped, handlers=handlers, keys=keys):
             if not keys:  # (nothing inexact to check)
@@ -766,11 +776,15 @@ def _tap_check(backward: bool, call, dynamic):
             out, found = handle(tapped, *handlers)(dynamic)
             return out, found.get(_CHECKED, {})
 
-        checked.append(checkify.checkify(run, errors=checkify.user_checks))
+        if checked:
+            run = checkify.checkify(run, errors=checkify.user_checks)
+        else:
+            run = functools.partial(lambda run, dynamic: (None, run(dynamic)), run)
+        runs.append(run)
 
     def check(dynamic):
         errors, counters = [], []
-        for run in checked:
+        for run in runs:
             err, (_, found) = run(dynamic)
             errors.append(err)
             counters.append(found)
@@ -804,25 +818,25 @@ def _tap_inputs(backward: bool, which: int, name, call, dynamic):
 def _tap_search(fn, args, kwargs, backward: bool) -> BadSite | None:
     """The first primitive, in execution order, that made a NaN or an Inf
     from finite inputs: in the function, then in its gradient."""
-    make = functools.partial(_tap_check, backward)
-    try:
-        (listed, check), dynamic = eager_cached(
-            ("find_nonfinite taps", backward), fn, args, kwargs, make
-        )
-        errors, counters = check(dynamic)
-    except ValueError as e:
-        if not any(m in str(e) for m in _EVERY_EXAMPLE):
-            raise
-        said = str(e).removeprefix(f"{NonfiniteCheck.__name__}: ").split(". ")[0]
-        raise ValueError(_PER_EXAMPLE.format(said)) from e
-    messages = [err.get() for err in errors]
-    failed = next(((i, m) for i, m in enumerate(messages) if m), None)
-    if failed is None:
+    # Where one tap alone made a NaN or an Inf from finite inputs (a NaN made
+    # once is in the inputs of what follows), it is the first: the counters
+    # tell it. Where several did, checkify's errors order them.
+    listed, _, counters = _tap_run(fn, args, kwargs, backward, False)
+    bad = [
+        [n for n, c in found.items() if (_numpy(c[1]) >= 0).any()] for found in counters
+    ]
+    which = next((i for i, names in enumerate(bad) if names), None)
+    if which is None:
         finite = _finite_results(fn, args, kwargs, backward)
         return _unexplained(args, kwargs, finite, backward)
-    which, message = failed
-    code = int(message.split(_CODE)[1].split()[0].split(":")[0])
-    name = list(listed[which])[code]
+    if len(bad[which]) == 1:
+        name = bad[which][0]
+    else:
+        listed, errors, counters = _tap_run(fn, args, kwargs, backward, True)
+        messages = [err.get() for err in errors]
+        which, message = next((i, m) for i, m in enumerate(messages) if m)
+        code = int(message.split(_CODE)[1].split()[0].split(":")[0])
+        name = list(listed[which])[code]
     firsts = _numpy(counters[which][name][1])
     k = int(firsts[firsts >= 0].min())
     infos = listed[which][name]
@@ -859,6 +873,23 @@ def _tap_search(fn, args, kwargs, backward: bool) -> BadSite | None:
         inputs=said,
         backward_search=backward,
     )
+
+
+def _tap_run(fn, args, kwargs, backward: bool, checked: bool):
+    """`(listed, errors, counters)` of the tap check (`_tap_check`) run on the
+    arguments."""
+    make = functools.partial(_tap_check, backward, checked)
+    try:
+        (listed, check), dynamic = eager_cached(
+            ("find_nonfinite taps", backward, checked), fn, args, kwargs, make
+        )
+        errors, counters = check(dynamic)
+    except ValueError as e:
+        if not any(m in str(e) for m in _EVERY_EXAMPLE):
+            raise
+        said = str(e).removeprefix(f"{NonfiniteCheck.__name__}: ").split(". ")[0]
+        raise ValueError(_PER_EXAMPLE.format(said)) from e
+    return listed, errors, counters
 
 
 def _scope(scope: str) -> str:

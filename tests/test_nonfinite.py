@@ -52,6 +52,27 @@ def test_a_log_in_a_scan():
     assert both == bad and "already non-finite" in str(both)
 
 
+def two_sources(x):  # two operations make a NaN: `sqrt` at iteration 1 first
+    def body(c, xi):
+        return c + jnp.log(xi[0]) + jnp.sqrt(xi[1]), c
+
+    return jax.lax.scan(body, 0.0, x)[0]
+
+
+def test_of_two_operations_that_make_a_nan_the_first_executed_is_named():
+    # Where one operation alone makes a NaN from finite inputs, the counters
+    # name it; where two do, the order of execution decides: the iteration,
+    # then the program order (`log` comes first in the body, but goes bad at
+    # iteration 2), as in two bodies one after the other.
+    x = jnp.array([[1.0, 1.0], [1.0, -1.0], [-3.0, 1.0]])
+    bad = fx.find_nonfinite(two_sources, x)
+    assert (bad.primitive, bad.iteration, bad.inputs) == ("sqrt", 1, "sqrt(-1.0) = nan")
+    bad = fx.find_nonfinite(two_sources, x.at[1, 1].set(1.0))  # `log` alone
+    assert (bad.primitive, bad.iteration, bad.inputs) == ("log", 2, "log(-3.0) = nan")
+    bad = fx.find_nonfinite(two_sources, x.at[1, 0].set(-2.0))  # both at 1
+    assert (bad.primitive, bad.iteration, bad.inputs) == ("log", 1, "log(-2.0) = nan")
+
+
 def test_b_the_derivative_of_sqrt_at_zero():
     assert fx.find_nonfinite(sqrt_of_zero, jnp.ones(3)) is None
     bad = fx.find_nonfinite(sqrt_of_zero, jnp.ones(3), backward=True)
