@@ -776,16 +776,14 @@ def _tap_check(backward: bool, checked: bool, call, dynamic):
             out, found = handle(tapped, *handlers)(dynamic)
             return out, found.get(_CHECKED, {})
 
-        if checked:
-            run = checkify.checkify(run, errors=checkify.user_checks)
-        else:
-            run = functools.partial(lambda run, dynamic: (None, run(dynamic)), run)
-        runs.append(run)
+        runs.append(
+            checkify.checkify(run, errors=checkify.user_checks) if checked else run
+        )
 
     def check(dynamic):
         errors, counters = [], []
         for run in runs:
-            err, (_, found) = run(dynamic)
+            err, (_, found) = run(dynamic) if checked else (None, run(dynamic))
             errors.append(err)
             counters.append(found)
         return errors, counters
