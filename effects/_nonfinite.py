@@ -283,13 +283,14 @@ def find_nonfinite(
     first went bad, not where a NaN passed through. The first in execution
     order is returned, so never a tag that is non-finite only because an
     earlier one was. Works through `jit`, `scan`, `cond`, `while_loop`,
-    `checkpoint`, custom derivatives (their functions are searched) and
-    `vmap`; in a `shard_map`, the search ends with the first one holding
-    operations (JAX's `checkify`, which runs the checks, fails on checks
-    after one). The programs are compiled once per argument signature, without
-    XLA's fusion of operations (whose compile time on CPU grows with the
-    square of the number of checks): each operation rounds on its own, as
-    when JAX runs the function one operation at a time. Every tag counts,
+    `checkpoint`, custom derivatives (their functions are searched), `vmap`
+    and `shard_map`s (where several operations made a NaN in more than one
+    `shard_map`, the first in program order: JAX's `checkify`, which orders
+    them elsewhere, fails on checks in two). The programs are compiled once
+    per argument signature, without XLA's fusion of operations (whose
+    compile time on CPU grows with the square of the number of checks):
+    each operation rounds on its own, as when JAX runs the function one
+    operation at a time. Every tag counts,
     whatever its collection, `jax.ad_checkpoint.checkpoint_name`s included
     (perturb sites do not); integer values are never non-finite. Arguments
     are treated as `eqx.filter_jit` treats them (arrays traced, other leaves
@@ -818,23 +819,31 @@ def _tap_search(fn, args, kwargs, backward: bool) -> BadSite | None:
     from finite inputs: in the function, then in its gradient."""
     # Where one tap alone made a NaN or an Inf from finite inputs (a NaN made
     # once is in the inputs of what follows), it is the first: the counters
-    # tell it. Where several did, checkify's errors order them.
+    # tell it. Where several did, checkify's errors order them; but checkify
+    # fails on checks in two shard_maps (tests/test_jax_facts.py::
+    # test_checkify_fails_on_checks_in_two_shard_maps): there, the first in
+    # program order.
     listed, _, counters = _tap_run(fn, args, kwargs, backward, False)
     bad = [
-        [n for n, c in found.items() if (_numpy(c[1]) >= 0).any()] for found in counters
+        [n for n in names if (_numpy(found[n][1]) >= 0).any()]
+        for names, found in zip(listed, counters)
     ]
     which = next((i for i, names in enumerate(bad) if names), None)
     if which is None:
         finite = _finite_results(fn, args, kwargs, backward)
         return _unexplained(args, kwargs, finite, backward)
-    if len(bad[which]) == 1:
-        name = bad[which][0]
-    else:
-        listed, errors, counters = _tap_run(fn, args, kwargs, backward, True)
-        messages = [err.get() for err in errors]
-        which, message = next((i, m) for i, m in enumerate(messages) if m)
-        code = int(message.split(_CODE)[1].split()[0].split(":")[0])
-        name = list(listed[which])[code]
+    name = bad[which][0]
+    if len(bad[which]) > 1:
+        try:
+            listed, errors, counters = _tap_run(fn, args, kwargs, backward, True)
+        except TypeError as e:
+            if not str(e).startswith(_CHECKIFY_SHARD_MAPS):
+                raise
+        else:
+            messages = [err.get() for err in errors]
+            which, message = next((i, m) for i, m in enumerate(messages) if m)
+            code = int(message.split(_CODE)[1].split()[0].split(":")[0])
+            name = list(listed[which])[code]
     firsts = _numpy(counters[which][name][1])
     k = int(firsts[firsts >= 0].min())
     infos = listed[which][name]

@@ -322,11 +322,6 @@ class _Inserter:
         self.done: dict[Any, Any] = {}  # key -> (jaxpr, tapped jaxpr)
         self.outer = _Outer()
         self.count = 0  # sites made so far
-        # find_nonfinite's taps end at the first `shard_map` holding some:
-        # JAX's `checkify`, which runs their checks, fails on a check after
-        # one (tests/test_jax_facts.py::
-        # test_checkify_fails_on_checks_in_two_shard_maps).
-        self.sealed = False
 
     def name(self, info: TapInfo) -> str:
         base = info.base_name()
@@ -367,8 +362,6 @@ class _Inserter:
         return new_jaxpr
 
     def equation(self, eqn, made) -> list[Any]:
-        if self.sealed:
-            return [eqn]
         prim = eqn.primitive.name
         # The bodies of the higher-order primitives the rewriter knows are
         # tapped; another's jaxprs (a scatter's combiner, a reduction's) are
@@ -460,7 +453,7 @@ class _Inserter:
             n = carries.get(id(jaxpr), 0)
             return self.jaxpr(jaxpr, n, (eqn, outer) if n else None)
 
-        outer, before = self.outer, self.count
+        outer = self.outer
         here = _info(eqn, "", (), outer)
         self.outer = _Outer(
             _compat.name_stack(eqn, outer.stack), here.file, here.line, here.library
@@ -469,8 +462,6 @@ class _Inserter:
             params = _jaxpr.map_jaxprs_in_params(eqn.params, one)
         finally:
             self.outer = outer
-        if self.tapped.with_inputs and prim is _compat.shard_map_p:
-            self.sealed = self.count > before
         if params is eqn.params:
             return eqn
         return eqn.replace(params=params, effects=eqn.effects | {site_effect})

@@ -225,6 +225,35 @@ def test_a_nan_in_one_shard_of_a_shard_map():
     assert "shard 3" in str(bad)
 
 
+def test_operations_in_a_second_shard_map_are_searched():
+    # One operation made the NaN, in the second shard_map: the counters name
+    # it. Two made one, in two shard_maps, where JAX's checkify cannot order
+    # them (test_jax_facts.py::test_checkify_fails_on_checks_in_two_shard_maps):
+    # the first in program order, the first here too.
+    mesh = jax.sharding.Mesh(np.array(devices(4)), ("i",))
+    spec = jax.sharding.PartitionSpec("i")
+
+    def grow(x):
+        return jnp.exp(x) - 1.0
+
+    def shrink(x):
+        return jnp.log(x)
+
+    first = jax.shard_map(grow, mesh=mesh, in_specs=spec, out_specs=spec)
+    second = jax.shard_map(shrink, mesh=mesh, in_specs=spec, out_specs=spec)
+
+    def f(x):
+        return second(first(x)).sum()
+
+    x = jnp.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, -7.0, 8.0])
+    bad = fx.find_nonfinite(f, x)
+    assert (bad.primitive, bad.line, bad.shard) == ("log", _line(shrink, "log"), (3,))
+    assert bad.inputs.startswith("log(-0.99") and bad.inputs.endswith("= nan")
+    bad = fx.find_nonfinite(f, x.at[0].set(1000.0))
+    assert (bad.primitive, bad.line, bad.shard) == ("exp", _line(grow, "exp"), (0,))
+    assert bad.inputs == "exp(1000.0)[0] = inf"
+
+
 def _field(t, y, args):
     return -args * jnp.sqrt(y)
 
