@@ -46,6 +46,42 @@ def under_vmaps(fn, names, in_axes: Any = 0):
     return fn
 
 
+def one_cond(fast, slow):
+    """`f(*xs)`: `fast(*xs)` gives `(result, clean)`; where not `clean`,
+    `slow(*xs)` gives the result instead. Under vmaps, one cond for all the
+    examples (JAX makes a batched cond a select, which runs both branches):
+    `fast` for each example, then `slow` for each where any example needs it.
+    A check at every value of a program pays for `slow` only where it finds
+    something."""
+    return _one_cond(fast, slow, ())
+
+
+def _one_cond(fast, slow, levels: tuple):
+    # `levels`: per vmap around the call, innermost first, whether each input
+    # is batched there (at its front, where JAX's rule puts it)
+    def nested(fn):
+        for batched in levels:
+            fn = jax.vmap(fn, in_axes=jax.tree.map(lambda b: 0 if b else None, batched))
+        return fn
+
+    @jax.custom_batching.custom_vmap
+    def f(*xs):
+        result, clean = nested(fast)(*xs)
+        if levels:
+            clean = jax.lax.reduce_and(clean, tuple(range(clean.ndim)))
+        return jax.lax.cond(
+            clean, lambda r, _: r, lambda _, xs: nested(slow)(*xs), result, xs
+        )
+
+    @f.def_vmap
+    def _(axis_size, in_batched, *xs):
+        del axis_size
+        out = _one_cond(fast, slow, (*levels, tuple(in_batched)))(*xs)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return f
+
+
 def grow(tree, have: Axes, want: Axes):
     """`tree`, whose leaves lead with the axes `have`, broadcast to lead with
     `want` (`have` is a prefix of `want`, both outermost first)."""

@@ -22,8 +22,10 @@ from jax import lax
 # its jitted calls, on the function itself (an Equinox module's per
 # structure), dying with it. Public API cannot: a cache of our own keyed by the
 # function would keep it alive, as `eqx.filter_jit` does.
+from . import _compat
 from ._handle import eager_cached, handle
 from ._handlers import Handler, Reduce, Tag
+from ._layout import one_cond
 from ._primitives import handling
 from ._sites import sites
 from ._stats import _numpy
@@ -278,19 +280,19 @@ def find_nonfinite(
     operation is the answer.
 
     An operation counts when it makes a NaN from inputs holding none, or an
-    Inf from finite inputs (constants are inputs: `x * jnp.inf` is not a
-    finding, `jnp.inf - jnp.inf` is), so what it names is where the values
-    first went bad, not where a NaN passed through. The first in execution
+    Inf from finite inputs, element by element where it reads its inputs so
+    (an elementwise operation, its broadcast operands; a matmul's or a
+    reduction's inputs count whole): constants are inputs, so `x * jnp.inf`
+    is not a finding and `jnp.inf - jnp.inf` is. What it names is where the
+    values first went bad, not where a NaN passed through. The first in execution
     order is returned, so never a tag that is non-finite only because an
     earlier one was. Works through `jit`, `scan`, `cond`, `while_loop`,
     `checkpoint`, custom derivatives (their functions are searched), `vmap`
     and `shard_map`s (where several operations made a NaN in more than one
     `shard_map`, the first in program order: JAX's `checkify`, which orders
     them elsewhere, fails on checks in two). The programs are compiled once
-    per argument signature, without XLA's fusion of operations (whose
-    compile time on CPU grows with the square of the number of checks):
-    each operation rounds on its own, as when JAX runs the function one
-    operation at a time. Every tag counts,
+    per argument signature; each operation rounds on its own, as when JAX
+    runs the function one operation at a time. Every tag counts,
     whatever its collection, `jax.ad_checkpoint.checkpoint_name`s included
     (perturb sites do not); integer values are never non-finite. Arguments
     are treated as `eqx.filter_jit` treats them (arrays traced, other leaves
@@ -397,9 +399,7 @@ def find_nonfinite(
     if message is None:
         # (no tag is non-finite: the operations are searched where the output
         # or the gradient shows something to explain)
-        if all(_finite_results(fn, args, kwargs, backward)):
-            return None
-        return _tap_search(fn, args, kwargs, backward)
+        return _operation(fn, args, kwargs, backward)
     code, *n = message.split(_CODE)[1].split()[0].split(":")
     collection, name = keys[int(code)]
     # A cotangent's check says it is one (`code:`); checked again at that name
@@ -546,19 +546,19 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dyna
     return listed, keys, jax.jit(check, compiler_options=_RUN_ONCE)
 
 
-# Compiled without XLA's fusion pass. On CPU it copies a chain of cheap
-# operations into every fusion that reads a value of it, and a check of every
-# cotangent reads each value of the backward pass's chain: the program grows
-# with the square of the number of tags (tests/test_jax_facts.py::
-# test_xla_fusion_copies_a_chain_into_each_of_its_values_a_program_returns). With
-# backward=True, 400 tags took 66 s to compile, 10 s without it. Run once to
-# find a NaN, the program's unfused run costs less than that. Its operations
-# are the function's, each rounded on its own as when JAX runs them one by one
-# (fused, a multiply and an add may round once). And without the compiler's
-# backend optimizations (LLVM's, on CPU), which the program, run once, does
-# not pay back: the search of a 2-block GPT (width 64) took 9.4 s, 7.2 s
-# without them. Neither changes what an operation computes (fast math stays
-# off).
+# The tags' check, compiled without XLA's fusion pass. On CPU it copies a
+# chain of cheap operations into every fusion that reads a value of it, and a
+# check of every cotangent reads each value of the backward pass's chain: the
+# program grows with the square of the number of tags (tests/test_jax_facts.py
+# ::test_xla_fusion_copies_a_chain_into_each_of_its_values_a_program_returns).
+# With backward=True, 400 tags took 66 s to compile, 10 s without it. Run once
+# to find a NaN, the program's unfused run costs less than that. Its
+# operations are the function's, each rounded on its own as when JAX runs them
+# one by one (fused, a multiply and an add may round once). And without the
+# compiler's backend optimizations (LLVM's, on CPU), which the program, run
+# once, does not pay back. Neither changes what an operation computes (fast
+# math stays off). (The operations' search, whose taps hold each output whole,
+# is compiled as any function: see `_tap_check`.)
 _RUN_ONCE = {
     "xla_disable_hlo_passes": "fusion",
     "xla_backend_optimization_level": 0,
@@ -601,14 +601,6 @@ def _bad_site(infos, collection, name, k: int, backward: bool) -> BadSite:
 _CHECKED = "effects.nonfinite"
 
 
-def _finding(value) -> jax.Array:
-    nan_in, finite_in = _nan_and_finite(value[0])
-    nan_out, finite_out = _nan_and_finite(value[1])
-    made_nan = lax.bitwise_and(nan_out, lax.bitwise_not(nan_in))
-    made_inf = lax.bitwise_and(lax.bitwise_not(finite_out), finite_in)
-    return lax.bitwise_or(made_nan, made_inf)
-
-
 def _nan_and_finite(tree) -> tuple[Any, Any]:  # (bool arrays, or NumPy bools)
     """Whether an inexact leaf of `tree` holds a NaN, and whether all are
     finite: from the largest magnitude of each leaf, NaN where it holds one
@@ -627,22 +619,110 @@ def _nan_and_finite(tree) -> tuple[Any, Any]:  # (bool arrays, or NumPy bools)
     return nan, finite
 
 
-def _count_findings(acc, bad):  # (executions so far, the first finding or -1)
-    n, first = acc
-    take = lax.bitwise_and(lax.lt(first, np.int32(0)), bad)
-    return lax.add(n, np.int32(1)), lax.select(take, n, first)
+def _unchecked(ins, outs):
+    """A tap's finding and where, when its outputs are finite: none."""
+    finite = _nan_and_finite(outs)[1]
+    where = jax.eval_shape(_checked, ins, outs)[1]
+    where = jax.tree.map(lambda s: lax.full(s.shape, 0, s.dtype), where)
+    return _varying((lax.bitwise_not(finite), where)), finite
 
 
-def _keep_first(acc, x):  # and that execution's (inputs, outputs)
+def _checked(ins, outs):
+    """Whether a tap's equation made a NaN or an Inf from finite inputs, and
+    where: per output leaf, the index of its first element (flattened) that
+    went bad, a NaN made before an Inf, as a key (`_said` reads it), that
+    element, and each input's element broadcast to it (for an input of one
+    element, that one). An element went bad where it is a NaN though its
+    inputs' elements there are no NaN and the inputs that do not broadcast
+    to it hold none, or an Inf though all of those are finite. (Literals,
+    which the tap leaves out, are finite.) Where a leaf has none, the
+    element is 0."""
+    ins = jax.tree.leaves(ins)
+    found, where = np.bool_(False), []
+    for y in jax.tree.leaves(outs):
+        if not _inexact(y) or y.size == 0:
+            where.append(())
+            continue
+        out = y.reshape(-1)
+        each = [_flat_as(x, y) for x in ins if _elementwise(x, y)]
+        whole = _nan_and_finite([x for x in ins if not _elementwise(x, y)])
+        nan_in, finite_in = (lax.broadcast(w, out.shape) for w in whole)
+        for x in filter(_inexact, each):
+            nan_in = lax.bitwise_or(nan_in, lax.ne(x, x))
+            finite_in = lax.bitwise_and(finite_in, lax.is_finite(x))
+        made_nan = lax.bitwise_and(lax.ne(out, out), lax.bitwise_not(nan_in))
+        made_inf = lax.bitwise_and(lax.bitwise_not(lax.is_finite(out)), finite_in)
+        # (the key: the index of a made NaN, else the size plus that of a made
+        # Inf, else twice the size)
+        index, size = lax.iota(np.int32, out.size), out.size
+        none = np.int32(2 * size if size < 2**30 else size)
+        inf = lax.add(index, np.int32(size)) if size < 2**30 else index
+        key = lax.select(
+            made_nan,
+            index,
+            lax.select(made_inf, inf, lax.full(out.shape, none)),
+        )
+        # (the first bad element's key and values, in one reduction)
+        first = lax.reduce(
+            (key, out, *each),
+            (none, *(np.zeros((), v.dtype) for v in (out, *each))),
+            _first,
+            (0,),
+        )
+        found = lax.bitwise_or(found, lax.lt(first[0], none))
+        where.append((first[0], first[1], tuple(first[2:])))
+    return _varying((found, tuple(where)))
+
+
+def _first(a, b):  # (of two elements, the one of the lesser key)
+    take = lax.le(a[0], b[0])
+    return tuple(lax.select(take, u, v) for u, v in zip(a, b))
+
+
+def _elementwise(x, y) -> bool:
+    """Whether an input `x` of an equation is read element by element with
+    its output `y`: one element, or broadcast to it axis by axis."""
+    one = math.prod(x.shape) == 1
+    return one or (
+        len(x.shape) == len(y.shape)
+        and all(n in (1, m) for n, m in zip(x.shape, y.shape))
+    )
+
+
+def _flat_as(x, y):
+    """`x`, broadcast to `y`'s shape, flattened."""
+    if math.prod(x.shape) == 1:
+        return lax.broadcast(x.reshape(()), (y.size,))
+    return lax.broadcast_in_dim(x, y.shape, tuple(range(y.ndim))).reshape(-1)
+
+
+def _varying(tree):
+    # (in a shard_map, both branches' results vary over its every axis)
+    return jax.tree.map(_compat.vary_over_manual_axes, tree)
+
+
+# Whether a tap's equation made a NaN or an Inf its inputs did not hold, and
+# where: its inputs read only where its outputs hold one. (One jit: JAX traces
+# it once per type, and a program has thousands of taps of a few types.)
+_made_nonfinite = jax.jit(one_cond(_unchecked, _checked))
+
+
+def _count_findings(acc, x):
+    """(executions so far, the first that made a NaN or an Inf or -1, where)."""
     n, first, kept = acc
-    take = (first < 0) & _finding(x)
-    kept = jax.tree.map(lambda a, b: jnp.where(take, b, a), kept, x)
-    return n + 1, jnp.where(take, n, first), kept
+    bad, where = x
+    take = lax.bitwise_and(lax.lt(first, np.int32(0)), bad)
+    kept = jax.tree.map(lambda a, b: lax.select(take, b, a), kept, where)
+    return lax.add(n, np.int32(1)), lax.select(take, n, first), kept
+
+
+def _no_findings(zeros):  # (zeros shaped like a tap's `(inputs, outputs)`)
+    where = _unchecked(*zeros)[0][1]
+    return _varying((np.int32(0), np.int32(-1))) + (where,)
 
 
 # Per example: under a vmap inside the function, which example went bad first.
-_FINDINGS = Reduce(_count_findings, lambda _: (jnp.int32(0), jnp.int32(-1)))
-_FIRST = Reduce(_keep_first, lambda z: (jnp.int32(0), jnp.int32(-1), z))
+_FINDINGS = Reduce(_count_findings, _no_findings)
 
 
 class TapFindings(Handler):
@@ -658,7 +738,7 @@ class TapFindings(Handler):
         return (site.collection, site.name) in self.keys
 
     def apply(self, site, value, ctx):
-        ctx.emit(_finding(value))
+        ctx.emit(_made_nonfinite(*value))
         return value
 
 
@@ -670,9 +750,9 @@ class TapCheck(TapFindings):
     def apply(self, site, value, ctx):
         from jax.experimental import checkify
 
-        bad = _finding(value)
+        bad, where = _made_nonfinite(*value)
         checkify.check(~bad, f"{_CODE}{self.keys.index((site.collection, site.name))}")
-        ctx.emit(bad)
+        ctx.emit((bad, where))
         return value
 
 
@@ -685,11 +765,27 @@ def _passes(backward: bool, call) -> list[Tapped]:
     from jax.experimental import checkify  # (see `_nonfinite_check`)
 
     call = _untagged(_without_checks(checkify, call))
-    passes = [Tapped(call, None, None, False, _CHECKED, with_inputs=True)]
+    passes = [Tapped(call, None, _can_make, False, _CHECKED, with_inputs=True)]
     if backward:
         grad = eqx.filter_grad(lambda dynamic: _scalar(call(dynamic)))
-        passes.append(Tapped(grad, None, None, False, _CHECKED, with_inputs=True))
+        passes.append(Tapped(grad, None, _can_make, False, _CHECKED, with_inputs=True))
     return passes
+
+
+# Primitives whose every output element is one of their inputs' (or a
+# parameter-free function of one that keeps it finite): they never make a NaN
+# or an Inf from finite inputs, and are not checked.
+_MOVES = frozenset(
+    """broadcast_in_dim reshape transpose squeeze expand_dims slice dynamic_slice
+    dynamic_update_slice concatenate pad select_n rev copy copy_p reduce_max
+    reduce_min max min sort neg abs sign floor ceil round clamp real imag conj
+    cummax cummin scatter all_gather ppermute all_to_all pbroadcast pvary
+    sharding_constraint device_put optimization_barrier split stop_gradient""".split()
+)
+
+
+def _can_make(info) -> bool:
+    return info.primitive not in _MOVES
 
 
 def _function(tapped: Tapped):
@@ -725,42 +821,61 @@ def _scalar(out):
     return out
 
 
-def _finite_results(fn, args, kwargs, backward: bool) -> list[bool]:
-    """Whether the output is finite, and with `backward` the gradient
-    `_passes` checks too: one compiled run, cached as the checks are."""
-    finite, dynamic = eager_cached(
+def _operation(fn, args, kwargs, backward: bool) -> BadSite | None:
+    """None where the output, and with `backward` the gradient, is finite;
+    else the first operation that made a NaN or an Inf (`_tap_search`). One
+    compiled run says which (`_Results`), until the function has needed a
+    search with these types: from then on, the search's own run, which says
+    both."""
+    results, dynamic = eager_cached(
         ("find_nonfinite results", backward),
         fn,
         args,
         kwargs,
-        functools.partial(_results, backward),
+        functools.partial(_Results, backward),
     )
-    return [bool(ok) for ok in finite(dynamic)]
+    ran = None
+    if results.searched:
+        ran = _tap_run(fn, args, kwargs, backward, False)
+        finite = ran[3]
+    else:
+        finite = [bool(ok) for ok in results.finite(dynamic)]
+    if all(finite):
+        return None
+    results.searched = True
+    return _tap_search(fn, args, kwargs, backward, ran)
 
 
-def _results(backward: bool, call, dynamic):
+class _Results:
     """`finite(dynamic)`, jitted: whether the output is finite, and with
-    `backward` the gradient `_passes` checks too."""
-    from jax.experimental import checkify  # (see `_nonfinite_check`)
+    `backward` the gradient `_passes` checks too; and whether the function
+    has needed a search with these types (`_operation`)."""
 
-    call = _untagged(_without_checks(checkify, call))
+    def __init__(self, backward: bool, call, dynamic):
+        from jax.experimental import checkify  # (see `_nonfinite_check`)
 
-    @jax.jit
-    def finite(dynamic):
-        out = call(dynamic)
-        if not backward:
-            return [_all_finite(out)]
-        grad = eqx.filter_grad(lambda dynamic: _scalar(call(dynamic)))(dynamic)
-        return [_all_finite(out), _all_finite(grad)]
+        del dynamic
+        call = _untagged(_without_checks(checkify, call))
+        self.searched = False
 
-    return finite
+        @jax.jit
+        def finite(dynamic):
+            out = call(dynamic)
+            if not backward:
+                return [_all_finite(out)]
+            grad = eqx.filter_grad(lambda dynamic: _scalar(call(dynamic)))(dynamic)
+            return [_all_finite(out), _all_finite(grad)]
+
+        self.finite = finite
 
 
 def _tap_check(backward: bool, checked: bool, call, dynamic):
     """`(listed, check)`: per pass, its taps' `SiteInfo`s by name, and
-    `check(dynamic) -> (errors, counters)` per pass, jitted: with `checked`,
-    checkify's errors, whose first is the first finding in execution order;
-    else None, and only the counters (`TapFindings`), a smaller program."""
+    `check(dynamic) -> (errors, counters, finite)` per pass, jitted: with
+    `checked`, checkify's errors, whose first is the first finding in
+    execution order; else None, and only the counters (`TapFindings`), a
+    smaller program; and whether the pass's result (the output, the
+    gradient) is finite."""
     from jax.experimental import checkify  # (see `_nonfinite_check`)
 
     listed, runs = [], []
@@ -782,14 +897,22 @@ def _tap_check(backward: bool, checked: bool, call, dynamic):
         )
 
     def check(dynamic):
-        errors, counters = [], []
+        errors, counters, finite = [], [], []
         for run in runs:
-            err, (_, found) = run(dynamic) if checked else (None, run(dynamic))
+            err, (out, found) = run(dynamic) if checked else (None, run(dynamic))
             errors.append(err)
             counters.append(found)
-        return errors, counters
+            finite.append(_all_finite(out))
+        return errors, counters, finite
 
-    return listed, jax.jit(check, compiler_options=_RUN_ONCE)
+    # (compiled as any function, with XLA's fusion, which `_RUN_ONCE` leaves
+    # out for the tags' check: each tap holds its equation's outputs whole in
+    # memory, an optimization barrier (`_taps`), so no chain of operations is
+    # copied into the check of each of its values, and each operation still
+    # rounds on its own. On a 4-block GPT, width 256, vocabulary 50257, 230
+    # taps: compiled in 5.8 s, run in 1.2x the plain function's time; with
+    # `_RUN_ONCE`, 6.7 s and 2.0x.)
+    return listed, jax.jit(check)
 
 
 def _all_finite(tree) -> jax.Array:
@@ -800,42 +923,28 @@ def _numeric(x) -> bool:
     return eqx.is_array(x) or isinstance(x, (float, complex))
 
 
-def _tap_inputs(backward: bool, which: int, name, call, dynamic):
-    """`inputs(dynamic)`: per example, the first execution of tap `name` of
-    pass `which` that made a non-finite value from finite inputs, and its
-    `(inputs, outputs)`."""
-    tapped = _function(_passes(backward, call)[which])
-    handler = Tag(_CHECKED, names=name, mode=_FIRST)
-
-    @jax.jit
-    def inputs(dynamic):
-        return handle(tapped, handler)(dynamic)[1][_CHECKED][name]
-
-    return inputs
-
-
-def _tap_search(fn, args, kwargs, backward: bool) -> BadSite | None:
+def _tap_search(fn, args, kwargs, backward: bool, ran=None) -> BadSite | None:
     """The first primitive, in execution order, that made a NaN or an Inf
-    from finite inputs: in the function, then in its gradient."""
+    from finite inputs: in the function, then in its gradient. (`ran`: what
+    `_tap_run` gave for these arguments, if it ran.)"""
     # Where one tap alone made a NaN or an Inf from finite inputs (a NaN made
     # once is in the inputs of what follows), it is the first: the counters
     # tell it. Where several did, checkify's errors order them; but checkify
     # fails on checks in two shard_maps (tests/test_jax_facts.py::
     # test_checkify_fails_on_checks_in_two_shard_maps): there, the first in
     # program order.
-    listed, _, counters = _tap_run(fn, args, kwargs, backward, False)
+    listed, _, counters, finite = ran or _tap_run(fn, args, kwargs, backward, False)
     bad = [
         [n for n in names if (_numpy(found[n][1]) >= 0).any()]
         for names, found in zip(listed, counters)
     ]
     which = next((i for i, names in enumerate(bad) if names), None)
     if which is None:
-        finite = _finite_results(fn, args, kwargs, backward)
-        return _unexplained(args, kwargs, finite, backward)
+        return _unexplained(args, kwargs, [bool(ok) for ok in finite], backward)
     name = bad[which][0]
     if len(bad[which]) > 1:
         try:
-            listed, errors, counters = _tap_run(fn, args, kwargs, backward, True)
+            listed, errors, counters, _ = _tap_run(fn, args, kwargs, backward, True)
         except TypeError as e:
             if not str(e).startswith(_CHECKIFY_SHARD_MAPS):
                 raise
@@ -844,23 +953,18 @@ def _tap_search(fn, args, kwargs, backward: bool) -> BadSite | None:
             which, message = next((i, m) for i, m in enumerate(messages) if m)
             code = int(message.split(_CODE)[1].split()[0].split(":")[0])
             name = list(listed[which])[code]
-    firsts = _numpy(counters[which][name][1])
+    _, firsts, where = jax.tree.map(_numpy, counters[which][name])
     k = int(firsts[firsts >= 0].min())
     infos = listed[which][name]
     # The counters' leading axes: one per `shard_map` around the tap (its
     # shards), then a vmap's inside it (its examples).
-    at = [int(i) for i in np.argwhere(firsts == k)[0]] if firsts.ndim else []
+    at = tuple(int(i) for i in np.argwhere(firsts == k)[0]) if firsts.ndim else ()
     shards = sum(r.startswith("shard_map") for r in infos[0].where.split(" > "))
-    shard, example = tuple(at[:shards]) or None, tuple(at[shards:]) or None
+    shard, example = at[:shards] or None, at[shards:] or None
     bad = _bad_site(infos, _CHECKED, name, k, backward=which == 1)
     tap = infos[0].tap
-    make = functools.partial(_tap_inputs, backward, which, name)
-    what = ("find_nonfinite inputs", backward, which, name)
-    inputs, dynamic = eager_cached(what, fn, args, kwargs, make)
-    _, _, (ins, outs) = jax.tree.map(_numpy, inputs(dynamic))
-    if at:
-        ins, outs = jax.tree.map(lambda x: x[tuple(at)], (ins, outs))
-    said, index = _said(tap, ins, outs)
+    where = jax.tree.map(lambda x: x[at], where)
+    said, index = _said(tap, infos[0].value, where)
     forward = ()
     if which == 1:
         forward = _forward_primitives(listed[0], tap)
@@ -883,20 +987,20 @@ def _tap_search(fn, args, kwargs, backward: bool) -> BadSite | None:
 
 
 def _tap_run(fn, args, kwargs, backward: bool, checked: bool):
-    """`(listed, errors, counters)` of the tap check (`_tap_check`) run on the
-    arguments."""
+    """`(listed, errors, counters, finite)` of the tap check (`_tap_check`)
+    run on the arguments."""
     make = functools.partial(_tap_check, backward, checked)
     try:
         (listed, check), dynamic = eager_cached(
             ("find_nonfinite taps", backward, checked), fn, args, kwargs, make
         )
-        errors, counters = check(dynamic)
+        errors, counters, finite = check(dynamic)
     except ValueError as e:
         if not any(m in str(e) for m in _EVERY_EXAMPLE):
             raise
         said = str(e).removeprefix(f"{NonfiniteCheck.__name__}: ").split(". ")[0]
         raise ValueError(_PER_EXAMPLE.format(said)) from e
-    return listed, errors, counters
+    return listed, errors, counters, finite
 
 
 def _scope(scope: str) -> str:
@@ -920,41 +1024,31 @@ def _forward_primitives(forward: dict, tap) -> tuple[str, ...]:
     return tuple(read or found)
 
 
-def _said(tap, ins, outs) -> tuple[str, tuple[int, ...]]:
+def _said(tap, value, where) -> tuple[str, tuple[int, ...]]:
     """`"log(-3.0) = nan"`: the operands of the equation that went bad and
-    its output, at the first non-finite element of the output; and that
-    element's index."""
-    out_leaves = [np.asarray(x) for x in jax.tree.leaves(outs)]
-    in_leaves = [np.asarray(x) for x in jax.tree.leaves(ins)]
-    # (a NaN made where the inputs hold none, else an Inf made from finite ones)
-    made_nan = not any(np.isnan(x).any() for x in in_leaves if _inexact(x))
-    test = (
-        np.isnan
-        if made_nan and any(np.isnan(x).any() for x in out_leaves)
-        else (lambda x: ~np.isfinite(x))
+    its output, at the first bad element of its first output holding one
+    (`where`, from `_checked`, for the tap's `value` of types `(inputs,
+    outputs)`); and that element's index."""
+    ins, outs = (jax.tree.leaves(v) for v in value)
+    (y, (k, bad, read)) = next(
+        (y, w) for y, w in zip(outs, where) if w and not np.isfinite(w[1])
     )
-    bad_leaf = next(x for x in out_leaves if test(x).any())
-    index = tuple(np.argwhere(test(bad_leaf))[0])
-    values = iter(np.asarray(x) for x in jax.tree.leaves(ins))
+    k = int(k) % math.prod(y.shape)  # (`_checked`'s key)
+    index = tuple(int(i) for i in np.unravel_index(k, y.shape))
+    read = iter(read)
+    inputs = iter(ins)
     said = []
     for operand in tap.operands:
         if operand is not None:
             said.append(operand)
             continue
-        x = next(values)
-        if x.ndim == bad_leaf.ndim and all(
-            n in (1, m) for n, m in zip(x.shape, bad_leaf.shape)
-        ):  # (the element broadcast to the bad one)
-            said.append(
-                _number(x[tuple(0 if n == 1 else i for n, i in zip(x.shape, index))])
-            )
-        elif x.size == 1:
-            said.append(_number(x.reshape(())))
+        x = next(inputs)
+        if _elementwise(x, y):
+            said.append(_number(next(read)))
         else:
-            said.append(f"{x.dtype}{list(x.shape)}")
+            said.append(f"{jnp.dtype(x.dtype).name}{list(x.shape)}")
     at = f"[{', '.join(map(str, index))}]" if index else ""
-    said = f"{tap.primitive}({', '.join(said)}){at} = {_number(bad_leaf[index])}"
-    return said, tuple(int(i) for i in index)
+    return f"{tap.primitive}({', '.join(said)}){at} = {_number(bad)}", index
 
 
 def _inexact(x) -> bool:

@@ -21,6 +21,7 @@ from jax import lax
 
 from . import _compat
 from ._handlers import Append, Names, Tag
+from ._layout import one_cond
 from ._sites import text_table
 
 STAT_KEYS = ("mean", "std", "min", "max", "mean_abs", "nan_count", "inf_count")
@@ -157,37 +158,6 @@ def _leaf_stats(x, xp=jnp) -> dict[str, Any]:
 # runs both): the masks where any example needs them.
 
 
-def _one(x) -> tuple[Any, ...]:
-    fast, clean = _fast(x)
-    return lax.cond(clean, _given, _stats_with_masks, fast, x)
-
-
-@jax.custom_batching.custom_vmap
-def _device_stats_of(x) -> tuple[Any, ...]:
-    return _one(x)
-
-
-@_device_stats_of.def_vmap
-def _batched(axis_size, in_batched, x):
-    del axis_size, in_batched  # (`x`, the one input, is batched, at its front)
-    return _each(x), (True,) * len(STAT_KEYS)
-
-
-@jax.custom_batching.custom_vmap
-def _each(x) -> tuple[Any, ...]:
-    """The statistics of each `x[i]`."""
-    fast, clean = jax.vmap(_fast)(x)
-    every = lax.reduce_and(clean, (0,))
-    return lax.cond(every, _given, jax.vmap(_stats_with_masks, (None, 0)), fast, x)
-
-
-@_each.def_vmap
-def _each_batched(axis_size, in_batched, x):
-    del axis_size, in_batched  # (`x`, the one input, is batched, at its front)
-    stats = _each(x.reshape(-1, *x.shape[2:]))
-    return tuple(v.reshape(x.shape[:2]) for v in stats), (True,) * len(stats)
-
-
 def _fast(x) -> tuple[tuple[Any, ...], Any]:
     """The statistics of `x` if its values are finite and its sums in range,
     and whether they are."""
@@ -208,20 +178,11 @@ def _fast(x) -> tuple[tuple[Any, ...], Any]:
     return (mean, std, lo, hi, mean_abs, zero, zero), clean
 
 
-# (one jit, so that JAX traces and lowers them once per type: a program
-# taps thousands of values of a few types)
-_traced_once = jax.jit(_device_stats_of)
-
-
-def _given(fast, _):
-    return fast
-
-
 def _min_max(a, b):
     return lax.min(a[0], b[0]), lax.max(a[1], b[1])
 
 
-def _stats_with_masks(_, x):
+def _stats_with_masks(x):
     """The statistics over the finite values of `x`, the moments as sums of
     the values over a scale, 2**-20 of the largest: sums of finite values near
     the dtype's largest would overflow, and squares of tiny ones underflow.
@@ -264,6 +225,11 @@ def _stats_with_masks(_, x):
         for v in (mean * scale, std * scale, lo, hi, mean_abs * scale)
     )
     return mean, std, lo, hi, mean_abs, nans, np.int32(x.size) - count - nans
+
+
+# (one jit, so that JAX traces and lowers them once per type: a program
+# taps thousands of values of a few types)
+_traced_once = jax.jit(one_cond(_fast, _stats_with_masks))
 
 
 def _over_examples(stats: Mapping[str, np.ndarray], size: int, axes: int):

@@ -318,17 +318,19 @@ class _Inserter:
 
     def __init__(self, tapped: Tapped):
         self.tapped = tapped
-        self.shapes: dict[str, list[str]] = {}  # base name -> shapes, in order
+        self.shapes: dict[str, list[Any]] = {}  # base name -> shapes, in order
         self.done: dict[Any, Any] = {}  # key -> (jaxpr, tapped jaxpr)
         self.outer = _Outer()
         self.count = 0  # sites made so far
 
-    def name(self, info: TapInfo) -> str:
+    def name(self, info: TapInfo, inputs) -> str:
+        # (find_nonfinite's, whose value holds the inputs: by their types too)
+        shape = info.shape if not inputs else (info.shape, *(v.aval for v in inputs))
         base = info.base_name()
         seen = self.shapes.setdefault(base, [])
-        if info.shape not in seen:
-            seen.append(info.shape)
-        k = seen.index(info.shape)
+        if shape not in seen:
+            seen.append(shape)
+        k = seen.index(shape)
         return base if k == 0 else f"{base} #{k}"
 
     def jaxpr(self, jaxpr, carries: int = 0, carry_of=None):
@@ -394,8 +396,31 @@ class _Inserter:
         if self.tapped.where is not None and not self.tapped.where(info):
             return [eqn]
         fresh = [_compat.Var(v.aval) for v in outs]
-        site = self.site(eqn, info, fresh, outs, inputs)
-        return [eqn.replace(outvars=fresh), site]
+        if not self.tapped.with_inputs:
+            return [
+                eqn.replace(outvars=fresh),
+                self.site(eqn, info, fresh, outs, inputs),
+            ]
+        # find_nonfinite's: the outputs kept whole in memory, as the values
+        # the program reads from here on. XLA then fuses no chain of
+        # operations across them, which it would copy into the check of each
+        # value of the chain (see `_nonfinite._RUN_ONCE`), and each operation
+        # rounds on its own, as when JAX runs the function one at a time.
+        held = [_compat.Var(v.aval) for v in outs]
+        barrier = _compat.new_eqn(
+            fresh,
+            held,
+            jax.lax.optimization_barrier_p,
+            {},
+            set(),
+            eqn.source_info,
+            eqn.ctx,
+        )
+        return [
+            eqn.replace(outvars=fresh),
+            barrier,
+            self.site(eqn, info, held, outs, inputs),
+        ]
 
     def site(self, eqn, info: TapInfo, ins, outs, inputs):
         """A site equation reading `ins` (and the equation's `inputs`), whose
@@ -409,7 +434,7 @@ class _Inserter:
         leaves = [*inputs, *ins]
         self.count += 1
         params = dict(
-            name=self.name(info),
+            name=self.name(info, inputs),
             collection=self.tapped.collection,
             kind="tag",
             treedef=treedef,

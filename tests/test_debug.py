@@ -994,13 +994,15 @@ def test_find_nonfinite_keeps_no_dead_function_alive():
 @pytest.mark.parametrize(
     "module, internals",
     [
-        # `text_table`: the table layout `_stats` shares with `fx.sites`.
-        ("_stats", {"text_table"}),
+        # `text_table`: the table layout `_stats` shares with `fx.sites`;
+        # `one_cond`: a check's second pass under vmaps, one cond for all the
+        # examples (a JAX utility, not the handler machinery).
+        ("_stats", {"text_table", "one_cond"}),
         # `eager_cached`: caching on the user's function (see `_nonfinite`);
         # `Tapped`: the taps whose values are their equations' inputs and
         # outputs; `handling`: to trace the function with its tags the
-        # identity; `_numpy`: fetching a value, as `summary` does.
-        ("_nonfinite", {"eager_cached", "Tapped", "handling", "_numpy"}),
+        # identity; `_numpy`: fetching a value, as `summary` does; `one_cond`.
+        ("_nonfinite", {"eager_cached", "Tapped", "handling", "_numpy", "one_cond"}),
     ],
 )
 def test_debugging_tools_use_the_public_api_only(module, internals):

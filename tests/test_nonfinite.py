@@ -209,6 +209,44 @@ def test_a_second_call_compiles_nothing_new():
     assert len(traced) == n
 
 
+def test_after_a_search_its_own_run_answers_and_a_masked_nan_stays_unreported():
+    def f(x, y):
+        return jnp.sum(jnp.where(x > 0, jnp.log(x), 0.0)) + jnp.sqrt(y)
+
+    x = jnp.array([1.0, 0.0])
+    # two operations made a NaN or an Inf: `log(0)` (masked), `sqrt(-1)`
+    bad = fx.find_nonfinite(f, x, -1.0)
+    assert bad is not None and bad.primitive == "log"
+    assert bad.inputs == "log(0.0)[1] = -inf"
+    # From now on the search's program runs first, and says whether the
+    # output is finite: a finite one is None, as before any search.
+    assert fx.find_nonfinite(f, x, 1.0) is None
+    bad = fx.find_nonfinite(f, jnp.ones(2), -4.0)
+    assert bad is not None and bad.primitive == "sqrt"
+    assert bad.inputs == "sqrt(-4.0) = nan"
+
+
+def test_an_element_made_nan_from_finite_elements_is_found_beside_a_passed_nan():
+    def f(x):
+        h = 2 * x  # element 0: the argument's NaN, passed on
+        return jnp.sum(jnp.log(h - 3.0))  # element 1: log(-1), made here
+
+    bad = fx.find_nonfinite(f, jnp.array([np.nan, 1.0]))
+    assert bad is not None and (bad.primitive, bad.line) == ("log", _line(f, "log"))
+    assert (bad.inputs, bad.index) == ("log(-1.0)[1] = nan", (1,))
+
+
+def test_a_gather_filling_out_of_bounds_indices_with_nan_is_found():
+    def f(x, i):
+        return jnp.sum(jnp.take(x, i, mode="fill"))
+
+    x = jnp.array([1.0, 2.0, 3.0])
+    assert fx.find_nonfinite(f, x, jnp.array([0, 2])) is None
+    bad = fx.find_nonfinite(f, x, jnp.array([0, 5]))
+    assert bad is not None and (bad.primitive, bad.line) == ("gather", _line(f, "take"))
+    assert bad.index == (1,) and bad.inputs.endswith("[1] = nan")
+
+
 def test_a_nan_in_one_shard_of_a_shard_map():
     mesh = jax.sharding.Mesh(np.array(devices(4)), ("i",))
     spec = jax.sharding.PartitionSpec("i")
