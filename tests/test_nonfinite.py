@@ -155,6 +155,22 @@ def test_example_index_under_a_vmap_outside_the_taps():
     assert bad.inputs == "log(-3.0)[1] = nan"
 
 
+def test_the_example_under_vmaps_inside_the_function():
+    def f(x):  # x: (2, 3, 4); the scan per example, over the last axis
+        return jnp.sum(jax.vmap(jax.vmap(scan_log))(x))
+
+    x = jnp.ones((2, 3, 4)).at[1, 2, 3].set(-5.0).at[0, 1, 3].set(-2.0)
+    bad = fx.find_nonfinite(f, x)
+    assert bad is not None and (bad.primitive, bad.iteration) == ("log", 3)
+    # JAX batches the scan: the taps see the batched `log`, whose element's
+    # index names the example; of two, the first
+    assert bad.example is None
+    assert (bad.index, bad.inputs) == ((0, 1), "log(-2.0)[0, 1] = nan")
+    bad = fx.find_nonfinite(f, x.at[0, 1, 3].set(1.0))
+    assert bad is not None and bad.inputs == "log(-5.0)[1, 2] = nan"
+    assert fx.find_nonfinite(f, jnp.ones((2, 3, 4))) is None
+
+
 def test_a_nonfinite_constant_is_not_a_finding():
     def f(x):
         direction = jnp.sign(x)
