@@ -717,8 +717,10 @@ def _count_findings(acc, x):
 
 
 def _no_findings(zeros):  # (zeros shaped like a tap's `(inputs, outputs)`)
-    where = _unchecked(*zeros)[0][1]
-    return _varying((np.int32(0), np.int32(-1))) + (where,)
+    # (the types from the jitted check's trace, which JAX caches per type)
+    where = jax.eval_shape(_made_nonfinite, *zeros)[1]
+    where = jax.tree.map(lambda s: lax.full(s.shape, 0, s.dtype), where)
+    return _varying((np.int32(0), np.int32(-1), where))
 
 
 # Per example: under a vmap inside the function, which example went bad first.
