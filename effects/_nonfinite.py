@@ -622,8 +622,17 @@ def _nan_and_finite(tree) -> tuple[Any, Any]:  # (bool arrays, or NumPy bools)
 def _unchecked(ins, outs):
     """A tap's finding and where, when its outputs are finite: none."""
     finite = _nan_and_finite(outs)[1]
-    where = jax.eval_shape(_checked, ins, outs)[1]
-    where = jax.tree.map(lambda s: lax.full(s.shape, 0, s.dtype), where)
+    ins = jax.tree.leaves(ins)
+    where = tuple(
+        ()
+        if not _inexact(y) or y.size == 0
+        else (
+            np.int32(0),
+            np.zeros((), y.dtype),
+            tuple(np.zeros((), x.dtype) for x in ins if _elementwise(x, y)),
+        )
+        for y in jax.tree.leaves(outs)
+    )
     return _varying((lax.bitwise_not(finite), where)), finite
 
 
