@@ -622,8 +622,13 @@ def _nan_and_finite(tree) -> tuple[Any, Any]:  # (bool arrays, or NumPy bools)
 def _unchecked(ins, outs):
     """A tap's finding and where, when its outputs are finite: none."""
     finite = _nan_and_finite(outs)[1]
+    return _varying((lax.bitwise_not(finite), _nowhere(ins, outs))), finite
+
+
+def _nowhere(ins, outs):
+    """`_checked`'s where, of a tap that made nothing: zeros of its types."""
     ins = jax.tree.leaves(ins)
-    where = tuple(
+    return tuple(
         ()
         if not _inexact(y) or y.size == 0
         else (
@@ -633,7 +638,6 @@ def _unchecked(ins, outs):
         )
         for y in jax.tree.leaves(outs)
     )
-    return _varying((lax.bitwise_not(finite), where)), finite
 
 
 def _checked(ins, outs):
@@ -726,10 +730,7 @@ def _count_findings(acc, x):
 
 
 def _no_findings(zeros):  # (zeros shaped like a tap's `(inputs, outputs)`)
-    # (the types from the jitted check's trace, which JAX caches per type)
-    where = jax.eval_shape(_made_nonfinite, *zeros)[1]
-    where = jax.tree.map(lambda s: lax.full(s.shape, 0, s.dtype), where)
-    return _varying((np.int32(0), np.int32(-1), where))
+    return _varying((np.int32(0), np.int32(-1), _nowhere(*zeros)))
 
 
 # Per example: under a vmap inside the function, which example went bad first.
