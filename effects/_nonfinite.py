@@ -243,6 +243,19 @@ class NonfiniteCheck(Handler):
         return jax.tree.map(checked, value)
 
 
+class _PlusZero(NonfiniteCheck):
+    """Adds `zero` to the value of every tag in `keys` but those in `skip`:
+    differentiating with respect to it computes the cotangent of every one
+    (`NonfiniteCheck`'s backward pass, without its checks)."""
+
+    def apply(self, site, value, ctx):
+        def plus(x):
+            inexact = jnp.issubdtype(x.dtype, jnp.inexact)
+            return x + self.zero.astype(x.dtype) if inexact else x
+
+        return jax.tree.map(plus, value)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _cotangent_check(x, said: tuple[int, bool], n):
     del said, n
@@ -288,9 +301,10 @@ def find_nonfinite(
     order is returned, so never a tag that is non-finite only because an
     earlier one was. Works through `jit`, `scan`, `cond`, `while_loop`,
     `checkpoint`, custom derivatives (their functions are searched), `vmap`
-    and `shard_map`s (where several operations made a NaN in more than one
-    `shard_map`, the first in program order: JAX's `checkify`, which orders
-    them elsewhere, fails on checks in two). The programs are compiled once
+    and `shard_map`s (where several tags, or operations, went bad in more
+    than one `shard_map`, or in one called twice, the first in program order,
+    and in the backward pass the last: JAX's `checkify`, which orders them
+    elsewhere, fails on checks in two). The programs are compiled once
     per argument signature; each operation rounds on its own, as when JAX
     runs the function one operation at a time. Every tag counts,
     whatever its collection, `jax.ad_checkpoint.checkpoint_name`s included
@@ -338,10 +352,7 @@ def find_nonfinite(
       array, or a name is tagged both inside and outside a function with a
       custom derivative; a `jax.vmap` inside `fn` batches the predicate of a
       `lax.cond` or `lax.while_loop` (every example would run every branch or
-      iteration: check one example at a time); tags sit in more than one
-      `shard_map`, or in one called more than once (JAX's `checkify` fails
-      on checks in two shard_maps: check one shard_map's function, or count
-      non-finite values with [`fx.Stats`][effects.Stats]). From
+      iteration: check one example at a time). From
       [`handle`][effects.handle], which places the checks: a tag inside a
       `custom_linear_solve`.
 
@@ -436,31 +447,60 @@ def _first_failure(fn, args, kwargs, backward: bool, numbered):
             (listed, keys, check), dynamic = eager_cached(what, fn, args, kwargs, make)
             if check is None:
                 return listed, keys, None, None
-            errors, found = _run(check, dynamic, listed)
+            messages, found = check(dynamic)
         except ValueError as e:
             # (a vmap inside ran every branch, or iteration, for every example)
             if not any(m in str(e) for m in _EVERY_EXAMPLE):
                 raise
             said = str(e).removeprefix(f"{NonfiniteCheck.__name__}: ").split(". ")[0]
             raise ValueError(_PER_EXAMPLE.format(said)) from e
-        message = next(filter(None, (err.get() for err in errors)), None)
+        message = next(filter(None, messages), None)
         if message is None or _CODE in message:
             return listed, keys, message, found
     raise AssertionError("unreachable")
 
 
-def _run(check, dynamic, listed):
-    """`check(dynamic)`, where JAX's checkify fails on checks in two
-    shard_maps (tests/test_jax_facts.py::
-    test_checkify_fails_on_checks_in_two_shard_maps) an error that says so."""
-    try:
-        return check(dynamic)
-    except TypeError as e:
-        infos = [i for names in listed.values() for s in names.values() for i in s]
-        in_shard_maps = any("shard_map" in i.where.split(" > ") for i in infos)
-        if not (in_shard_maps and str(e).startswith(_CHECKIFY_SHARD_MAPS)):
-            raise
-        raise ValueError(_SHARD_MAPS) from e
+class _Checks:
+    """The tags' check: `(messages, found)` of a run, the first failing
+    check's message in each pass and the counters. Where JAX's checkify fails
+    on checks in two shard_maps (tests/test_jax_facts.py::
+    test_checkify_fails_on_checks_in_two_shard_maps), as it does when the
+    check is first traced, the counters alone answer, and the first tag in
+    program order is taken for the first (as for the operations: see
+    `_tap_search`); in the backward pass, the last one whose cotangent is not
+    finite, at its last such execution (the backward pass runs them last
+    first)."""
+
+    def __init__(self, checked, counted, keys):
+        self.checked, self.counted, self.keys = checked, counted, keys
+        self.ordered = True  # (until checkify fails)
+
+    def __call__(self, dynamic):
+        if self.ordered:
+            try:
+                errors, found = self.checked(dynamic)
+                return [err.get() for err in errors], found
+            except TypeError as e:
+                if not str(e).startswith(_CHECKIFY_SHARD_MAPS):
+                    raise
+                self.ordered = False
+        found, cotangents = self.counted(dynamic)
+        return [self._first(found, cotangents)], found
+
+    def _first(self, found, cotangents) -> str | None:
+        for code, (collection, name) in enumerate(self.keys):
+            if (_numpy(found[collection][name][1]) >= 0).any():
+                return f"{_CODE}{code}"
+        for code, (collection, name) in reversed(list(enumerate(self.keys))):
+            counted = cotangents.get(f"{collection}:cotangent", {}).get(name)
+            if counted is None:  # (not checked: in a custom rule's function)
+                continue
+            n, first = map(_numpy, counted)
+            if (first >= 0).any():
+                # (counted in the backward pass's order, last execution first)
+                k = int(n.max()) - 1 - int(first[first >= 0].min())
+                return f"{_CODE}{code}:{k}"
+        return None
 
 
 # What `handle` says of a predicate a vmap inside the function batches (a
@@ -474,15 +514,6 @@ _PER_EXAMPLE = (
     "for each `x` the vmapped function `g` maps over."
 )
 _CHECKIFY_SHARD_MAPS = "select cases must have the same shapes"
-_SHARD_MAPS = (
-    "find_nonfinite: the function's tags sit in more than one `shard_map` "
-    "(or in one it calls more than once), and JAX's `checkify`, which runs the "
-    "checks, fails on checks in more than one shard_map in one program (jax "
-    "0.7 to 0.12). Check the function that one shard_map maps "
-    "(`fx.find_nonfinite(body, x_shard)`, on one shard's inputs), or count the "
-    "non-finite values of every tag with `fx.summary(fx.handle(f, "
-    "fx.Stats())(x)[1])`."
-)
 
 
 def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dynamic):
@@ -543,7 +574,30 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dyna
         errors = (err, backward_checked(dynamic)[0]) if backward else (err,)
         return errors, found
 
-    return listed, keys, jax.jit(check, compiler_options=_RUN_ONCE)
+    # The counters alone, where checkify cannot run the checks (`_Checks`):
+    # those of the values, and of the cotangents at every tag that has one.
+    def counted_output(zero, dynamic):
+        return _scalar(
+            handle(call, _PlusZero(keys, zero=zero, skip=custom))(dynamic)[0]
+        )
+
+    def counted(dynamic):
+        found = handle(call, *(Tag(c, mode=_COUNTER) for c in listed))(dynamic)[1]
+        if not backward:
+            return found, {}
+        grad = jax.grad(counted_output)
+        names = {
+            c: [n for n in names if (c, n) not in custom] for c, names in listed.items()
+        }
+        counters = [
+            Tag(c, names=names, mode=_COUNTER, of="cotangent")
+            for c, names in names.items()
+            if names
+        ]
+        return found, handle(grad, *counters)(jnp.float32(0), dynamic)[1]
+
+    checked = jax.jit(check, compiler_options=_RUN_ONCE)
+    return listed, keys, _Checks(checked, jax.jit(counted), keys)
 
 
 # The tags' check, compiled without XLA's fusion pass. On CPU it copies a

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_trees_close, devices
+from helpers import assert_trees_close, devices, leak_checks, no_leak_checks
 
 import effects as fx
 
@@ -689,10 +689,16 @@ def test_find_nonfinite_backward_in_a_shard_map(x0):
         assert got == fx.find_nonfinite(loss, x)
 
 
-def test_find_nonfinite_of_tags_in_two_shard_maps_says_what_to_do_instead():
-    # JAX's checkify fails on checks in two shard_maps (tests/test_jax_facts.py::
-    # test_checkify_fails_on_checks_in_two_shard_maps): the error says so, and
-    # the way out it names finds the NaN of the second call.
+@pytest.mark.xfail(strict=True, reason="a tracer leak report, not yet explained")
+def test_a_shard_map_called_twice_under_grad_inside_handle_leaks_no_tracer():
+    # Under `jax_check_tracer_leaks`, `handle(jax.grad(f), Tag(of="cotangent"))`
+    # of a function calling one shard_map holding a tag twice reports the
+    # shard_map body's DynamicJaxprTrace as leaked, held through a
+    # `weakref.finalize` of one of its tracers. So does `handle(jax.grad(g))`
+    # of a `g` calling `handle` of a function with a tag in one shard_map (a
+    # LinearizeTracer, where JAX's error message then fails on `typeof` of a
+    # symbolic zero). Without the checker the values are right (the test
+    # below checks them against Tag()'s). Not reproduced with JAX alone yet.
     mesh = jax.sharding.Mesh(np.array(devices(4)), ("d",))
     spec = jax.sharding.PartitionSpec("d")
     sm = jax.shard_map(
@@ -700,17 +706,62 @@ def test_find_nonfinite_of_tags_in_two_shard_maps_says_what_to_do_instead():
     )
 
     def f(x):
-        return jnp.sum(sm(sm(x)))
+        return jnp.sum(sm(jnp.exp(sm(x))))
 
+    x = jnp.arange(8.0) + 2.0
+    with leak_checks(True):
+        _, found = fx.handle(jax.grad(f), fx.Tag(of="cotangent"))(x)
+    with no_leak_checks():
+        want = fx.handle(jax.grad(f), fx.Tag(of="cotangent"))(x)[1]
+    assert_trees_close(found, want)
+
+
+def test_find_nonfinite_of_tags_in_two_shard_maps():
+    # (without the leak checker: see the strict xfail above)
+    with no_leak_checks():
+        _tags_in_two_shard_maps()
+
+
+def _tags_in_two_shard_maps():
+    # JAX's checkify fails on checks in two shard_maps (tests/test_jax_facts.py::
+    # test_checkify_fails_on_checks_in_two_shard_maps), which a shard_map
+    # called twice is: the counters answer there, the first bad tag in
+    # program order (in the backward pass, the last), at its first bad
+    # execution. The references: what Tag() collects of the values and the
+    # cotangents, and the untagged function's gradient.
+    mesh = jax.sharding.Mesh(np.array(devices(4)), ("d",))
+    spec = jax.sharding.PartitionSpec("d")
+
+    def body(x):
+        return jnp.sqrt(fx.tag(jnp.log(x), "h"))
+
+    sm = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
+
+    def f(x):
+        return jnp.sum(sm(jnp.exp(sm(x))))
+
+    # Forward: log(log(x)) of x < 1 is NaN at the second call alone.
     x = jnp.arange(8.0) + 0.5
-    for backward in (False, True):
-        with pytest.raises(ValueError, match="more than one `shard_map`"):
-            fx.find_nonfinite(f, x, backward=backward)
-    table = fx.summary(fx.handle(f, fx.Stats())(x)[1])
-    nans = [int(row["nan_count"]) for row in table.rows]
-    with np.errstate(invalid="ignore"):  # (log of a negative number: NaN)
-        want = int(np.isnan(np.log(np.log(np.asarray(x)))).sum())
-    assert nans == [0, want] == [0, 1]
+    (first, second) = fx.handle(f, fx.Tag())(x)[1]["intermediates"]["h"]
+    assert np.all(np.isfinite(first)) and not np.all(np.isfinite(second))
+    want = fx.BadSite("h", "intermediates", 1, None)
+    for backward in (False, True):  # (the forward verdict both ways)
+        assert fx.find_nonfinite(f, x, backward=backward) == want
+    # Backward: every value finite (log(x) = 0 at x = 1 is sqrt's 0), the
+    # cotangent of h infinite at the second call only (the first call's
+    # x = e^0 = 1 is not sqrt's 0 there: its log is 0 at x = 1 first).
+    x = jnp.arange(8.0) + 1.0
+    _, found = fx.handle(f, fx.Tag())(x)
+    assert all(np.all(np.isfinite(v)) for v in found["intermediates"]["h"])
+    assert not np.all(np.isfinite(jax.grad(f)(x)))
+    _, found = fx.handle(jax.grad(f), fx.Tag(of="cotangent"))(x)
+    cotangents = [np.isfinite(c).all() for c in found["intermediates:cotangent"]["h"]]
+    # Both calls' cotangents are infinite (log(1) = 0 at x = 1, and at the
+    # second call's e^0): the backward pass meets the second call's first.
+    assert cotangents == [False, False]
+    got = fx.find_nonfinite(f, x, backward=True)
+    assert got == fx.BadSite("h", "intermediates", 1, None, backward=True)
+    assert fx.find_nonfinite(f, x) is None
 
 
 def test_find_nonfinite_backward_reports_a_value_that_is_already_bad_in_a_scan():
