@@ -20,6 +20,7 @@ from jax import lax
 from jaxtyping import PyTree
 
 from . import _compat
+from ._layout import example_part
 from ._site import Site, describe, shape_dtype
 
 Names: TypeAlias = (
@@ -719,8 +720,7 @@ class Context:
         the layout `Tag()` reports (the batch axes of the vmaps inside the
         handled function first, then one axis per `shard_map` around the
         site, each entry one shard's): the part for this example and shard."""
-        want = self.site.shape_dtype
-        shards = self.site.shards
+        want, batch, shards = self.site.shape_dtype, self.site.batch, self.site.shards
         if want is None:
             return value
         if jax.tree.structure(value) != jax.tree.structure(want):
@@ -732,17 +732,14 @@ class Context:
 
         def part(x, w):
             x = jnp.asarray(x)
-            if x.shape == w.shape:
-                return x
-            found = (*self.site.batch_sizes(), *(n for _, n in shards), *w.shape)
-            if x.shape != found or found == w.shape:
+            got, found = example_part(x, w.shape, batch, shards, self.batch_index)
+            if got is None:
                 layout = "" if found == w.shape else _LAYOUT.format(found)
                 raise Misfit(
                     f"{self.site.where()}: a value of shape {x.shape} is not "
                     f"one example's ({w.shape}){layout}."
                 )
-            # (shards numbered as the shard_map rule splits and stacks them)
-            return x[(*self.batch_index, *(jax.lax.axis_index(a) for a, _ in shards))]
+            return got
 
         return jax.tree.map(part, value, want)
 

@@ -100,6 +100,38 @@ def grow(tree, have: Axes, want: Axes):
 # it, or None where that vmap left the leaf unbatched.
 
 
+def batch_sizes(batch) -> tuple[int, ...]:
+    """The sizes of the vmap batch axes a site's value has (`batch`, per leaf),
+    outermost first."""
+    if not batch or not batch[0]:  # (most sites: under no vmap)
+        return ()
+    return tuple(size for _, size in batch[0])
+
+
+def found_avals(shape_dtype, batch):
+    """The structure and types of a site's value (`shape_dtype`: one
+    example's) in the layout `found` has: after the vmap batch axes."""
+    sizes = batch_sizes(batch)
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(sizes + a.shape, a.dtype), shape_dtype
+    )
+
+
+def example_part(x, shape, batch, shards, batch_index):
+    """Of `x`, a value for one example's leaf of `shape` (its own, or every
+    example's and shard's in the layout `found` has: the vmap batch axes, then
+    one axis per `shard_map` around the site, `shards`), the part for the
+    example at `batch_index` and this shard; None where it is neither, with
+    the shape the layout would have."""
+    if x.shape == shape:
+        return x, shape
+    found = (*batch_sizes(batch), *(n for _, n in shards), *shape)
+    if x.shape != found or found == shape:
+        return None, found
+    # (shards numbered as the shard_map rule splits and stacks them)
+    return x[(*batch_index, *(jax.lax.axis_index(a) for a, _ in shards))], found
+
+
 def one_example(aval, batch) -> jax.ShapeDtypeStruct:
     """The type of one example's value of a leaf of type `aval`."""
     shape = list(aval.shape)

@@ -16,7 +16,7 @@ from jax import lax
 
 from . import _compat
 from ._handlers import NO_INPUT, Context, Handler, Misfit, mode_label, mode_of
-from ._layout import Axes, example_axes, grow, to_program, under_vmaps
+from ._layout import Axes, batch_sizes, example_axes, grow, to_program, under_vmaps
 from ._site import Site, describe, shape_dtype, strong
 
 # (handler index, (site kind, collection, name)); with a third element, the
@@ -650,10 +650,11 @@ def act(
     front = site.to_front(leaves)
     front_primal = None if primal is None else site.to_front(primal)
     # The vmaps `apply` runs under, and those of what it emits.
-    sizes = site.batch_sizes() if handlers.per_example[index] else ()
+    every = batch_sizes(site.batch)
+    sizes = every if handlers.per_example[index] else ()
     entry, has_input = None, site.name in handlers.input_names[index]
     if has_input:
-        expected: list[tuple[Any, Axes]] = [(site.front_avals(), site.batch_sizes())]
+        expected: list[tuple[Any, Axes]] = [(site.front_avals(), every)]
         entry = scope.take_inputs(key, expected, site, [front])[0]
     acc, extra = None, 0
     if mode is not None and mode.reduces:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _compat
-from ._layout import one_example, to_found
+from ._layout import found_avals, one_example, to_found
 
 
 def strong(x):
@@ -136,13 +136,6 @@ class Site:
         avals = self.avals if avals is None else tuple(avals)
         return dataclasses.replace(self, part=part, avals=avals)
 
-    def batch_sizes(self) -> tuple[int, ...]:
-        """The sizes of the vmap batch axes the value has, outermost first."""
-        batch = self.batch
-        if not batch or not batch[0]:  # (most sites: under no vmap)
-            return ()
-        return tuple(size for _, size in batch[0])
-
     @property
     def nbatch(self) -> int:
         return len(self.batch[0]) if self.batch else 0
@@ -165,10 +158,7 @@ class Site:
     def front_avals(self):
         """The value's structure and shapes in the layout `found` has: one
         example's, after the vmap batch axes."""
-        sizes = self.batch_sizes()
-        return jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(sizes + a.shape, a.dtype), self.shape_dtype
-        )
+        return found_avals(self.shape_dtype, self.batch)
 
     def to_front(self, leaves):
         """Program layout -> the layout `found` has (see `_layout.to_found`)."""
