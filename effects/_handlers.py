@@ -631,6 +631,9 @@ class Context:
       around the site), as a static tuple: `"shard"` per `shard_map` around
       the site, then `"scan"` per `lax.scan` (or `fori_loop`), outermost
       first.
+    - `batch_axes`: how many `jax.vmap`s inside the handled function `apply`
+      runs under, static (the length of `batch_index`, without reading it); 0
+      for a handler of the whole batch.
 
     **Example:**
 
@@ -708,6 +711,10 @@ class Context:
         handler that reads `at`, so the program is unchanged otherwise. The
         same for every example of a `jax.vmap` (see `batch_index`)."""
         return self._at()
+
+    @property
+    def batch_axes(self) -> int:
+        return len(self._axes)
 
     @property
     def batch_index(self) -> tuple[jax.Array, ...]:

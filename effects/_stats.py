@@ -36,12 +36,16 @@ class Statistics(Mapping[str, Any]):
     **Attributes:**
 
     - `shape`, `dtype`: the leaf's, for one example.
+    - `batch`: how many leading axes of each statistic are the batch axes
+      of the `jax.vmap`s inside the handled function (one statistic per
+      example).
     - `stacked`: what the trailing axes of each statistic are, after its
-      batch axes (one statistic per example of each `jax.vmap`, inside the
-      handled function or outside it): `"shard"` per `shard_map` around the
-      tag (one per shard), then `"scan"` per `lax.scan` (one per iteration),
-      as [`Context.stacking`][effects.Context] says.
+      batch axes: `"shard"` per `shard_map` around the tag (one per shard),
+      then `"scan"` per `lax.scan` (one per iteration), as
+      [`Context.stacking`][effects.Context] says.
       [`fx.summary`][effects.summary] combines the examples and the shards.
+      Axes before the batch axes were stacked outside `handle` (a `jax.vmap`
+      of the handled function, a `lax.scan` over training steps).
 
     **Example:**
 
@@ -57,11 +61,12 @@ class Statistics(Mapping[str, Any]):
     ```
     """
 
-    __slots__ = ("_stats", "shape", "dtype", "stacked")
+    __slots__ = ("_stats", "shape", "dtype", "stacked", "batch")
 
-    def __init__(self, stats: Mapping[str, Any], shape, dtype, stacked=()):
+    def __init__(self, stats: Mapping[str, Any], shape, dtype, stacked=(), batch=0):
         self._stats = {k: stats[k] for k in STAT_KEYS}
         self.shape, self.dtype, self.stacked = tuple(shape), str(dtype), tuple(stacked)
+        self.batch = int(batch)
 
     def __getitem__(self, key: str):
         return self._stats[key]
@@ -74,11 +79,12 @@ class Statistics(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         about = f"shape={self.shape}, dtype={self.dtype}, stacked={self.stacked}"
+        about += f", batch={self.batch}"
         return f"Statistics({self._stats!r}, {about})"
 
     def _flatten(self):
         keys = tuple((jax.tree_util.DictKey(k), v) for k, v in self._stats.items())
-        return keys, (self.shape, self.dtype, self.stacked)
+        return keys, (self.shape, self.dtype, self.stacked, self.batch)
 
     @classmethod
     def _unflatten(cls, about, stats):
@@ -89,7 +95,7 @@ jax.tree_util.register_pytree_with_keys(
     Statistics,
     Statistics._flatten,
     Statistics._unflatten,
-    lambda s: (tuple(s._stats.values()), (s.shape, s.dtype, s.stacked)),
+    lambda s: (tuple(s._stats.values()), (s.shape, s.dtype, s.stacked, s.batch)),
 )
 jax.export.register_pytree_node_serialization(
     Statistics,
@@ -100,7 +106,7 @@ jax.export.register_pytree_node_serialization(
 
 
 def _tuple_or_str(x):
-    return x if isinstance(x, str) else tuple(x)
+    return x if isinstance(x, (str, int)) else tuple(x)
 
 
 def _is_key(x) -> bool:
@@ -344,7 +350,8 @@ class Stats(Tag):
     def apply(self, site, value, ctx):
         def leaf(x):
             shape, dtype = jnp.shape(x), jnp.result_type(x)
-            return Statistics(_leaf_stats(x), shape, dtype, ctx.stacking)
+            stats = _leaf_stats(x)
+            return Statistics(stats, shape, dtype, ctx.stacking, ctx.batch_axes)
 
         ctx.emit(jax.tree.map(leaf, value))
         return value
@@ -369,7 +376,10 @@ class Summary:
     **Attributes:**
 
     - `rows`: the table's rows, a list of dicts: `name`, `call` (the
-      execution's index among the name's), `index` (the index along the
+      execution's index among the name's), `outer` (for a `Stats` entry that
+      a transformation outside `handle` stacked, a `lax.scan` over steps or
+      a `jax.vmap` of the handled function: the index along those axes; else
+      None), `index` (the index along the
       stacked axes of a `Stats` entry: its scans, and its vmaps and
       shard_maps when shown per example; else None), `shape` and `dtype` (a
       `Tag` value's whole; a `Stats` leaf's for one example), `examples` (for
@@ -380,7 +390,7 @@ class Summary:
       `inf_count`, and `finite` (a bool).
     - `nonfinite`: the rows whose values hold a NaN or an Inf.
     - `columns`: the columns shown, in order: the keys of a row, without
-      `examples` where no row has one.
+      `outer` or `examples` where no row has one.
     - `note`: under `jax.distributed` with several processes, which process
       computed the table (`"process 0 of 2; statistics over the global
       values"`), its first line when printed; else `""`. Every process
@@ -402,8 +412,10 @@ class Summary:
     def __init__(self, rows: list[dict[str, Any]]):
         self.rows = rows
         examples = any(r["examples"] is not None for r in rows)
+        outer = any(r.get("outer") is not None for r in rows)
         self.columns = (
-            *("name", "call", "index", "shape", "dtype"),
+            *("name", "call", *(("outer",) if outer else ()), "index", "shape"),
+            "dtype",
             *(("examples",) if examples else ()),
             *(*STAT_KEYS, "finite"),
         )
@@ -472,10 +484,10 @@ def summary(
     over how many examples in its `examples` column, or, with
     `per_example=True`, shows one row per example and shard, its position in
     `index` (batch axes first, then shards, then scans). Leading axes that a
-    transformation outside `handle` stacked (a `jax.vmap` of the handled
-    function, a `lax.scan` over training steps) count as more examples; for
-    one step's table, index it out first
-    (`fx.summary(jax.tree.map(lambda a: a[i], found))`).
+    transformation outside `handle` stacked (a `lax.scan` over training
+    steps, a `jax.vmap` of the handled function) are neither: each index
+    along them gets rows of its own, the index in an `outer` column (a step's
+    statistics are never pooled with another's).
 
     **Arguments:**
 
@@ -538,21 +550,36 @@ def _rows(label: str, call: int, entry, per_example: bool) -> list[dict[str, Any
     rows = []
     for path, leaf in leaves:
         name = label + (jax.tree_util.keystr(path) if len(leaves) > 1 else "")
-        base: dict[str, Any] = dict(name=name, call=call, examples=None)
+        base: dict[str, Any] = dict(name=name, call=call, outer=None, examples=None)
         stats, base["shape"], base["dtype"] = _host_stats(leaf)
-        if isinstance(leaf, Statistics):
-            base["shape"], base["dtype"] = leaf.shape, leaf.dtype
-            # (the batch axes, then the shards': the statistics of parts)
-            scans = leaf.stacked.count("scan")
-            batch = stats["mean"].shape[: stats["mean"].ndim - scans]
+        if not isinstance(leaf, Statistics):
+            rows += _indexed(base, stats)
+            continue
+        base["shape"], base["dtype"] = leaf.shape, leaf.dtype
+        # Its axes: those stacked outside `handle`, the batch axes, the
+        # shards' (the statistics of parts of one value), then the scans'.
+        scans = leaf.stacked.count("scan")
+        # (none where the user indexed axes out: those left are taken as the
+        # batch's, then the scans')
+        n_outer = max(stats["mean"].ndim - leaf.batch - len(leaf.stacked), 0)
+        for outer in np.ndindex(stats["mean"].shape[:n_outer]):
+            part = {k: v[outer] for k, v in stats.items()}
+            batch = part["mean"].shape[: part["mean"].ndim - scans]
             if batch and not per_example:
-                stats = _over_examples(stats, math.prod(leaf.shape), len(batch))
+                part = _over_examples(part, math.prod(leaf.shape), len(batch))
             if batch:
                 base["examples"] = 1 if per_example else math.prod(batch)
-        for index in np.ndindex(stats["mean"].shape):
-            row = {k: v[index].item() for k, v in stats.items()}
-            finite = row["nan_count"] == row["inf_count"] == 0
-            rows.append({**base, "index": index or None, **row, "finite": finite})
+            rows += _indexed({**base, "outer": outer or None}, part)
+    return rows
+
+
+def _indexed(base: dict[str, Any], stats) -> list[dict[str, Any]]:
+    """One row per index of the statistics' axes."""
+    rows = []
+    for index in np.ndindex(stats["mean"].shape):
+        row = {k: v[index].item() for k, v in stats.items()}
+        finite = row["nan_count"] == row["inf_count"] == 0
+        rows.append({**base, "index": index or None, **row, "finite": finite})
     return rows
 
 

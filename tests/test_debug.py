@@ -80,7 +80,12 @@ def test_stats_per_example_under_vmap_in_either_order():
     xs = jnp.stack([X, -X, 2 * X])
     inside = fx.handle(jax.vmap(f), fx.Stats())(xs)[1]
     outside = jax.vmap(fx.handle(f, fx.Stats()))(xs)[1]
-    assert_trees_close(inside, outside)
+    # The same statistics; each entry knows whether its examples are the
+    # batch of a vmap inside `handle` (`fx.summary` combines them) or not.
+    assert_trees_close(jax.tree.leaves(inside), jax.tree.leaves(outside))
+    batch = [e.batch for (e,) in inside["intermediates"].values()]
+    assert batch == [1] * 5
+    assert [e.batch for (e,) in outside["intermediates"].values()] == [0] * 5
     values = fx.handle(jax.vmap(f), fx.Tag())(xs)[1]["intermediates"]
     for b in range(3):
         entry = {k: v[b] for k, v in inside["intermediates"]["h"][0].items()}
@@ -165,13 +170,18 @@ def test_summary_combines_the_examples_of_stats_exactly():
             assert row["shape"] == whole.shape[2:] and row["dtype"] == "float32"
             for k, want in numpy_stats(whole).items():
                 np.testing.assert_allclose(row[k], want, rtol=1e-5, atol=1e-6)
-    # A vmap outside handle batches the same way: its examples combine too.
+    # A vmap outside handle stacks an axis handle did not make: a row per
+    # index along it (`outer`), over that index's examples of the vmap inside.
     outside = jax.vmap(fx.handle(jax.vmap(one), fx.Stats()))(xs)[1]
-    again = fx.summary(outside).rows
-    assert [r["examples"] for r in again] == [r["examples"] for r in table.rows]
-    for a, b in zip(again, table.rows):
-        for k in STATS:
-            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    again = fx.summary(outside)
+    assert again.columns[2] == "outer" and len(again.rows) == 2 * len(table.rows)
+    for r in again.rows:
+        (o,) = r["outer"]
+        value = np.asarray(values["intermediates"][r["name"]][0])[o]
+        whole = value if r["index"] is None else value[:, r["index"][0]]
+        assert r["examples"] == 3
+        for k, want in numpy_stats(whole).items():
+            np.testing.assert_allclose(r[k], want, rtol=1e-5, atol=1e-6, err_msg=k)
     # Shown per example: the same statistics as Stats computed, per index.
     each = fx.summary(stats, per_example=True).rows
     h = [r for r in each if r["name"] == "h"]
@@ -179,6 +189,36 @@ def test_summary_combines_the_examples_of_stats_exactly():
     for r in h:
         assert r["examples"] == 1 and r["shape"] == (6,)
         assert_stats(r, values["intermediates"]["h"][0][r["index"]])
+
+
+def test_summary_of_stats_per_training_step_keeps_the_steps_apart():
+    # What Stats found at each step of a training loop written as a scan: the
+    # steps are not examples (handle did not make that axis), so each gets its
+    # rows, `outer` its index; the NaN of step 2 is that step's alone. The
+    # reference: each step's values, as Tag collects them, in NumPy.
+    def step(w, x):  # (w: (3,), x: (4, 3): a batch of 4)
+        def loss(w, x):
+            h = jax.vmap(lambda v: fx.tag(jnp.log(v * w), "h"))(x)
+            return jnp.sum(jnp.where(jnp.isfinite(h), h, 0.0))
+
+        (_, found), g = jax.value_and_grad(fx.handle(loss, fx.Stats()), has_aux=True)(
+            w, x
+        )
+        return w - 0.01 * g, (found, fx.handle(loss, fx.Tag())(w, x)[1])
+
+    xs = jnp.arange(1.0, 49.0).reshape(4, 4, 3) / 10
+    xs = xs.at[2, 1, 0].set(-1.0)  # log of a negative: step 2's NaN
+    _, (stats, values) = jax.jit(lambda w: jax.lax.scan(step, w, xs))(jnp.ones(3))
+    (entry,) = stats["intermediates"]["h"]
+    assert entry.batch == 1 and entry.stacked == () and entry["mean"].shape == (4, 4)
+    table = fx.summary(stats)
+    assert [r["outer"] for r in table.rows] == [(i,) for i in range(4)]
+    assert [r["examples"] for r in table.rows] == [4] * 4
+    assert [r["nan_count"] for r in table.nonfinite] == [1]
+    assert table.nonfinite[0]["outer"] == (2,)
+    (value,) = values["intermediates"]["h"]
+    for r in table.rows:
+        assert_stats(r, np.asarray(value)[r["outer"]])
 
 
 def test_summary_of_stats_in_shard_maps_and_scans():
