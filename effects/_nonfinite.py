@@ -657,19 +657,24 @@ _CHECKED = "effects.nonfinite"
 
 def _nan_and_finite(tree) -> tuple[Any, Any]:  # (bool arrays, or NumPy bools)
     """Whether an inexact leaf of `tree` holds a NaN, and whether all are
-    finite: from the largest magnitude of each leaf, NaN where it holds one
-    (XLA's maximum propagates it), else Inf where it holds one. One reduction
-    a leaf tells both. (In `lax`: this runs at every operation of the
-    function, and each `jax.numpy` call is a jit call to trace.)"""
+    finite. Two boolean reductions, not the largest magnitude's NaN: XLA's
+    maximum propagates a NaN within a device, but the all-reduce that
+    combines a sharded array's shards drops it (tests/test_jax_facts.py::
+    test_the_max_of_a_sharded_array_drops_a_nan). (In `lax`: this runs at
+    every operation of the function, and each `jax.numpy` call is a jit call
+    to trace.)"""
     nan, finite = np.bool_(False), np.bool_(True)
     for x in jax.tree.leaves(tree):
         if not jnp.issubdtype(x.dtype, jnp.inexact) or x.size == 0:
             continue
-        largest = lax.abs(x)
-        if x.ndim:
-            largest = lax.reduce_max(largest, tuple(range(x.ndim)))
-        nan = lax.bitwise_or(nan, lax.ne(largest, largest))
-        finite = lax.bitwise_and(finite, lax.is_finite(largest))
+        if jnp.issubdtype(x.dtype, jnp.complexfloating):
+            x = lax.abs(x)  # (an infinite part beside a NaN one: an Inf)
+        axes = tuple(range(x.ndim))
+        x_nan, x_finite = lax.ne(x, x), lax.is_finite(x)
+        if axes:
+            x_nan, x_finite = lax.reduce_or(x_nan, axes), lax.reduce_and(x_finite, axes)
+        nan = lax.bitwise_or(nan, x_nan)
+        finite = lax.bitwise_and(finite, x_finite)
     return nan, finite
 
 

@@ -392,6 +392,26 @@ def test_an_empty_constant_added_in_a_shard_map_in_a_scan_fails_under_grad():
         assert compiled.stdout == "compiled\n", compiled.stderr
 
 
+def test_the_max_of_a_sharded_array_drops_a_nan():
+    # `effects._nonfinite._nan_and_finite`: XLA's maximum (and minimum)
+    # propagates a NaN within a device, but on a sharded array the all-reduce
+    # that combines the shards' results drops a shard's NaN (CPU, jax 0.8 to
+    # 0.12): `jnp.max` answers 7.0, `jnp.min` 2.0 (the first shard, [nan, 1],
+    # left out whole). A boolean reduction of `x != x` is right either way.
+    import numpy as np
+
+    mesh = jax.sharding.Mesh(np.array(devices(4)), ("d",))
+    x = jnp.array([np.nan, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
+    sharded = jax.device_put(
+        x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    )
+    assert np.isnan(jax.jit(jnp.max)(x)) and np.isnan(jax.jit(jnp.min)(x))
+    if jax.devices()[0].platform == "cpu":
+        assert jax.jit(jnp.max)(sharded) == 7.0
+        assert jax.jit(jnp.min)(sharded) == 2.0
+    assert jax.jit(lambda v: jnp.any(v != v))(sharded)
+
+
 def test_checkify_fails_on_checks_in_two_shard_maps():
     # `effects._nonfinite._nonfinite_check`: checkify (jax 0.7 to 0.12) fails on a
     # program with a `checkify.check` in each of two shard_maps: the first

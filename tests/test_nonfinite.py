@@ -279,6 +279,31 @@ def test_a_nan_in_one_shard_of_a_shard_map():
     assert "shard 3" in str(bad)
 
 
+@pytest.mark.parametrize("bad", [0, 5])
+def test_an_input_sharded_over_devices_is_searched_as_one_on_one_device(bad):
+    # A NaN in one shard of an array sharded over four devices (no shard_map:
+    # XLA partitions the program): the search names the operation and the
+    # element as for the array on one device. (A maximum over shards drops a
+    # NaN: test_jax_facts.py::test_the_max_of_a_sharded_array_drops_a_nan.)
+    mesh = jax.sharding.Mesh(np.array(devices(4)), ("d",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+
+    def f(x):
+        return jnp.sum(jnp.log(x))
+
+    x = (jnp.arange(8.0) + 1.0).at[bad].set(-2.0)
+    want = fx.find_nonfinite(f, x)
+    assert want is not None and want.primitive == "log"
+    assert want.index == (bad,) and want.line == _line(f, "jnp.log")
+    sharded = jax.device_put(x, sharding)
+    got = fx.find_nonfinite(f, sharded)
+    assert got == want and got.inputs == want.inputs == f"log(-2.0)[{bad}] = nan"
+    # (with a tag: its checks, and the operation behind it, alike)
+    tagged = fx.find_nonfinite(lambda x: jnp.sum(fx.tag(jnp.log(x), "h")), sharded)
+    assert tagged == fx.BadSite("h", "intermediates", 0, None)
+    assert tagged.operation is not None and tagged.operation.index == (bad,)
+
+
 def test_operations_in_a_second_shard_map_are_searched():
     # One operation made the NaN, in the second shard_map: the counters name
     # it. Two made one, in two shard_maps, where JAX's checkify cannot order
