@@ -709,7 +709,7 @@ def _checked(ins, outs):
     to it hold none, or an Inf though all of those are finite. (Literals,
     which the tap leaves out, are finite.) Where a leaf has none, the
     element is 0."""
-    ins = jax.tree.leaves(ins)
+    ins, outs = _whole(jax.tree.leaves(ins)), _whole(outs)
     found, where = np.bool_(False), []
     for y in jax.tree.leaves(outs):
         if not _inexact(y) or y.size == 0:
@@ -744,6 +744,20 @@ def _checked(ins, outs):
         found = lax.bitwise_or(found, lax.lt(first[0], none))
         where.append((first[0], first[1], tuple(first[2:])))
     return _varying((found, tuple(where)))
+
+
+def _whole(tree):
+    """Under an Explicit-axis mesh, whose types carry shardings that the
+    selects and the reduction of `_checked` would have to match at every
+    step, each value sharded over a mesh axis gathered whole (only where a
+    tap went bad: `_checked` runs where `_unchecked` finds something)."""
+
+    def one(x):
+        if _compat.explicit_sharding(jax.typeof(x)) is None:
+            return x
+        return jax.sharding.reshard(x, jax.sharding.PartitionSpec())
+
+    return jax.tree.map(one, tree)
 
 
 def _first(a, b):  # (of two elements, the one of the lesser key)

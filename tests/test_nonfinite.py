@@ -304,6 +304,34 @@ def test_an_input_sharded_over_devices_is_searched_as_one_on_one_device(bad):
     assert tagged.operation is not None and tagged.operation.index == (bad,)
 
 
+def test_values_sharded_over_an_explicit_axis_mesh_are_searched():
+    # Under an Explicit-axis mesh, whose types carry their shardings: a NaN
+    # made forward and an Inf made in the gradient, in a 2-d array sharded
+    # over both axes, found as for the array on one device.
+    mesh = jax.make_mesh(
+        (2, 2),
+        ("a", "b"),
+        axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+        devices=devices(4),
+    )
+
+    def f(x):
+        return jnp.sum(jnp.sqrt(x) * 2.0)
+
+    x = jnp.arange(16.0).reshape(4, 4) + 1.0
+    for value, backward, said in [
+        (x.at[1, 2].set(-4.0), False, "sqrt(-4.0)[1, 2] = nan"),
+        (x.at[2, 3].set(0.0), True, "div(0.5, 0.0)[2, 3] = inf"),
+    ]:
+        want = fx.find_nonfinite(f, value, backward=backward)
+        assert want is not None and want.inputs == said
+        with jax.set_mesh(mesh):
+            spec = jax.sharding.PartitionSpec("a", "b")
+            sharded = jax.device_put(value, jax.sharding.NamedSharding(mesh, spec))
+            got = fx.find_nonfinite(f, sharded, backward=backward)
+        assert got == want and got.inputs == said
+
+
 def test_operations_in_a_second_shard_map_are_searched():
     # One operation made the NaN, in the second shard_map: the counters name
     # it. Two made one, in two shard_maps, where JAX's checkify cannot order
