@@ -721,9 +721,9 @@ def _checked(ins, outs):
         nan_in, finite_in = (lax.broadcast(w, out.shape) for w in whole)
         for x in filter(_inexact, each):
             nan_in = lax.bitwise_or(nan_in, lax.ne(x, x))
-            finite_in = lax.bitwise_and(finite_in, lax.is_finite(x))
+            finite_in = lax.bitwise_and(finite_in, _is_finite(x))
         made_nan = lax.bitwise_and(lax.ne(out, out), lax.bitwise_not(nan_in))
-        made_inf = lax.bitwise_and(lax.bitwise_not(lax.is_finite(out)), finite_in)
+        made_inf = lax.bitwise_and(lax.bitwise_not(_is_finite(out)), finite_in)
         # (the key: the index of a made NaN, else the size plus that of a made
         # Inf, else twice the size)
         index, size = lax.iota(np.int32, out.size), out.size
@@ -734,15 +734,24 @@ def _checked(ins, outs):
             index,
             lax.select(made_inf, inf, lax.full(out.shape, none)),
         )
-        # (the first bad element's key and values, in one reduction)
+        # (the first bad element's key and values, in one reduction, whose
+        # real floating values XLA needs of one precision: test_jax_facts.py::
+        # test_xla_refuses_a_reduction_of_floats_of_two_precisions)
+        values = (out, *each)
+        reals = [v.dtype for v in values if jnp.issubdtype(v.dtype, jnp.floating)]
+        wide = functools.reduce(jnp.promote_types, reals, reals[0] if reals else None)
+        widened = [
+            lax.convert_element_type(v, wide) if v.dtype in reals else v for v in values
+        ]
         first = lax.reduce(
-            (key, out, *each),
-            (none, *(np.zeros((), v.dtype) for v in (out, *each))),
+            (key, *widened),
+            (none, *(np.zeros((), v.dtype) for v in widened)),
             _first,
             (0,),
         )
+        kept = [lax.convert_element_type(v, x.dtype) for v, x in zip(first[1:], values)]
         found = lax.bitwise_or(found, lax.lt(first[0], none))
-        where.append((first[0], first[1], tuple(first[2:])))
+        where.append((first[0], kept[0], tuple(kept[1:])))
     return _varying((found, tuple(where)))
 
 
@@ -758,6 +767,13 @@ def _whole(tree):
         return jax.sharding.reshard(x, jax.sharding.PartitionSpec())
 
     return jax.tree.map(one, tree)
+
+
+def _is_finite(x):
+    """`lax.is_finite` of real and complex values alike (both parts finite)."""
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return lax.bitwise_and(lax.is_finite(lax.real(x)), lax.is_finite(lax.imag(x)))
+    return lax.is_finite(x)
 
 
 def _first(a, b):  # (of two elements, the one of the lesser key)

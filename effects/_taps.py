@@ -441,6 +441,12 @@ class _Inserter:
             batch=((),) * len(leaves),
             tap=info,
             effect=True,
+            # An execution of its own, wherever it is: a tap in the backward
+            # pass's recomputation of a `jax.checkpoint` region (taps of a
+            # gradient) taps what runs there, and tells the rewriter the
+            # region is not a copy of the forward pass's (see
+            # `_walk.recomputes`), as a forward site does.
+            forward=True,
         )
         outvars = [_compat.Var(v.aval) for v in inputs] + list(outs)
         return _compat.new_eqn(

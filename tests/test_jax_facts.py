@@ -392,6 +392,33 @@ def test_an_empty_constant_added_in_a_shard_map_in_a_scan_fails_under_grad():
         assert compiled.stdout == "compiled\n", compiled.stderr
 
 
+def test_xla_refuses_a_reduction_of_floats_of_two_precisions():
+    # `effects._nonfinite._checked`: `lax.reduce` builds a variadic reduction
+    # of a bfloat16 and a float32 operand, which XLA's CPU compiler refuses
+    # ("Seen floating point types of different precisions"), jax 0.8 to 0.12;
+    # integers, and a complex64 beside a float32, it takes.
+    import numpy as np
+    from jax import lax
+
+    def first(a, b):
+        take = lax.le(a[0], b[0])
+        return tuple(lax.select(take, u, v) for u, v in zip(a, b))
+
+    def reduced(*values):
+        key = lax.iota(np.int32, 4)
+        init = (np.int32(9), *(np.zeros((), v.dtype) for v in values))
+        return lax.reduce((key, *values), init, first, (0,))
+
+    def run(*dtypes):
+        return jax.jit(reduced)(*(jnp.ones(4, d) for d in dtypes))
+
+    assert run(jnp.float32, jnp.int32)[0] == 0
+    assert run(jnp.complex64, jnp.float32)[0] == 0
+    if jax.devices()[0].platform == "cpu":
+        with pytest.raises(Exception, match="different precisions"):
+            run(jnp.bfloat16, jnp.float32)
+
+
 def test_the_max_of_a_sharded_array_drops_a_nan():
     # `effects._nonfinite._nan_and_finite`: XLA's maximum (and minimum)
     # propagates a NaN within a device, but on a sharded array the all-reduce

@@ -332,6 +332,55 @@ def test_values_sharded_over_an_explicit_axis_mesh_are_searched():
         assert got == want and got.inputs == said
 
 
+def test_the_backward_pass_of_a_checkpoint_region_is_searched():
+    # The gradient's recomputation of a `jax.checkpoint` region holds the
+    # derivative of `sqrt`, whose Inf at 0 is the finding: taps there are
+    # operations of their own (they were refused as copies of the forward
+    # pass's sites).
+    def f(x):
+        h = jax.checkpoint(
+            lambda v: jnp.sqrt(v) * 2.0, policy=jax.checkpoint_policies.nothing_saveable
+        )(x)
+        return jnp.sum(h)
+
+    x = jnp.array([1.0, 0.0, 2.0])
+    assert np.isfinite(f(x)) and not np.isfinite(jax.grad(f)(x)).all()
+    bad = fx.find_nonfinite(f, x, backward=True)
+    assert bad is not None and bad.backward and bad.forward == ("sqrt",)
+    assert (bad.primitive, bad.index) == ("div", (1,))
+    assert bad.line == _line(f, "jnp.sqrt")
+    assert fx.find_nonfinite(f, x + 1.0, backward=True) is None
+
+
+@pytest.mark.parametrize(
+    "fn, x, said",
+    [
+        # (a bfloat16 output of a float32 input: XLA refuses one reduction
+        # of both, test_jax_facts.py::
+        # test_xla_refuses_a_reduction_of_floats_of_two_precisions)
+        (
+            lambda x: jnp.exp(x.astype(jnp.bfloat16) * 100),
+            [1.0, 2.0],
+            "exp(100)[0] = inf",
+        ),
+        (
+            lambda x: jnp.log(x.astype(jnp.complex64) * 0),
+            [1.0, 2.0],
+            "log(0j)[0] = (-inf+0j)",
+        ),
+        (
+            lambda x: jnp.log(x.astype(jnp.float16) - 2),
+            [3.0, 1.0],
+            "log(-1.0)[1] = nan",
+        ),
+    ],
+    ids=["bfloat16", "complex", "float16"],
+)
+def test_outputs_of_another_precision_than_their_inputs(fn, x, said):
+    bad = fx.find_nonfinite(lambda x: jnp.abs(jnp.sum(fn(x))), jnp.array(x))
+    assert bad is not None and bad.inputs == said
+
+
 def test_operations_in_a_second_shard_map_are_searched():
     # One operation made the NaN, in the second shard_map: the counters name
     # it. Two made one, in two shard_maps, where JAX's checkify cannot order
