@@ -739,10 +739,13 @@ def _checked(ins, outs):
         # test_xla_refuses_a_reduction_of_floats_of_two_precisions)
         values = (out, *each)
         reals = [v.dtype for v in values if jnp.issubdtype(v.dtype, jnp.floating)]
-        wide = functools.reduce(jnp.promote_types, reals, reals[0] if reals else None)
-        widened = [
-            lax.convert_element_type(v, wide) if v.dtype in reals else v for v in values
-        ]
+        widened = list(values)
+        if reals:
+            wide = functools.reduce(jnp.promote_types, reals)
+            widened = [
+                lax.convert_element_type(v, wide) if v.dtype in reals else v
+                for v in values
+            ]
         first = lax.reduce(
             (key, *widened),
             (none, *(np.zeros((), v.dtype) for v in widened)),
