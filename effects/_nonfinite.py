@@ -657,12 +657,15 @@ _CHECKED = "effects.nonfinite"
 
 def _nan_and_finite(tree) -> tuple[Any, Any]:  # (bool arrays, or NumPy bools)
     """Whether an inexact leaf of `tree` holds a NaN, and whether all are
-    finite. Two boolean reductions, not the largest magnitude's NaN: XLA's
-    maximum propagates a NaN within a device, but the all-reduce that
-    combines a sharded array's shards drops it (tests/test_jax_facts.py::
-    test_the_max_of_a_sharded_array_drops_a_nan). (In `lax`: this runs at
-    every operation of the function, and each `jax.numpy` call is a jit call
-    to trace.)"""
+    finite, from sums, whose NaN every device and the all-reduce combining a
+    sharded array's shards keep (their maximum's, the all-reduce drops:
+    tests/test_jax_facts.py::test_the_max_of_a_sharded_array_drops_a_nan):
+    the sum of `x * 0` is a NaN where an element is not finite; that of
+    `min(|x|, 1)` a NaN where one is a NaN (an Inf counts 1), and never
+    overflows to one. Sums of arithmetic, which XLA's CPU code vectorizes and
+    compiles fast (of comparisons, a third slower to compile at every
+    operation of a model). (In `lax`: this runs at every operation of the
+    function, and each `jax.numpy` call is a jit call to trace.)"""
     nan, finite = np.bool_(False), np.bool_(True)
     for x in jax.tree.leaves(tree):
         if not jnp.issubdtype(x.dtype, jnp.inexact) or x.size == 0:
@@ -670,11 +673,12 @@ def _nan_and_finite(tree) -> tuple[Any, Any]:  # (bool arrays, or NumPy bools)
         if jnp.issubdtype(x.dtype, jnp.complexfloating):
             x = lax.abs(x)  # (an infinite part beside a NaN one: an Inf)
         axes = tuple(range(x.ndim))
-        x_nan, x_finite = lax.ne(x, x), lax.is_finite(x)
+        zero, one = np.zeros((), x.dtype), np.ones((), x.dtype)
+        bad, has_nan = lax.mul(x, zero), lax.min(lax.abs(x), one)
         if axes:
-            x_nan, x_finite = lax.reduce_or(x_nan, axes), lax.reduce_and(x_finite, axes)
-        nan = lax.bitwise_or(nan, x_nan)
-        finite = lax.bitwise_and(finite, x_finite)
+            bad, has_nan = lax.reduce_sum(bad, axes), lax.reduce_sum(has_nan, axes)
+        nan = lax.bitwise_or(nan, lax.ne(has_nan, has_nan))
+        finite = lax.bitwise_and(finite, lax.eq(bad, bad))
     return nan, finite
 
 
