@@ -424,7 +424,8 @@ def test_the_max_of_a_sharded_array_drops_a_nan():
     # propagates a NaN within a device, but on a sharded array the all-reduce
     # that combines the shards' results drops a shard's NaN (CPU, jax 0.8 to
     # 0.12): `jnp.max` answers 7.0, `jnp.min` 2.0 (the first shard, [nan, 1],
-    # left out whole). A boolean reduction of `x != x` is right either way.
+    # left out whole). A sum keeps it, as a boolean reduction of `x != x` does:
+    # the finite check sums `x * 0` and `min(|x|, 1)`.
     import numpy as np
 
     mesh = jax.sharding.Mesh(np.array(devices(4)), ("d",))
@@ -437,6 +438,10 @@ def test_the_max_of_a_sharded_array_drops_a_nan():
         assert jax.jit(jnp.max)(sharded) == 7.0
         assert jax.jit(jnp.min)(sharded) == 2.0
     assert jax.jit(lambda v: jnp.any(v != v))(sharded)
+    assert np.isnan(jax.jit(jnp.sum)(sharded)) and np.isnan(
+        jax.jit(jnp.sum)(0 * sharded)
+    )
+    assert np.isnan(jax.jit(lambda v: jnp.sum(jnp.minimum(jnp.abs(v), 1)))(sharded))
 
 
 def test_checkify_fails_on_checks_in_two_shard_maps():
