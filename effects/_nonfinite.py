@@ -586,13 +586,12 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dyna
         if not backward:
             return found, {}
         grad = jax.grad(counted_output)
-        names = {
-            c: [n for n in names if (c, n) not in custom] for c, names in listed.items()
-        }
+        # (but a custom rule's function's tags, which have no cotangent)
+        own = {c: [n for n in ns if (c, n) not in custom] for c, ns in listed.items()}
         counters = [
-            Tag(c, names=names, mode=_COUNTER, of="cotangent")
-            for c, names in names.items()
-            if names
+            Tag(c, names=ns, mode=_COUNTER, of="cotangent")
+            for c, ns in own.items()
+            if ns
         ]
         return found, handle(grad, *counters)(jnp.float32(0), dynamic)[1]
 
@@ -742,9 +741,9 @@ def _checked(ins, outs):
         # real floating values XLA needs of one precision: test_jax_facts.py::
         # test_xla_refuses_a_reduction_of_floats_of_two_precisions)
         values = (out, *each)
-        reals = [v.dtype for v in values if jnp.issubdtype(v.dtype, jnp.floating)]
+        reals = {v.dtype for v in values if jnp.issubdtype(v.dtype, jnp.floating)}
         widened = list(values)
-        if reals:
+        if len(reals) > 1:  # (most operations: one precision, as it is)
             wide = functools.reduce(jnp.promote_types, reals)
             widened = [
                 lax.convert_element_type(v, wide) if v.dtype in reals else v
@@ -756,7 +755,10 @@ def _checked(ins, outs):
             _first,
             (0,),
         )
-        kept = [lax.convert_element_type(v, x.dtype) for v, x in zip(first[1:], values)]
+        kept = [
+            v if v.dtype == x.dtype else lax.convert_element_type(v, x.dtype)
+            for v, x in zip(first[1:], values)
+        ]
         found = lax.bitwise_or(found, lax.lt(first[0], none))
         where.append((first[0], kept[0], tuple(kept[1:])))
     return _varying((found, tuple(where)))
