@@ -86,9 +86,10 @@ def in_every_branch(deep: bool = False) -> bool:
 _OWN_FILES = __file__.rsplit("/", 1)[0] + "/"
 
 
-def call_frames(traceback) -> Iterator[tuple[str, int, int]]:
-    """(file, line, column) of each frame of `traceback` in neither JAX nor effects,
-    innermost first, up to the trace that made the equation: where a site's `tag`
+def call_frames(traceback) -> Iterator[tuple[str, int, int, int, int]]:
+    """(file, line, column, end line, end column) of each frame of `traceback` in
+    neither JAX nor effects (the span of the expression it runs), innermost
+    first, up to the trace that made the equation: where a site's `tag`
     was called, and from where within that trace (jax 0.7-0.12:
     `source_info_util.user_frames`). JAX caches the jaxprs of jits and branches
     with the tracebacks of their first trace (jax 0.7-0.9 keep the frames around
@@ -104,7 +105,7 @@ def call_frames(traceback) -> Iterator[tuple[str, int, int]]:
             c.co_filename.startswith(_OWN_FILES)
         ):
             f = _source_info_util.raw_frame_to_frame(c, i)
-            yield f.file_name, f.start_line, f.start_column
+            yield f.file_name, f.start_line, f.start_column, f.end_line, f.end_column
 
 
 _PE_FILE = "interpreters/partial_eval.py"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import linecache
 import math
 import os
 import re
@@ -63,7 +64,11 @@ class BadSite:
       `"model.py:20"`. `library` (not compared): the line of the installed
       package that made it, if not the user's.
     - `forward`: for an operation of the gradient, the primitives of the
-      forward pass at its line that it differentiates (`("sqrt",)`).
+      forward pass that it differentiates: those of the expression it was
+      made for (`("sqrt",)`). Empty where that expression holds none of its
+      own: a call of a `custom_vjp` or `custom_jvp` function, whose rule made
+      the operation; `expression` (not compared) is then its source text
+      (`"f(y)"`), where it can be read.
     - `shard`: in a `shard_map`, the shard that made it (per `shard_map`
       around it, outermost first; the index of the shard over its manual mesh
       axes); `example`: under a `jax.vmap` inside that `shard_map`'s body,
@@ -104,6 +109,7 @@ class BadSite:
     shard: tuple[int, ...] | None = None
     example: tuple[int, ...] | None = None
     forward: tuple[str, ...] = ()
+    expression: str | None = dataclasses.field(default=None, compare=False)
     index: tuple[int, ...] | None = None
     inputs: str | None = dataclasses.field(default=None, compare=False)
     note: str | None = dataclasses.field(default=None, compare=False)
@@ -154,7 +160,9 @@ class BadSite:
             if index is not None:
                 where += f", {what} {index[0] if len(index) == 1 else index}"
         if self.backward:
-            of = " and ".join(f"`{p}`" for p in self.forward) or "the operations"
+            of = " and ".join(f"`{p}`" for p in self.forward)
+            if not of:
+                of = f"`{self.expression}`" if self.expression else "the operations"
             said = (
                 f"In the gradient, `{self.primitive}`{at}{scope}, part of the "
                 f"derivative of {of}{' there' if at else ''}, is the first "
@@ -1075,9 +1083,10 @@ def _tap_search(fn, args, kwargs, backward: bool, ran=None) -> BadSite | None:
     tap = infos[0].tap
     where = jax.tree.map(lambda x: x[at], where)
     said, index = _said(tap, infos[0].value, where)
-    forward = ()
+    forward, expression = (), None
     if which == 1:
         forward = _forward_primitives(listed[0], tap)
+        expression = None if forward else _expression(tap)
     return dataclasses.replace(
         bad,
         name=tap.base_name() if name.startswith(tap.base_name()) else name,
@@ -1090,6 +1099,7 @@ def _tap_search(fn, args, kwargs, backward: bool, ran=None) -> BadSite | None:
         shard=shard,
         example=example,
         forward=forward,
+        expression=expression,
         index=index,
         inputs=said,
         backward_search=backward,
@@ -1123,15 +1133,33 @@ def _forward_primitives(forward: dict, tap) -> tuple[str, ...]:
     """The primitives of the forward pass at the location of `tap`, a tap of
     the gradient: what its operation differentiates. Those among them that
     made its operands, where some did (`sqrt` for `div(0.5, sqrt(x))`, the
-    derivative of `sqrt`)."""
-    # (by line alone where no scope matches: a backward pass may run in
-    # scopes of its own, a diffrax adjoint's `checkpointed-bwd`)
+    derivative of `sqrt`). None where the expression it differentiates holds
+    no primitive of its own: a call of a function with a custom derivative,
+    whose rule made the operation (see `_expression`)."""
     taps = [infos[0].tap for infos in forward.values()]
-    line = [t for t in taps if (t.file, t.line) == (tap.file, tap.line)]
-    scope = [t for t in line if _scope(t.scope) == _scope(tap.scope)]
-    found = list(dict.fromkeys(t.primitive for t in scope or line))
+    if tap.span is not None:
+        # JAX makes the operations of a derivative with the source of the
+        # operation they differentiate: the same expression, in any scope (a
+        # diffrax adjoint's backward pass runs in `checkpointed-bwd`).
+        at = [t for t in taps if (t.file, t.span) == (tap.file, tap.span)]
+    else:
+        line = [t for t in taps if (t.file, t.line) == (tap.file, tap.line)]
+        at = [t for t in line if _scope(t.scope) == _scope(tap.scope)] or line
+    found = list(dict.fromkeys(t.primitive for t in at))
     read = [p for p in found if p in tap.producers]
     return tuple(read or found)
+
+
+def _expression(tap) -> str | None:
+    """The source text of the expression at `tap`'s span (`"f(y)"`), where it
+    is on one line that `linecache` can read."""
+    if tap.file is None or tap.span is None:
+        return None
+    line, column, end_line, end_column = tap.span
+    text = linecache.getline(tap.file, line)
+    if end_line != line or not text or end_column > len(text.rstrip("\n")):
+        return None
+    return text[column:end_column].strip() or None
 
 
 def _said(tap, value, where) -> tuple[str, tuple[int, ...]]:

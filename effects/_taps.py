@@ -45,6 +45,9 @@ class TapInfo:
     - `library`: `"file:line"` of the frame in an installed package that made
       it (an Equinox layer's, say), where that is not the user's; else None.
     - `shape`: the output's shapes and dtypes, as `"float32[3,4]"`.
+    - `span`: the user's source as `(line, column, end line, end column)`,
+      the expression the operation was made for (the operations of its
+      derivative share it); None where `line` is.
     """
 
     primitive: str
@@ -58,6 +61,7 @@ class TapInfo:
     operands: tuple = dataclasses.field(default=(), repr=False)
     # And the primitive that made each operand there, if one did.
     producers: tuple = dataclasses.field(default=(), repr=False)
+    span: tuple[int, int, int, int] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def location(self) -> str:
@@ -285,10 +289,11 @@ def _info(eqn, primitive: str, outvars, outer: _Outer, operands=()) -> TapInfo:
     if first is not None and first is not user:
         library = f"{os.path.basename(first[0])}:{first[1]}"
     file, line = (outer.file, outer.line) if user is None else user[:2]
+    span = None if user is None else user[1:]
     if first is None:
         library = outer.library
     elif file is None:  # (only an installed package's frames: the first of them)
-        file, line, library = *first[:2], None
+        file, line, library, span = *first[:2], None, first[1:]
     shape = ",".join(_describe(v.aval) for v in outvars)
     return TapInfo(
         primitive,
@@ -298,6 +303,7 @@ def _info(eqn, primitive: str, outvars, outer: _Outer, operands=()) -> TapInfo:
         library,
         shape,
         operands,
+        span=span,
     )
 
 

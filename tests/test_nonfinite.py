@@ -498,3 +498,53 @@ def test_through_higher_order_primitives(fn):
     assert bad is not None and bad.primitive == "log"
     assert bad.line == _line(fn if fn is not _in_custom_jvp else _custom.fun, "jnp.log")
     assert bad.inputs == "log(-0.5)[0] = nan"
+
+
+@jax.custom_vjp
+def _scaled(v):
+    return jnp.sin(v) * 2.0
+
+
+def _scaled_bwd(v, g):
+    return (g * jnp.log(v - 10.0),)  # NaN in the custom rule alone
+
+
+_scaled.defvjp(lambda v: (_scaled(v), v), _scaled_bwd)
+
+
+@jax.custom_jvp
+def _rooted(v):
+    return jnp.sin(v)
+
+
+_rooted.defjvp(lambda p, t: (_rooted(p[0]), t[0] * jnp.sqrt(p[0] - 10.0)))
+
+
+def _calls_scaled(x):
+    y = jnp.cos(x)
+    return jnp.sum(_scaled(y) * 3.0)
+
+
+def _calls_rooted(x):
+    return jnp.sum(_rooted(jnp.cos(x)))
+
+
+@pytest.mark.parametrize(
+    ("fn", "call", "primitive"),
+    [
+        (_calls_scaled, "_scaled(y)", "log"),
+        (_calls_rooted, "_rooted(jnp.cos(x))", "sqrt"),
+    ],
+    ids=["custom_vjp", "custom_jvp"],
+)
+def test_an_operation_of_a_custom_rule_is_named_by_the_call(fn, call, primitive):
+    # The operations of a custom rule carry the source of the call: they are
+    # not the derivative of the other primitives on its line (the `mul` and
+    # `reduce_sum` there), but of the call, named by its text.
+    x = jnp.arange(3.0)
+    assert np.isfinite(fn(x)) and not np.isfinite(jax.grad(fn)(x)).any()
+    bad = fx.find_nonfinite(fn, x, backward=True)
+    assert bad is not None and bad.backward and bad.primitive == primitive
+    assert bad.line == _line(fn, call) and bad.forward == ()
+    assert bad.expression == call and bad.inputs.startswith(f"{primitive}(-9.0)")
+    assert f"part of the derivative of `{call}` there" in str(bad)
