@@ -454,6 +454,25 @@ def varying_axes(aval) -> frozenset:
 from jax._src.named_sharding import UNSPECIFIED as UNSPECIFIED  # noqa: E402  jax 0.10
 
 
+def plain_jit(eqn) -> bool:
+    """Whether `eqn` is a `jax.jit` call that holds nothing but its jaxpr: no
+    constants, shardings, layouts, donated inputs or compiler options (jax
+    0.8-0.12 params), so that its equations in its place compute the same
+    program (XLA inlines every call)."""
+    if eqn.primitive is not pjit_p:
+        return False
+    params = eqn.params
+    shardings = (*params["in_shardings"], *params["out_shardings"])
+    layouts = (*params.get("in_layouts", ()), *params.get("out_layouts", ()))
+    return (
+        not params["jaxpr"].consts
+        and all(type(s) is type(UNSPECIFIED) for s in shardings)
+        and all(x is None for x in layouts)
+        and not any(params["donated_invars"])
+        and not params.get("compiler_options_kvs")
+    )
+
+
 def scan_counts(params) -> tuple[int, int]:
     """`(num_consts, num_carry)` of a scan equation."""
     if "num_consts" in params:  # jax <= 0.10

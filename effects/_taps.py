@@ -349,12 +349,22 @@ class _Inserter:
         eqns: list[Any] = []
         changed = False
         made: dict[Any, str] = {}  # variable -> the primitive that made it
+        # (the outputs of a `jit` inlined here: what its body gave them)
+        given: dict[Any, Any] = {}
         for eqn in jaxpr.eqns:
+            if given:
+                eqn = eqn.replace(invars=_substituted(eqn.invars, given))
+            if _compat.plain_jit(eqn):
+                new = self.inlined(eqn, given, made)
+                if new is not None:
+                    changed = True
+                    eqns += new
+                    continue
             new = self.equation(eqn, made)
             changed |= new[0] is not eqn
             eqns += new
             made.update((v, _compat.primitive_name(eqn)) for v in eqn.outvars)
-        outvars = list(jaxpr.outvars)
+        outvars = _substituted(jaxpr.outvars, given)
         if carries and carry_of is not None:
             site = self.carry_site(carry_of, outvars[:carries])
             if site is not None:
@@ -431,11 +441,12 @@ class _Inserter:
     def site(self, eqn, info: TapInfo, ins, outs, inputs):
         """A site equation reading `ins` (and the equation's `inputs`), whose
         outputs are `outs` (and fresh variables for the inputs)."""
-        value = tuple(ins) if len(ins) > 1 else ins[0]
-        tree = (tuple(inputs), value) if inputs is not None else value
-        treedef = jax.tree.structure(tree, is_leaf=lambda x: isinstance(x, _compat.Var))
-        if treedef == jax.tree.structure(0):
+        if inputs is None and len(ins) == 1:  # (most taps: one output)
             treedef = LEAF
+        else:
+            value = tuple(ins) if len(ins) > 1 else ins[0]
+            tree = (tuple(inputs), value) if inputs is not None else value
+            treedef = jax.tree.structure(tree, is_leaf=_is_var)
         inputs = inputs or ()
         leaves = [*inputs, *ins]
         self.count += 1
@@ -472,6 +483,44 @@ class _Inserter:
         site = self.site(loop, info, kept, fresh, None)
         return site
 
+    def inlined(self, eqn, given: dict, made: dict) -> list[Any] | None:
+        """The equations of a `jit` call's body (`_compat.plain_jit`) with their
+        taps, in its place, where it holds some; None where it holds none.
+        So that every tap of a program made of operations and `jit`s (JAX's
+        own `jnp.where`, `jnp.tril`, ... in a gradient) sits at its top
+        level, where the rewrite splices what the handlers do beside it
+        instead of tracing the program again (`_rewrite._spliced`). `given`
+        learns what the call's outputs are; `made`, who made them."""
+        tapped = self.higher_order(eqn)
+        if tapped is eqn:
+            return None
+        body = tapped.params["jaxpr"].jaxpr
+        env = dict(zip(body.invars, eqn.invars))
+        stack = eqn.source_info.name_stack
+        eqns = []
+        for inner in body.eqns:
+            outvars = [
+                v if type(v) is _compat.DropVar else _compat.Var(v.aval)
+                for v in inner.outvars
+            ]
+            env.update(zip(inner.outvars, outvars))
+            tap = inner.params.get("tap") if inner.primitive is site_p else None
+            name = _compat.primitive_name(inner) if tap is None else tap.primitive
+            made.update((v, name) for v in outvars)
+            eqns.append(
+                inner.replace(
+                    invars=_substituted(inner.invars, env),
+                    outvars=outvars,
+                    source_info=inner.source_info.replace(
+                        name_stack=stack + inner.source_info.name_stack
+                    ),
+                )
+            )
+        for v, out in zip(eqn.outvars, _substituted(body.outvars, env)):
+            if type(v) is not _compat.DropVar:
+                given[v] = out
+        return eqns
+
     def higher_order(self, eqn):
         prim = eqn.primitive
         carries = {}
@@ -502,6 +551,15 @@ class _Inserter:
         if params is eqn.params:
             return eqn
         return eqn.replace(params=params, effects=eqn.effects | {site_effect})
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, _compat.Var)
+
+
+def _substituted(atoms, given: dict) -> list[Any]:
+    """`atoms` with each variable in `given` replaced by what it maps to."""
+    return [given.get(v, v) if type(v) is _compat.Var else v for v in atoms]
 
 
 def _replaced(outvars, site) -> list[Any]:

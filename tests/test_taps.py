@@ -180,6 +180,39 @@ def test_through_higher_order_primitives():
     assert_trees_close(got["neg", line], tagged)
 
 
+def test_taps_inside_jits_are_collected_and_changed_as_outside_them():
+    # A `jax.jit` that holds nothing but its program (JAX's own `jnp.where`
+    # and `jnp.tril` are ones, in a gradient) has its equations, taps
+    # included, put in its caller's place; one with shardings is kept.
+    helper = jax.jit(lambda v: jnp.log(v + 2.0))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    pinned = jax.jit(lambda v: jnp.exp(-v), out_shardings=device)
+
+    def g(x):
+        a = helper(x)  # called twice: the same jaxpr, its own executions
+        b = helper(jnp.sin(x))
+        return jnp.sum(pinned(a * b))
+
+    tapped = fx.taps(g, ("log", "exp", "sin"))
+    out, found = fx.handle(tapped, fx.Tag("taps"))(X)
+    assert_trees_close(out, g(X))
+    values = {
+        p: [v for n, vs in found["taps"].items() if f"{p} @" in n for v in vs]
+        for p in ("log", "exp", "sin")
+    }
+    a, b = jnp.log(X + 2.0), jnp.log(jnp.sin(X) + 2.0)
+    assert_trees_close(values["log"], [a, b])
+    assert_trees_close(values["sin"], [jnp.sin(X)])
+    assert_trees_close(values["exp"], [jnp.exp(-a * b)])
+    # The gradient through the handled taps, and a change at every `log`.
+    handled = fx.handle(tapped, fx.Tag("taps"))
+    assert_trees_close(jax.grad(lambda x: handled(x)[0])(X), jax.grad(g)(X), rtol=1e-5)
+    logs = [n for n in found["taps"] if "log @" in n]
+    halve = fx.Intervene({n: lambda v: v / 2 for n in logs}, collection="taps")
+    out, _ = fx.handle(tapped, halve)(X)
+    assert_trees_close(out, jnp.sum(jnp.exp(-a * b / 4)), rtol=1e-5)
+
+
 def test_vmap_either_side_and_jit():
     xs = jnp.stack([X, 2 * X])
     handled = fx.handle(fx.taps(f), fx.Tag("taps"))
