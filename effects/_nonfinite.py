@@ -79,6 +79,10 @@ class BadSite:
       as `"log(-3.0) = nan"`.
     - `operation` (not compared): for a tag, the first operation that made a
       NaN or an Inf, as found with no tag.
+    - `output_finite` (not compared): for an operation of the forward pass
+      found with `backward=True`, whether the function's output is finite
+      all the same: the value was dropped on the way (a `jnp.where`), and
+      only the gradient, which still differentiates the operation, went bad.
     - `note` (not compared): where no operation made a NaN or an Inf but the
       output or the gradient is non-finite, what made it so (`primitive` is
       then None).
@@ -113,6 +117,7 @@ class BadSite:
     index: tuple[int, ...] | None = None
     inputs: str | None = dataclasses.field(default=None, compare=False)
     note: str | None = dataclasses.field(default=None, compare=False)
+    output_finite: bool = dataclasses.field(default=False, compare=False)
     operation: BadSite | None = dataclasses.field(default=None, compare=False)
 
     @property
@@ -179,7 +184,17 @@ class BadSite:
         said += "."
         if self.library is not None:
             said += f" (Called from {self.library}.)"
-        if self.backward_search and not self.backward:
+        if self.backward_search and not self.backward and self.output_finite:
+            said += (
+                " The function's output is finite all the same: the value was "
+                "dropped on the way (by a `jnp.where`, say), but the gradient "
+                "still takes the derivative of this operation there, whose NaN "
+                "or Inf, times a zero, makes the gradient's. Give the operation "
+                "inputs it is finite at wherever its result is dropped "
+                "(`jnp.sqrt(jnp.where(x > 0, x, 1.0))`, not "
+                "`jnp.where(x > 0, jnp.sqrt(x), 0.0)`)."
+            )
+        elif self.backward_search and not self.backward:
             said += " The forward pass is already non-finite: that is the cause."
         return said
 
@@ -1100,6 +1115,7 @@ def _tap_search(fn, args, kwargs, backward: bool, ran=None) -> BadSite | None:
         example=example,
         forward=forward,
         expression=expression,
+        output_finite=backward and which == 0 and bool(finite[0]),
         index=index,
         inputs=said,
         backward_search=backward,

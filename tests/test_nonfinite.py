@@ -52,6 +52,32 @@ def test_a_log_in_a_scan():
     assert both == bad and "already non-finite" in str(both)
 
 
+def where_sqrt(x):  # the output is finite, the gradient is not
+    return jnp.sum(jnp.where(x > 0, jnp.sqrt(x), 0.0))
+
+
+def test_a_nan_the_output_drops_is_named_with_how_the_gradient_meets_it():
+    x = jnp.array([-1.0, 4.0])
+    assert np.isfinite(where_sqrt(x)) and np.isnan(jax.grad(where_sqrt)(x)[0])
+    assert fx.find_nonfinite(where_sqrt, x) is None  # (the output is finite)
+    bad = fx.find_nonfinite(where_sqrt, x, backward=True)
+    assert bad is not None and not bad.backward and bad.output_finite
+    assert (bad.primitive, bad.line) == ("sqrt", _line(where_sqrt, "jnp.sqrt"))
+    assert bad.inputs == "sqrt(-1.0)[0] = nan"
+    said = str(bad)
+    assert "output is finite all the same" in said and "already" not in said
+
+    # The fix it says gives a finite gradient.
+    def fixed(x):
+        return jnp.sum(jnp.where(x > 0, jnp.sqrt(jnp.where(x > 0, x, 1.0)), 0.0))
+
+    assert np.isfinite(jax.grad(fixed)(x)).all()
+    assert fx.find_nonfinite(fixed, x, backward=True) is None
+    # Where the output holds the NaN, that is said instead.
+    both = fx.find_nonfinite(scan_log, jnp.array([1.0, -3.0]), backward=True)
+    assert not both.output_finite and "already non-finite" in str(both)
+
+
 def two_sources(x):  # two operations make a NaN: `sqrt` at iteration 1 first
     def body(c, xi):
         return c + jnp.log(xi[0]) + jnp.sqrt(xi[1]), c
