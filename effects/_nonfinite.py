@@ -682,12 +682,15 @@ def _nan_and_finite(tree) -> tuple[Any, Any]:  # (bool arrays, or NumPy bools)
     finite, from sums, whose NaN every device and the all-reduce combining a
     sharded array's shards keep (their maximum's, the all-reduce drops:
     tests/test_jax_facts.py::test_the_max_of_a_sharded_array_drops_a_nan):
-    the sum of `x * 0` is a NaN where an element is not finite; that of
+    the sum of `x - x` is a NaN where an element is not finite; that of
     `min(|x|, 1)` a NaN where one is a NaN (an Inf counts 1), and never
-    overflows to one. Sums of arithmetic, which XLA's CPU code vectorizes and
-    compiles fast (of comparisons, a third slower to compile at every
-    operation of a model). (In `lax`: this runs at every operation of the
-    function, and each `jax.numpy` call is a jit call to trace.)"""
+    overflows to one. (Not `x * 0`: XLA folds `(y * 2) * 0` to `y * 0`, and
+    the Inf the product made went unseen: tests/test_jax_facts.py::
+    test_xla_folds_a_product_by_zero_into_the_product_before_it.) Sums of
+    arithmetic, which XLA's CPU code vectorizes and compiles fast (of
+    comparisons, a third slower to compile at every operation of a model).
+    (In `lax`: this runs at every operation of the function, and each
+    `jax.numpy` call is a jit call to trace.)"""
     nan, finite = np.bool_(False), np.bool_(True)
     for x in jax.tree.leaves(tree):
         if not jnp.issubdtype(x.dtype, jnp.inexact) or x.size == 0:
@@ -695,8 +698,8 @@ def _nan_and_finite(tree) -> tuple[Any, Any]:  # (bool arrays, or NumPy bools)
         if jnp.issubdtype(x.dtype, jnp.complexfloating):
             x = lax.abs(x)  # (an infinite part beside a NaN one: an Inf)
         axes = tuple(range(x.ndim))
-        zero, one = np.zeros((), x.dtype), np.ones((), x.dtype)
-        bad, has_nan = lax.mul(x, zero), lax.min(lax.abs(x), one)
+        one = np.ones((), x.dtype)
+        bad, has_nan = lax.sub(x, x), lax.min(lax.abs(x), one)
         if axes:
             bad, has_nan = lax.reduce_sum(bad, axes), lax.reduce_sum(has_nan, axes)
         nan = lax.bitwise_or(nan, lax.ne(has_nan, has_nan))

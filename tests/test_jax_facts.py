@@ -425,7 +425,7 @@ def test_the_max_of_a_sharded_array_drops_a_nan():
     # that combines the shards' results drops a shard's NaN (CPU, jax 0.8 to
     # 0.12): `jnp.max` answers 7.0, `jnp.min` 2.0 (the first shard, [nan, 1],
     # left out whole). A sum keeps it, as a boolean reduction of `x != x` does:
-    # the finite check sums `x * 0` and `min(|x|, 1)`.
+    # the finite check sums `x - x` and `min(|x|, 1)`.
     import numpy as np
 
     mesh = jax.sharding.Mesh(np.array(devices(4)), ("d",))
@@ -439,9 +439,25 @@ def test_the_max_of_a_sharded_array_drops_a_nan():
         assert jax.jit(jnp.min)(sharded) == 2.0
     assert jax.jit(lambda v: jnp.any(v != v))(sharded)
     assert np.isnan(jax.jit(jnp.sum)(sharded)) and np.isnan(
-        jax.jit(jnp.sum)(0 * sharded)
+        jax.jit(jnp.sum)(sharded - sharded)
     )
     assert np.isnan(jax.jit(lambda v: jnp.sum(jnp.minimum(jnp.abs(v), 1)))(sharded))
+
+
+def test_xla_folds_a_product_by_zero_into_the_product_before_it():
+    # `effects._nonfinite._nan_and_finite`: XLA's algebraic simplifier takes
+    # `(x * 2) * 0` for `x * (2 * 0)` (jax 0.8 to 0.12, CPU), so a sum of
+    # `y * 0` misses the Inf that `y = x * 2` made by overflowing: 0.0, where
+    # the same sum of `y` given as an input, or of `y - y`, is a NaN. (jax
+    # 0.10 folds it through an optimization barrier too.) The finite check
+    # sums `y - y`.
+    import numpy as np
+
+    x = jnp.array([1e38, -2.0e38, -3.0e38])
+    assert np.isinf(x * 2).any()
+    assert jax.jit(lambda v: jnp.sum((v * 2.0) * 0.0))(x) == 0.0
+    assert np.isnan(jax.jit(lambda y: jnp.sum(y * 0.0))(x * 2))
+    assert np.isnan(jax.jit(lambda v: jnp.sum((v * 2.0) - (v * 2.0)))(x))
 
 
 def test_checkify_fails_on_checks_in_two_shard_maps():

@@ -52,6 +52,21 @@ def test_a_log_in_a_scan():
     assert both == bad and "already non-finite" in str(both)
 
 
+def doubled(x):
+    return jnp.sum(x * 2.0)
+
+
+def test_an_inf_made_by_overflowing_a_product_by_a_constant():
+    # XLA folds the check's own arithmetic into such a product (see
+    # test_jax_facts.py::test_xla_folds_a_product_by_zero_into_the_product_before_it):
+    # the answer was "no primitive made a NaN or an Inf".
+    x = jnp.array([1e38, -2.0e38, -3.0e38])
+    assert np.isinf(doubled(x))
+    bad = fx.find_nonfinite(doubled, x)
+    assert bad is not None and (bad.primitive, bad.index) == ("mul", (1,))
+    assert bad.line == _line(doubled, "x * 2.0") and bad.inputs.endswith("= -inf")
+
+
 def where_sqrt(x):  # the output is finite, the gradient is not
     return jnp.sum(jnp.where(x > 0, jnp.sqrt(x), 0.0))
 
