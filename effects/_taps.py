@@ -369,7 +369,9 @@ class _Inserter:
             site = self.carry_site(carry_of, outvars[:carries])
             if site is not None:
                 eqns.append(site)
-                outvars[:carries] = _replaced(outvars[:carries], site)
+                # (the carry outputs the site reads: its outputs instead)
+                swap = dict(zip(site.invars, site.outvars))
+                outvars[:carries] = _substituted(outvars[:carries], swap)
                 changed = True
         if not changed and len(eqns) == len(jaxpr.eqns):
             new_jaxpr = jaxpr
@@ -560,10 +562,3 @@ def _is_var(x) -> bool:
 def _substituted(atoms, given: dict) -> list[Any]:
     """`atoms` with each variable in `given` replaced by what it maps to."""
     return [given.get(v, v) if type(v) is _compat.Var else v for v in atoms]
-
-
-def _replaced(outvars, site) -> list[Any]:
-    """A loop body's carry outputs, those the carry site reads replaced by its
-    outputs."""
-    swap = dict(zip(site.invars, site.outvars))
-    return [swap.get(v, v) if type(v) is not _compat.Literal else v for v in outvars]
