@@ -206,6 +206,14 @@ def sub_jaxprs(eqn) -> list[Any]:
     return found
 
 
+def holds(jaxpr: Jaxpr, name: str) -> bool:
+    """Whether an equation of `jaxpr`, or of a jaxpr in one, is a `name`."""
+    return any(
+        eqn.primitive.name == name or any(holds(j, name) for j in sub_jaxprs(eqn))
+        for eqn in jaxpr.eqns
+    )
+
+
 def map_jaxprs_in_params(params, fn: Callable[[Jaxpr], Jaxpr]):
     """`params` with `fn` applied to every jaxpr that `sub_jaxprs` finds (given
     open; a closed one keeps its constants); `params` itself where `fn` changes

@@ -11,7 +11,7 @@ import math
 import os
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -26,9 +26,10 @@ from jax import lax
 from . import _compat
 from ._handle import eager_cached, handle
 from ._handlers import Handler, Reduce, Tag
+from ._jaxpr import holds
 from ._layout import one_cond
 from ._primitives import handling
-from ._sites import sites
+from ._sites import traced_sites
 from ._stats import _numpy
 from ._taps import Tapped
 
@@ -72,7 +73,7 @@ class BadSite:
     - `shard`: in a `shard_map`, the shard that made it (per `shard_map`
       around it, outermost first; the index of the shard over its manual mesh
       axes); `example`: under a `jax.vmap` inside that `shard_map`'s body,
-      the example.
+      the example. For a tag, of its value (not of a cotangent).
     - `index`: the first bad element of the operation's output (under a
       `jax.vmap` inside `fn`, its batch index among them).
     - `inputs` (not compared): that element and the operands it came from,
@@ -133,9 +134,7 @@ class BadSite:
             return self.note
         if self.primitive is not None:
             return self._primitive_said()
-        where = f"call {self.call}"
-        if self.iteration is not None:
-            where += f", scan iteration {self.iteration}"
+        where = self._where()
         what = (
             "the first, in the backward pass, whose cotangent holds"
             if self.backward
@@ -155,15 +154,20 @@ class BadSite:
             said += f"\n{self.operation}"
         return said
 
-    def _primitive_said(self) -> str:
-        at = f" at {self.location}" if self.file is not None else ""
-        scope = f" in {self.scope}" if self.scope else ""
+    def _where(self) -> str:
+        """`"call 0, scan iteration 2, shard 3"`."""
         where = f"call {self.call}"
         if self.iteration is not None:
             where += f", scan iteration {self.iteration}"
         for what, index in (("shard", self.shard), ("example", self.example)):
             if index is not None:
                 where += f", {what} {index[0] if len(index) == 1 else index}"
+        return where
+
+    def _primitive_said(self) -> str:
+        at = f" at {self.location}" if self.file is not None else ""
+        scope = f" in {self.scope}" if self.scope else ""
+        where = self._where()
         if self.backward:
             of = " and ".join(f"`{p}`" for p in self.forward)
             if not of:
@@ -324,12 +328,14 @@ def find_nonfinite(
     order is returned, so never a tag that is non-finite only because an
     earlier one was. Works through `jit`, `scan`, `cond`, `while_loop`,
     `checkpoint`, custom derivatives (their functions are searched), `vmap`
-    and `shard_map`s (where several tags, or operations, went bad in more
-    than one `shard_map`, or in one called twice, the first in program order,
-    and in the backward pass the last: JAX's `checkify`, which orders them
-    elsewhere, fails on checks in two). The programs are compiled once
-    per argument signature; each operation rounds on its own, as when JAX
-    runs the function one operation at a time. Every tag counts,
+    and `shard_map`s (in a program holding one, where several tags, or
+    operations, went bad, the first in program order, and in the backward
+    pass the last: JAX's `checkify`, which orders them elsewhere, fails on
+    checks in two `shard_map`s, or in a loop or a branch around or inside
+    one; without a loop, program order is the order they run in). The
+    programs are compiled once per argument signature; each operation rounds
+    on its own, as when JAX runs the function one operation at a time. Every
+    tag counts,
     whatever its collection, `jax.ad_checkpoint.checkpoint_name`s included
     (perturb sites do not); integer values are never non-finite. Arguments
     are treated as `eqx.filter_jit` treats them (arrays traced, other leaves
@@ -445,12 +451,13 @@ def find_nonfinite(
         message = _first_failure(fn, args, kwargs, backward, (collection, name))[2]
         assert message is not None  # (the same check fails)
         n = message.split(_CODE)[1].split()[0].split(":")[1:]
+    at = ()
     if not cotangent:
         assert found is not None  # (a check ran)
-        first = _numpy(found[collection][name][1])
-        n = [first[first >= 0].min()]
+        k, at = _first_execution(_numpy(found[collection][name][1]))
+        n = [k]
     infos = listed[collection][name]
-    bad = _bad_site(infos, collection, name, int(n[0]), cotangent)
+    bad = _bad_site(infos, collection, name, int(n[0]), cotangent, at)
     # and the operation that made it, as with no tag
     operation = _tap_search(fn, args, kwargs, backward)
     return dataclasses.replace(bad, backward_search=backward, operation=operation)
@@ -485,28 +492,21 @@ def _first_failure(fn, args, kwargs, backward: bool, numbered):
 
 class _Checks:
     """The tags' check: `(messages, found)` of a run, the first failing
-    check's message in each pass and the counters. Where JAX's checkify fails
-    on checks in two shard_maps (tests/test_jax_facts.py::
-    test_checkify_fails_on_checks_in_two_shard_maps), as it does when the
-    check is first traced, the counters alone answer, and the first tag in
-    program order is taken for the first (as for the operations: see
-    `_tap_search`); in the backward pass, the last one whose cotangent is not
-    finite, at its last such execution (the backward pass runs them last
-    first)."""
+    check's message in each pass and the counters. Where the program holds a
+    `shard_map` (`ordered` False), which JAX's checkify fails on (see
+    `_sites_and_mesh`): the counters alone answer, and the first tag in program
+    order is taken for the first (as for the operations: see `_tap_search`);
+    in the backward pass, the last one whose cotangent is not finite, at its
+    last such execution (the backward pass runs them last first)."""
 
-    def __init__(self, checked, counted, keys):
+    def __init__(self, checked, counted, keys, ordered: bool):
         self.checked, self.counted, self.keys = checked, counted, keys
-        self.ordered = True  # (until checkify fails)
+        self.ordered = ordered
 
     def __call__(self, dynamic):
         if self.ordered:
-            try:
-                errors, found = self.checked(dynamic)
-                return [err.get() for err in errors], found
-            except TypeError as e:
-                if not str(e).startswith(_CHECKIFY_SHARD_MAPS):
-                    raise
-                self.ordered = False
+            errors, found = self.checked(dynamic)
+            return [err.get() for err in errors], found
         found, cotangents = self.counted(dynamic)
         return [self._first(found, cotangents)], found
 
@@ -536,7 +536,18 @@ _PER_EXAMPLE = (
     'computes ("{}"). Check one example at a time: `fx.find_nonfinite(g, x)` '
     "for each `x` the vmapped function `g` maps over."
 )
-_CHECKIFY_SHARD_MAPS = "select cases must have the same shapes"
+
+
+def _sites_and_mesh(call, dynamic) -> tuple[dict, bool]:
+    """The sites of `call(dynamic)`, and whether it holds a `shard_map`, where
+    JAX's checkify fails in general: on checks in two shard_maps, in a loop
+    around a shard_map or inside one, and in a cond or a loop around one
+    with none (tests/test_jax_facts.py::
+    test_checkify_fails_on_checks_in_shard_maps). (Without a loop, the
+    program order of the sites is the order they run in, which the counters
+    tell.)"""
+    found, jaxpr = traced_sites(call, dynamic)
+    return found, holds(jaxpr, "shard_map")
 
 
 def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dynamic):
@@ -554,7 +565,13 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dyna
     if drop_own_checks:
         call = _without_checks(checkify, call)
 
-    listed = sites(call)(dynamic)
+    # (the tags: a perturbation's value is its input's, checked there)
+    every, sharded = _sites_and_mesh(call, dynamic)
+    listed = {
+        c: tags
+        for c, names in every.items()
+        if (tags := {n: s for n, s in names.items() if s[0].kind == "tag"})
+    }
     keys = tuple((c, n) for c, names in listed.items() for n in names)
     if not keys:  # (then the primitives are checked: see `_tap_search`)
         return listed, keys, None
@@ -586,9 +603,8 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dyna
     # have no output to keep). Each pass is checkified apart, their errors read
     # in order (a non-finite value wins over the cotangents it spoils):
     # checkify fails on a program whose checks sit in more than one
-    # `shard_map` (tests/test_jax_facts.py::
-    # test_checkify_fails_on_checks_in_two_shard_maps), which the two passes
-    # of one in the same program are.
+    # `shard_map` (`_in_shard_map`), which the two passes of one in the same
+    # program are.
     forward_checked = checkify.checkify(forward, errors=checkify.user_checks)
     backward_checked = checkify.checkify(backward_pass, errors=checkify.user_checks)
 
@@ -619,7 +635,7 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dyna
         return found, handle(grad, *counters)(jnp.float32(0), dynamic)[1]
 
     checked = jax.jit(check, compiler_options=_RUN_ONCE)
-    return listed, keys, _Checks(checked, jax.jit(counted), keys)
+    return listed, keys, _Checks(checked, jax.jit(counted), keys, not sharded)
 
 
 # The tags' check, compiled without XLA's fusion pass. On CPU it copies a
@@ -647,23 +663,39 @@ def _without_checks(checkify, call):
     return lambda dynamic: own(dynamic)[1]
 
 
-def _bad_site(infos, collection, name, k: int, backward: bool) -> BadSite:
+def _first_execution(firsts) -> tuple[int, tuple[int, ...]]:
+    """`(k, at)`: the first execution `k` a counter saw go bad, of its
+    `firsts` (-1 where none did), and the index of its leading axes there."""
+    k = int(firsts[firsts >= 0].min())
+    at = tuple(int(i) for i in np.argwhere(firsts == k)[0]) if firsts.ndim else ()
+    return k, at
+
+
+def _bad_site(infos, collection, name, k: int, backward: bool, at=()) -> BadSite:
     """The `k`-th execution of a name as a call and a scan iteration: when the
     name's only site has scans (and jits) alone around it, each call executes
-    it the product of their lengths times."""
+    it the product of their lengths times. `at`: the index of the counter's
+    leading axes where it went bad, one per `shard_map` around the site (its
+    shard), then the batch axes of a vmap inside it (its example)."""
     info = infos[0]
+    shards = sum(r.startswith("shard_map") for r in info.where.split(" > "))
+    shard, example = at[:shards] or None, at[shards:] or None
     # (a scan with `reverse=True` runs its last position first: positions,
     # as `Tag()` stacks them, its label says so)
     regions = zip(info.where.split(" > "), info.loops)
     scans = [(n, label.endswith(", reverse)")) for label, n in regions if n is not None]
     lengths = [n for n, _ in scans]
     if len(infos) > 1 or not lengths or not all(isinstance(n, int) for n in lengths):
-        return BadSite(name, collection, k, None, backward)
+        return BadSite(
+            name, collection, k, None, backward, shard=shard, example=example
+        )
     call, k = divmod(k, math.prod(lengths))
     ran = np.unravel_index(k, lengths)
     index = tuple(int(n - 1 - i if rev else i) for i, (n, rev) in zip(ran, scans))
     iteration = index[0] if len(index) == 1 else index
-    return BadSite(name, collection, call, iteration, backward)
+    return BadSite(
+        name, collection, call, iteration, backward, shard=shard, example=example
+    )
 
 
 #
@@ -973,7 +1005,7 @@ def _operation(fn, args, kwargs, backward: bool) -> BadSite | None:
     ran = None
     if results.searched:
         ran = _tap_run(fn, args, kwargs, backward, False)
-        finite = ran[3]
+        finite = ran.finite
     else:
         finite = [bool(ok) for ok in results.finite(dynamic)]
     if all(finite):
@@ -1006,17 +1038,19 @@ class _Results:
 
 
 def _tap_check(backward: bool, checked: bool, call, dynamic):
-    """`(listed, check)`: per pass, its taps' `SiteInfo`s by name, and
+    """`(listed, check, ordered)`: per pass, its taps' `SiteInfo`s by name;
     `check(dynamic) -> (errors, counters, finite)` per pass, jitted: with
     `checked`, checkify's errors, whose first is the first finding in
     execution order; else None, and only the counters (`TapFindings`), a
     smaller program; and whether the pass's result (the output, the
-    gradient) is finite."""
+    gradient) is finite; and whether checkify can check the program (it
+    holds no `shard_map`: see `_sites_and_mesh`)."""
     from jax.experimental import checkify  # (see `_nonfinite_check`)
 
-    listed, runs = [], []
+    listed, runs, ordered = [], [], True
     for tapped in _passes(backward, call):
-        found = sites(tapped)(dynamic).get(_CHECKED, {})
+        found, sharded = _sites_and_mesh(tapped, dynamic)
+        found, ordered = found.get(_CHECKED, {}), ordered and not sharded
         tapped = _function(tapped)
         keys = tuple((_CHECKED, name) for name in found)
         listed.append(found)
@@ -1048,7 +1082,7 @@ def _tap_check(backward: bool, checked: bool, call, dynamic):
     # rounds on its own. On a 4-block GPT, width 256, vocabulary 50257, 230
     # taps: compiled in 5.8 s, run in 1.2x the plain function's time; with
     # `_RUN_ONCE`, 6.7 s and 2.0x.)
-    return listed, jax.jit(check)
+    return listed, jax.jit(check), ordered
 
 
 def _all_finite(tree) -> jax.Array:
@@ -1065,11 +1099,11 @@ def _tap_search(fn, args, kwargs, backward: bool, ran=None) -> BadSite | None:
     `_tap_run` gave for these arguments, if it ran.)"""
     # Where one tap alone made a NaN or an Inf from finite inputs (a NaN made
     # once is in the inputs of what follows), it is the first: the counters
-    # tell it. Where several did, checkify's errors order them; but checkify
-    # fails on checks in two shard_maps (tests/test_jax_facts.py::
-    # test_checkify_fails_on_checks_in_two_shard_maps): there, the first in
-    # program order.
-    listed, _, counters, finite = ran or _tap_run(fn, args, kwargs, backward, False)
+    # tell it. Where several did, checkify's errors order them; but in a
+    # program holding a shard_map, which checkify fails on (`_sites_and_mesh`),
+    # the first in program order.
+    ran = ran or _tap_run(fn, args, kwargs, backward, False)
+    listed, counters, finite = ran.listed, ran.counters, ran.finite
     bad = [
         [n for n in names if (_numpy(found[n][1]) >= 0).any()]
         for names, found in zip(listed, counters)
@@ -1078,26 +1112,16 @@ def _tap_search(fn, args, kwargs, backward: bool, ran=None) -> BadSite | None:
     if which is None:
         return _unexplained(args, kwargs, [bool(ok) for ok in finite], backward)
     name = bad[which][0]
-    if len(bad[which]) > 1:
-        try:
-            listed, errors, counters, _ = _tap_run(fn, args, kwargs, backward, True)
-        except TypeError as e:
-            if not str(e).startswith(_CHECKIFY_SHARD_MAPS):
-                raise
-        else:
-            messages = [err.get() for err in errors]
-            which, message = next((i, m) for i, m in enumerate(messages) if m)
-            code = int(message.split(_CODE)[1].split()[0].split(":")[0])
-            name = list(listed[which])[code]
+    if len(bad[which]) > 1 and ran.ordered:
+        listed, errors, counters, *_ = _tap_run(fn, args, kwargs, backward, True)
+        messages = [err.get() for err in errors]
+        which, message = next((i, m) for i, m in enumerate(messages) if m)
+        code = int(message.split(_CODE)[1].split()[0].split(":")[0])
+        name = list(listed[which])[code]
     _, firsts, where = jax.tree.map(_numpy, counters[which][name])
-    k = int(firsts[firsts >= 0].min())
+    k, at = _first_execution(firsts)
     infos = listed[which][name]
-    # The counters' leading axes: one per `shard_map` around the tap (its
-    # shards), then a vmap's inside it (its examples).
-    at = tuple(int(i) for i in np.argwhere(firsts == k)[0]) if firsts.ndim else ()
-    shards = sum(r.startswith("shard_map") for r in infos[0].where.split(" > "))
-    shard, example = at[:shards] or None, at[shards:] or None
-    bad = _bad_site(infos, _CHECKED, name, k, backward=which == 1)
+    bad = _bad_site(infos, _CHECKED, name, k, which == 1, at)
     tap = infos[0].tap
     where = jax.tree.map(lambda x: x[at], where)
     said, index = _said(tap, infos[0].value, where)
@@ -1114,8 +1138,6 @@ def _tap_search(fn, args, kwargs, backward: bool, ran=None) -> BadSite | None:
         file=tap.file,
         line=tap.line,
         library=tap.library,
-        shard=shard,
-        example=example,
         forward=forward,
         expression=expression,
         output_finite=backward and which == 0 and bool(finite[0]),
@@ -1125,12 +1147,20 @@ def _tap_search(fn, args, kwargs, backward: bool, ran=None) -> BadSite | None:
     )
 
 
-def _tap_run(fn, args, kwargs, backward: bool, checked: bool):
-    """`(listed, errors, counters, finite)` of the tap check (`_tap_check`)
-    run on the arguments."""
+class _TapRun(NamedTuple):
+    """The tap check (`_tap_check`) run on the arguments."""
+
+    listed: list
+    errors: list
+    counters: list
+    finite: list
+    ordered: bool
+
+
+def _tap_run(fn, args, kwargs, backward: bool, checked: bool) -> _TapRun:
     make = functools.partial(_tap_check, backward, checked)
     try:
-        (listed, check), dynamic = eager_cached(
+        (listed, check, ordered), dynamic = eager_cached(
             ("find_nonfinite taps", backward, checked), fn, args, kwargs, make
         )
         errors, counters, finite = check(dynamic)
@@ -1139,7 +1169,7 @@ def _tap_run(fn, args, kwargs, backward: bool, checked: bool):
             raise
         said = str(e).removeprefix(f"{NonfiniteCheck.__name__}: ").split(". ")[0]
         raise ValueError(_PER_EXAMPLE.format(said)) from e
-    return listed, errors, counters, finite
+    return _TapRun(listed, errors, counters, finite, ordered)
 
 
 def _scope(scope: str) -> str:

@@ -35,7 +35,8 @@ class SiteInfo:
       [`Tag(of=...)`][effects.Tag]).
     - `loops`: per enclosing region, outermost first: a scan's length,
       `"while"`, `"branch"`, `"custom"` (a `custom_jvp` or `custom_vjp`
-      function), `"other"`, or None for a `jit`. Left out of its `repr` and of
+      function), `"other"`, or None for a `jit` or a `shard_map` (whose body
+      runs once a call, on each shard). Left out of its `repr` and of
       comparisons.
     - `tap`: for a site of [`fx.taps`][effects.taps], its
       [`TapInfo`][effects.TapInfo] (primitive, scope, source line); else
@@ -177,37 +178,42 @@ def sites(fn: Callable) -> Callable[..., Sites]:
     """
 
     def lister(*args, **kwargs) -> Sites:
-        found = Sites()
-        jaxpr = traced(*_traced_arguments(fn, args, kwargs))
-        # A site is listed by its own copies, not the backward pass's
-        # recomputations; one JAX left only recomputed copies of by its first,
-        # the forward pass's.
-        unlisted = set(recomputed_only(jaxpr))
-        for located in walk(jaxpr).sites:
-            if located.recomputed and located.key not in unlisted:
-                continue
-            unlisted.discard(located.key)
-            # A call JAX makes, not the user (the forward part of a checkpoint or
-            # scan that it split for differentiation), adds no control flow.
-            around = [_label(r) for r in located.path if r.name != "closed_call"]
-            site = site_of(located.eqn)
-            where = " > ".join(label for label, _ in around)
-            loops = tuple(loop for _, loop in around)
-            info = SiteInfo(
-                site.kind,
-                site.collection,
-                site.name,
-                site.front_avals(),
-                where,
-                site.part,
-                loops,
-                located.eqn.params.get("tap"),
-            )
-            found.setdefault(site.collection, {}).setdefault(site.name, []).append(info)
-        return found
+        return traced_sites(*_traced_arguments(fn, args, kwargs))[0]
 
     functools.update_wrapper(lister, fn, updated=())
     return lister
+
+
+def traced_sites(fn, *args) -> tuple[Sites, Any]:
+    """The sites of `fn(*args)` (see `sites`), and its jaxpr as `handle`
+    sees it."""
+    jaxpr, found = traced(fn, *args), Sites()
+    # A site is listed by its own copies, not the backward pass's
+    # recomputations; one JAX left only recomputed copies of by its first,
+    # the forward pass's.
+    unlisted = set(recomputed_only(jaxpr))
+    for located in walk(jaxpr).sites:
+        if located.recomputed and located.key not in unlisted:
+            continue
+        unlisted.discard(located.key)
+        # A call JAX makes, not the user (the forward part of a checkpoint or
+        # scan that it split for differentiation), adds no control flow.
+        around = [_label(r) for r in located.path if r.name != "closed_call"]
+        site = site_of(located.eqn)
+        where = " > ".join(label for label, _ in around)
+        loops = tuple(loop for _, loop in around)
+        info = SiteInfo(
+            site.kind,
+            site.collection,
+            site.name,
+            site.front_avals(),
+            where,
+            site.part,
+            loops,
+            located.eqn.params.get("tap"),
+        )
+        found.setdefault(site.collection, {}).setdefault(site.name, []).append(info)
+    return found, jaxpr
 
 
 def _traced_arguments(fn, args, kwargs):
@@ -242,7 +248,7 @@ def _label(region: Region) -> tuple[str, Any]:
         which = "cond" if region.jaxpr is p["cond_jaxpr"].jaxpr else "body"
         return f"while_loop {which}", "while"
     label = f"{name}({p['name']})" if isinstance(p.get("name"), str) else name
-    if name == "jit":
+    if name in ("jit", "shard_map"):  # (its body runs once a call, per shard)
         return label, None
     custom = name in ("custom_jvp_call", "custom_vjp_call")
     return label, "custom" if custom else "other"

@@ -734,7 +734,7 @@ def test_find_nonfinite_backward_in_a_shard_map(x0):
 @pytest.mark.usefixtures("jax_leak_check_false_report")
 def test_find_nonfinite_of_tags_in_two_shard_maps():
     # JAX's checkify fails on checks in two shard_maps (tests/test_jax_facts.py::
-    # test_checkify_fails_on_checks_in_two_shard_maps), which a shard_map
+    # test_checkify_fails_on_checks_in_shard_maps), which a shard_map
     # called twice is: the counters answer there, the first bad tag in
     # program order (in the backward pass, the last), at its first bad
     # execution. The references: what Tag() collects of the values and the
@@ -754,7 +754,9 @@ def test_find_nonfinite_of_tags_in_two_shard_maps():
     x = jnp.arange(8.0) + 0.5
     (first, second) = fx.handle(f, fx.Tag())(x)[1]["intermediates"]["h"]
     assert np.all(np.isfinite(first)) and not np.all(np.isfinite(second))
-    want = fx.BadSite("h", "intermediates", 1, None)
+    # (x[0] = 0.5 in shard 0: log(x) < 0, whose sqrt is the NaN the second
+    # call's log takes)
+    want = fx.BadSite("h", "intermediates", 1, None, shard=(0,))
     for backward in (False, True):  # (the forward verdict both ways)
         assert fx.find_nonfinite(f, x, backward=backward) == want
     # Backward: every value finite (log(x) = 0 at x = 1 is sqrt's 0), the
@@ -772,6 +774,53 @@ def test_find_nonfinite_of_tags_in_two_shard_maps():
     got = fx.find_nonfinite(f, x, backward=True)
     assert got == fx.BadSite("h", "intermediates", 1, None, backward=True)
     assert fx.find_nonfinite(f, x) is None
+
+
+# (the backward counters' program meets JAX's false leak report in a
+# differentiated shard_map: see conftest.py)
+@pytest.mark.usefixtures("jax_leak_check_false_report")
+@pytest.mark.parametrize("nest", ["scan in shard_map", "shard_map in scan"])
+def test_find_nonfinite_of_tags_in_a_loop_and_a_shard_map(nest):
+    # JAX's checkify fails on checks in a loop in a shard_map, or around one
+    # (tests/test_jax_facts.py::test_checkify_fails_on_checks_in_shard_maps):
+    # the counters answer, with the iteration and the shard. The reference:
+    # the chain of logs by hand, which `Tag()` collects too.
+    mesh = jax.sharding.Mesh(np.array(devices(4)), ("d",))
+    spec = jax.sharding.PartitionSpec("d")
+
+    def step(c, _):  # (a perturbation too, whose value its input's check sees)
+        return fx.tag(fx.perturb(jnp.log(c), "p"), "h"), None
+
+    def scan(c):
+        return jax.lax.scan(step, fx.tag(c, "x"), length=3)[0]
+
+    def shard(body):
+        return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
+
+    def f(x):
+        if nest == "scan in shard_map":
+            return jnp.sum(shard(scan)(x))
+        one = shard(lambda c: step(c, None)[0])
+        return jnp.sum(jax.lax.scan(lambda c, _: (one(c), None), x, length=3)[0])
+
+    x = np.full(8, 100.0, np.float32)
+    x[5] = 2.0  # (shard 2: log(log(2)) < 0)
+    chain, c = [], x
+    with np.errstate(invalid="ignore"):
+        for _ in range(3):
+            c = np.log(c)
+            chain.append(c)
+    assert np.isfinite(chain[1]).all() and np.isnan(chain[2][5])
+    values = np.asarray(fx.handle(f, fx.Tag())(x)[1]["intermediates"]["h"])
+    assert_trees_close(np.sort(values, None), np.sort(np.stack(chain), None))
+    want = fx.BadSite("h", "intermediates", 0, 2, shard=(2,))
+    for backward in (False, True):
+        got = fx.find_nonfinite(f, jnp.asarray(x), backward=backward)
+        assert got == want
+        assert "at its call 0, scan iteration 2, shard 2." in str(got)
+        op = got.operation
+        assert (op.primitive, op.call, op.iteration, op.shard) == ("log", 0, 2, (2,))
+        assert op.inputs == f"log({str(np.float32(chain[1][5]))})[1] = nan"
 
 
 def test_find_nonfinite_backward_reports_a_value_that_is_already_bad_in_a_scan():
@@ -1062,8 +1111,21 @@ def test_find_nonfinite_keeps_no_dead_function_alive():
         # `eager_cached`: caching on the user's function (see `_nonfinite`);
         # `Tapped`: the taps whose values are their equations' inputs and
         # outputs; `handling`: to trace the function with its tags the
-        # identity; `_numpy`: fetching a value, as `summary` does; `one_cond`.
-        ("_nonfinite", {"eager_cached", "Tapped", "handling", "_numpy", "one_cond"}),
+        # identity; `_numpy`: fetching a value, as `summary` does; `one_cond`;
+        # `traced_sites`, `holds`: the sites and whether the program holds a
+        # `shard_map` (which checkify fails on), of one trace.
+        (
+            "_nonfinite",
+            {
+                "eager_cached",
+                "Tapped",
+                "handling",
+                "_numpy",
+                "one_cond",
+                "traced_sites",
+                "holds",
+            },
+        ),
     ],
 )
 def test_debugging_tools_use_the_public_api_only(module, internals):

@@ -460,12 +460,34 @@ def test_xla_folds_a_product_by_zero_into_the_product_before_it():
     assert np.isnan(jax.jit(lambda v: jnp.sum((v * 2.0) - (v * 2.0)))(x))
 
 
-def test_checkify_fails_on_checks_in_two_shard_maps():
-    # `effects._nonfinite._nonfinite_check`: checkify (jax 0.7 to 0.12) fails on a
+def test_xla_folds_a_product_by_two_constants_into_one():
+    # tests/test_properties.py::
+    # test_find_nonfinite_answers_exactly_where_the_output_is_non_finite, and
+    # the NaN guide's note on it: XLA's algebraic simplifier (jax 0.8 to
+    # 0.10, CPU) makes `(x * -1.5) * 0.5` `x * -0.75`, so the Inf the
+    # operations one at a time make is not in the compiled output; jax 0.12
+    # keeps both products.
+    import numpy as np
+
+    x = np.float32([3e38])
+
+    def f(v):
+        return (v * -1.5) * 0.5
+
+    apart = jax.jit(f, compiler_options={"xla_disable_hlo_passes": "algsimp"})
+    assert np.isneginf(apart(x)).all()
+    folded = bool(np.isfinite(jax.jit(f)(x)).all())
+    assert folded == (jax.__version_info__ < (0, 12))
+
+
+def test_checkify_fails_on_checks_in_shard_maps():
+    # `effects._nonfinite._in_shard_map`: checkify (jax 0.7 to 0.12) fails on a
     # program with a `checkify.check` in each of two shard_maps: the first
     # leaves its error stacked per shard, which the second cannot combine with
     # its own ("select cases must have the same shapes"). One shard_map of
     # checks, or checks in one shard_map and before it, pass; after it fail.
+    # So do a loop around a shard_map of checks, a loop of checks inside one,
+    # and a loop or a branch holding a shard_map without checks (below).
     from jax.experimental import checkify
 
     mesh = jax.sharding.Mesh(devices(4), ("d",))
@@ -499,6 +521,45 @@ def test_checkify_fails_on_checks_in_two_shard_maps():
     assert checked(before)[0].get() is None
     with pytest.raises(TypeError, match="select cases must have the same shapes"):
         checked(after)
+
+    # A loop around the shard_map: its error stacked per shard is the loop's
+    # carry, whose type then changes.
+    def around(x):
+        return jax.lax.scan(lambda c, _: (sm(c), None), x, length=2)[0]
+
+    with pytest.raises(TypeError, match="carry input and carry output must have equal"):
+        checked(around)
+
+    # A loop inside it: the error, varying over the shards, is the loop's
+    # carry, which entered it unvarying.
+    def step(c, _):
+        checkify.check(jnp.all(jnp.isfinite(c)), "in a loop")
+        return jnp.sin(c), None
+
+    inside = jax.shard_map(
+        lambda x: jax.lax.scan(step, x, length=2)[0],
+        mesh=mesh,
+        in_specs=spec,
+        out_specs=spec,
+    )
+    with pytest.raises(ValueError, match="mismatched varying manual axes"):
+        checked(inside)
+
+    # A shard_map with no check at all, in a loop or a branch beside one:
+    # the error after it is stacked per shard all the same.
+    plain = jax.shard_map(jnp.sin, mesh=mesh, in_specs=spec, out_specs=spec)
+
+    def checked_sin(x):
+        checkify.check(jnp.all(jnp.isfinite(x)), "beside")
+        return jnp.sin(x)
+
+    def loop(x):
+        return jax.lax.fori_loop(0, 2, lambda i, c: checked_sin(plain(c)), x)
+
+    with pytest.raises(TypeError, match="select cases must have the same shapes"):
+        checked(loop)
+    with pytest.raises(Exception, match="mismatched return types"):
+        checked(lambda x: jax.lax.cond(x.sum() > 0, plain, checked_sin, x))
 
 
 @pytest.mark.parametrize("region", ["checkpoint", "cond"])

@@ -425,7 +425,7 @@ def test_outputs_of_another_precision_than_their_inputs(fn, x, said):
 def test_operations_in_a_second_shard_map_are_searched():
     # One operation made the NaN, in the second shard_map: the counters name
     # it. Two made one, in two shard_maps, where JAX's checkify cannot order
-    # them (test_jax_facts.py::test_checkify_fails_on_checks_in_two_shard_maps):
+    # them (test_jax_facts.py::test_checkify_fails_on_checks_in_shard_maps):
     # the first in program order, the first here too.
     mesh = jax.sharding.Mesh(np.array(devices(4)), ("i",))
     spec = jax.sharding.PartitionSpec("i")
@@ -449,6 +449,37 @@ def test_operations_in_a_second_shard_map_are_searched():
     bad = fx.find_nonfinite(f, x.at[0].set(1000.0))
     assert (bad.primitive, bad.line, bad.shard) == ("exp", _line(grow, "exp"), (0,))
     assert bad.inputs == "exp(1000.0)[0] = inf"
+
+
+@pytest.mark.parametrize("around", ["loop", "cond"])
+def test_operations_beside_a_shard_map_are_searched(around):
+    # A loop around a shard_map that holds no check (a negation, which cannot
+    # make a NaN), or a cond with it in one branch: JAX's checkify fails on
+    # checks beside it there (test_jax_facts.py::
+    # test_checkify_fails_on_checks_in_shard_maps). Two operations made a NaN:
+    # the first in program order, which without a loop between them is the
+    # first to run.
+    mesh = jax.sharding.Mesh(np.array(devices(4)), ("i",))
+    spec = jax.sharding.PartitionSpec("i")
+    flip = jax.shard_map(jnp.negative, mesh=mesh, in_specs=spec, out_specs=spec)
+
+    def both(c):
+        return jnp.log(c) + jnp.sqrt(c) + c
+
+    def f(x):
+        if around == "loop":
+            return jnp.sum(jax.lax.fori_loop(0, 2, lambda i, c: both(flip(c)), x))
+        return jnp.sum(both(jax.lax.cond(jnp.sum(x) > 0, flip, both, x)))
+
+    x = jnp.array([1.0, 2.0, 3.0, 4.0])
+    with np.errstate(invalid="ignore"):
+        assert np.isnan(np.log(-1.0)) and np.isnan(np.sqrt(-1.0))
+    assert np.isnan(f(x))
+    bad = fx.find_nonfinite(f, x)
+    iteration = 0 if around == "loop" else None
+    assert (bad.primitive, bad.iteration) == ("log", iteration)
+    assert bad.line == _line(both, "log")
+    assert bad.inputs == "log(-1.0)[0] = nan"
 
 
 def _field(t, y, args):
