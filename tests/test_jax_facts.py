@@ -480,6 +480,34 @@ def test_xla_folds_a_product_by_two_constants_into_one():
     assert folded == (jax.__version_info__ < (0, 12))
 
 
+def test_jvp_of_a_vmapped_custom_jvp_from_its_jaxpr_lays_out_its_primal_wrong():
+    # A JAX bug that `handle` meets (effects evaluates jaxprs; found by
+    # tests/test_properties.py::test_taps_are_the_plain_program_unhandled_and_
+    # keep_the_laws, with a tagged loop in such a function under `jax.grad`):
+    # jax 0.8 to 0.12 give the jvp of evaluating the jaxpr of a vmap (over
+    # axis 1) of a custom_jvp function holding a scan, whose rule computes its
+    # primal without it, a primal of the wrong shape: the batch axis where the
+    # argument had it, not where the equation says it is.
+    @jax.custom_jvp
+    def g(v):
+        scanned = jax.lax.scan(lambda c, _: (c * 2, None), v, length=2)[0]
+        return v * 0.5 + jax.lax.stop_gradient(scanned)
+
+    g.defjvp(lambda p, t: (p[0] * 0.5 + p[0], 1.5 * t[0]))
+
+    def f(x):
+        return jax.vmap(g, in_axes=1, out_axes=0)(x)
+
+    x = jnp.arange(6.0).reshape(2, 3)
+    closed = jax.make_jaxpr(f)(x)
+
+    def evaluated(x):
+        return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, x)[0]
+
+    assert jax.jvp(f, (x,), (x,))[0].shape == evaluated(x).shape == (3, 2)
+    assert jax.jvp(evaluated, (x,), (x,))[0].shape == (2, 3)
+
+
 def test_checkify_fails_on_checks_in_shard_maps():
     # `effects._nonfinite._in_shard_map`: checkify (jax 0.7 to 0.12) fails on a
     # program with a `checkify.check` in each of two shard_maps: the first
