@@ -4633,7 +4633,14 @@ def test_find_nonfinite_answers_exactly_where_the_output_is_non_finite(program, 
             )
             for options in (None, {"xla_disable_hlo_passes": "algsimp"})
         )
-        bad = fx.find_nonfinite(f, arg)
+        try:
+            bad = fx.find_nonfinite(f, arg)
+        except ValueError as e:
+            # (jax 0.12: a tag inside a `custom_root`, a primitive `handle`
+            # cannot rewrite there, is refused by name, as by any handler)
+            assert JAX >= (0, 12) and "inside a `CustomRoot` primitive" in str(e), e
+            event("find_nonfinite: a tag in a custom_root, refused on jax 0.12")
+            return
         if finite != one_by_one:
             event("find_nonfinite: XLA's simplification changes what is finite")
             continue
@@ -4641,7 +4648,9 @@ def test_find_nonfinite_answers_exactly_where_the_output_is_non_finite(program, 
             # A finite output and a finding: a tag whose value went non-finite
             # all the same (`tanh` of an Inf is finite), as `Tag` sees it.
             assert bad.primitive is None and bad.collection is not None, bad
-            _, found = fx.handle(f, fx.Tag(bad.collection))(arg)
+            # (in a while loop, the sum: non-finite where any execution is)
+            mode = "sum" if bad.collection == "loop" else "append"
+            _, found = fx.handle(f, fx.Tag(bad.collection, mode=mode))(arg)
             values = jax.tree.leaves(found[bad.collection][bad.name])
             assert not all(np.isfinite(np.asarray(v)).all() for v in values), bad
             event("find_nonfinite: a tag's Inf the output does not show")
