@@ -787,12 +787,12 @@ def _checked(ins, outs):
 def _host_checked(ins, outs):
     """`_checked`, of NumPy arrays."""
     found, where = np.bool_(False), []
+    ins = [np.asarray(x) for x in ins]
     for y in map(np.asarray, outs):
         if not _inexact(y) or y.size == 0:
             where.append(())
             continue
         out = y.reshape(-1)
-        ins = [np.asarray(x) for x in ins]
         each = [
             np.broadcast_to(x.reshape(()) if x.size == 1 else x, y.shape).reshape(-1)
             for x in ins
