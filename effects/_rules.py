@@ -693,7 +693,8 @@ def _custom(eqn, invals, scope: Scope) -> list[Any]:
     if eqn.primitive is _compat.custom_vjp_call_p:
         collecting = _collecting_custom_vjp(original, collecting, n_out)
     else:
-        collecting = _collecting_custom_jvp(original, collecting, n_out)
+        src = closed.jaxpr.debug_info.func_src_info
+        collecting = _collecting_custom_jvp(original, collecting, n_out, src)
     outs = collecting(hoisted, invals)
     leave(outs[n_out:])
     return outs[:n_out]
@@ -739,13 +740,30 @@ def _positions(perturbed: tuple[int, ...], n: int) -> list[bool]:
 _Zero = jax.custom_derivatives.SymbolicZero
 
 
-def _collecting_custom_jvp(original, region, n_out):
+_JVP_LAYOUT = (
+    "The custom_jvp function {src}, under a jax.vmap, has a rule whose outputs "
+    "JAX lays out unlike the function's (a tangent of shape {t} for an output "
+    "of shape {o}): a JAX bug, which `jax.jvp(jax.jit(f))` meets alike where "
+    "the function and its rule batch differently (tests/test_jax_facts.py::"
+    "test_jvp_of_a_vmapped_custom_jvp_from_its_jaxpr_lays_out_its_outputs_"
+    "wrong). The sites `handle` rewrites inside it (a tag in a loop) make the "
+    "function batch unlike its rule. Map the function with in_axes=0 (move the "
+    "axis first), or handle it inside the jax.vmap."
+)
+
+
+def _collecting_custom_jvp(original, region, n_out, src):
     collecting = jax.custom_jvp(region)
 
     @collecting.defjvp
     def jvp(primals, tangents):
-        outs, t_outs = jax.jvp(original, list(primals[1]), list(tangents[1]))
-        extra = region(*primals)[n_out:]
+        _, t_outs = jax.jvp(original, list(primals[1]), list(tangents[1]))
+        outs = region(*primals)
+        outs, extra = outs[:n_out], outs[n_out:]
+        for o, t in zip(outs, t_outs):
+            if np.shape(t) != np.shape(o):
+                shapes = {"t": np.shape(t), "o": np.shape(o)}
+                raise TypeError(_JVP_LAYOUT.format(src=src, **shapes))
         # (zeros of each tangent type: a float0 one, and one that varies over
         # the mesh axes the value does inside a shard_map)
         zeros = jax.custom_derivatives.zero_from_primal(extra)

@@ -12,6 +12,7 @@ import jax
 import jax.core
 import jax.extend
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import devices, leak_checks, run_fresh
 from jax.interpreters import batching
@@ -334,6 +335,7 @@ _EMPTY_CONSTANT_IN_A_SHARD_MAP = """
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy as np
 from jax import lax
 
 mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("s",))
@@ -480,14 +482,16 @@ def test_xla_folds_a_product_by_two_constants_into_one():
     assert folded == (jax.__version_info__ < (0, 12))
 
 
-def test_jvp_of_a_vmapped_custom_jvp_from_its_jaxpr_lays_out_its_primal_wrong():
+def test_jvp_of_a_vmapped_custom_jvp_from_its_jaxpr_lays_out_its_outputs_wrong():
     # A JAX bug that `handle` meets (effects evaluates jaxprs; found by
     # tests/test_properties.py::test_taps_are_the_plain_program_unhandled_and_
-    # keep_the_laws, with a tagged loop in such a function under `jax.grad`):
-    # jax 0.8 to 0.12 give the jvp of evaluating the jaxpr of a vmap (over
-    # axis 1) of a custom_jvp function holding a scan, whose rule computes its
-    # primal without it, a primal of the wrong shape: the batch axis where the
-    # argument had it, not where the equation says it is.
+    # keep_the_laws, with a tagged loop in such a function under `jax.grad`),
+    # as `jax.jit` does: jax 0.8 to 0.12 give the jvp of a jaxpr holding a vmap
+    # (over axis 1) of a custom_jvp function whose rule batches its outputs
+    # unlike the function (here: the function holds a scan, which moves the
+    # batch axis to the front; the rule does not) outputs of the wrong layout:
+    # the batch axis where the rule had it, not where the equation says it is.
+    # `effects._rules._collecting_custom_jvp` raises a clear error for it.
     @jax.custom_jvp
     def g(v):
         scanned = jax.lax.scan(lambda c, _: (c * 2, None), v, length=2)[0]
@@ -505,7 +509,54 @@ def test_jvp_of_a_vmapped_custom_jvp_from_its_jaxpr_lays_out_its_primal_wrong():
         return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, x)[0]
 
     assert jax.jvp(f, (x,), (x,))[0].shape == evaluated(x).shape == (3, 2)
-    assert jax.jvp(evaluated, (x,), (x,))[0].shape == (2, 3)
+    for staged in (evaluated, jax.jit(f)):
+        assert [o.shape for o in jax.jvp(staged, (x,), (x,))] == [(2, 3)] * 2
+    # Of a square argument, the values are transposed, silently.
+    square = jnp.arange(9.0).reshape(3, 3)
+    right, wrong = (jax.jvp(h, (square,), (square,))[1] for h in (f, jax.jit(f)))
+    np.testing.assert_allclose(wrong, right.T)
+
+    # A while loop whose body is not the identity in the function and is in
+    # the rule (JAX forwards such a carry out of the loop) is such a difference.
+    def loop(body):
+        def of(v):
+            start = (0, jax.lax.stop_gradient(v))
+            return v * 0.5 + jax.lax.while_loop(lambda s: s[0] < 2, body, start)[1]
+
+        return of
+
+    h = jax.custom_jvp(loop(lambda s: (s[0] + 1, jnp.sin(s[1]))))
+    h.defjvp(lambda p, t: jax.jvp(loop(lambda s: (s[0] + 1, s[1])), p, t))
+
+    def k(x):
+        return jax.vmap(h, in_axes=1)(x)
+
+    assert jax.jvp(k, (x,), (x,))[0].shape == (3, 2)
+    assert jax.jvp(jax.jit(k), (x,), (x,))[0].shape == (2, 3)
+
+
+def test_an_error_in_a_custom_jvp_rule_of_a_jit_under_grad_is_reported_as_a_leak():
+    # With tracer-leak checks on, an error raised in the rule of a custom_jvp
+    # function evaluated from a jaxpr (here `jax.jit`'s) under `jax.grad` is
+    # replaced by a leak report (jax 0.8 to 0.12); raised eagerly, it is not.
+    # `tests/test_rewrite.py::test_a_tagged_loop_in_a_vmapped_custom_jvp_
+    # whose_rule_batches_unlike_it` meets it with effects' error.
+    @jax.custom_jvp
+    def g(v):
+        return v * 2
+
+    @g.defjvp
+    def _(primals, tangents):
+        raise ValueError("the rule's error")
+
+    def loss(of):
+        return jax.grad(lambda x: jnp.sum(of(x)))(jnp.ones(3))
+
+    with leak_checks():
+        with pytest.raises(ValueError, match="the rule's error"):
+            loss(g)
+        with pytest.raises(Exception, match="Leaked trace"):
+            loss(jax.jit(g))
 
 
 def test_checkify_fails_on_checks_in_shard_maps():

@@ -466,6 +466,38 @@ def test_sites_in_custom_jvp_rule_collected_under_grad():
     assert_trees_close(found, found_of(slope=(np.cos(x),)))
 
 
+def test_a_tagged_loop_in_a_vmapped_custom_jvp_whose_rule_batches_unlike_it():
+    # Under a vmap over axis 1, a loop the function holds (here one holding a
+    # tag) and its rule does not make JAX lay out the rule's outputs unlike the
+    # function's (a JAX bug, test_jax_facts.py::test_jvp_of_a_vmapped_custom_
+    # jvp_from_its_jaxpr_lays_out_its_outputs_wrong): under grad, an error
+    # naming the function and what to do, never a wrong gradient. What it says
+    # to do gives the plain gradient.
+    @jax.custom_jvp
+    def g(v):
+        looped = lax.scan(lambda c, _: (fx.tag(c, "t"), None), v, length=2)[0]
+        return v * 0.5 + lax.stop_gradient(looped)
+
+    g.defjvp(lambda p, t: (p[0] * 0.5 + lax.stop_gradient(p[0]), 1.5 * t[0]))
+    x = jnp.arange(6.0).reshape(2, 3)
+
+    def loss(of, x):
+        return jnp.sum(jnp.sin(of(x)))
+
+    def handled(of):
+        return jax.grad(lambda x: fx.handle(loss, fx.Tag(mode="sum"))(of, x)[0])(x)
+
+    # (with leak checks off: JAX reports the error as a leak, test_jax_facts.py::
+    # test_an_error_in_a_custom_jvp_rule_of_a_jit_under_grad_is_reported_as_a_leak)
+    with leak_checks(False):
+        with pytest.raises(TypeError, match=r"custom_jvp function g at .*test_rewr"):
+            handled(jax.vmap(g, in_axes=1))
+    plain = jax.grad(lambda x: loss(jax.vmap(g, in_axes=1), x))(x)
+    assert_trees_close(handled(lambda x: jax.vmap(g)(x.T)), plain)
+    inside = jax.vmap(lambda v: fx.handle(g, fx.Tag())(v)[0], in_axes=1)
+    assert_trees_close(handled(inside), plain)
+
+
 @pytest.mark.parametrize("where", ["solve", "matvec"])
 def test_custom_linear_solve_site_is_collected_or_refused(where):
     # Never silently dropped: either the tag is collected, or a ValueError names
