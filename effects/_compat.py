@@ -195,6 +195,11 @@ def folding_constants() -> bool:
     return _config.eager_constant_folding.value
 
 
+def current_trace():
+    """The trace values are made in now (jax 0.7-0.12: `core.trace_ctx`)."""
+    return _core.trace_ctx.trace
+
+
 def is_top_level() -> bool:
     """True when no JAX transformation is being traced (jax 0.10)."""
     return _core.trace_ctx.is_top_level()

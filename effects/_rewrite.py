@@ -185,7 +185,8 @@ def trace_rewrite(
     def rewritten(*flat):
         return fn(flat[:n], lambda scope: run(jaxpr, consts, flat[n:], scope))
 
-    return _jaxpr.trace(rewritten, [*front_avals, *(v.aval for v in jaxpr.invars)])
+    avals = [*front_avals, *(v.aval for v in jaxpr.invars)]
+    return _jaxpr.trace(rewrite.ending(rewritten), avals)
 
 
 def _spliced(jaxpr, consts, handlers: Handlers, rewrite, front_avals, fn):
@@ -219,7 +220,7 @@ def _spliced(jaxpr, consts, handlers: Handlers, rewrite, front_avals, fn):
         return fn(flat[:n], run_in)
 
     sites, hoisted = _jaxpr.trace(
-        sites_only, [*front_avals, *(_jaxpr.aval(v) for v in reads)]
+        rewrite.ending(sites_only), [*front_avals, *(_jaxpr.aval(v) for v in reads)]
     )
     n_hoisted = len(hoisted)
     n_front = len(sites.invars) - len(reads)  # (the hoisted, then `front_avals`)

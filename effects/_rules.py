@@ -25,7 +25,7 @@ from . import _compat, _jaxpr
 from ._handlers import mode_label
 from ._layout import WHOLE, Axes, Boundary
 from ._rewrite import _bind, _matched, rules, run, trace_rewrite
-from ._scope import Acc, Key, Scope, types_key, types_of, zeros
+from ._scope import Acc, Key, Scope, types_key, types_of
 from ._site import Site, describe
 from ._walk import recomputes, sites_in
 
@@ -371,7 +371,7 @@ class Region:
                 # A run with fewer executions (a branch) lacks the last ones:
                 # zeros after its own, or before them in a backward pass,
                 # which runs the executions last first.
-                fill = [zeros(avals) for avals, _ in specs[len(got) :]]
+                fill = [sub.rewrite.zeros(avals) for avals, _ in specs[len(got) :]]
                 if (found.sites.get(key) or plan.sites[key]).part == "cotangent":
                     got, fill = fill, got
                 entries += got + fill
@@ -389,6 +389,7 @@ class Region:
             *in_avals[i:],
             *(b.input_aval(jax.typeof(x)) for x in self.sliced),
         ]
+        fn = scope.rewrite.ending(fn)
         if b.stack != "shard":
             return _jaxpr.trace(fn, avals)
         with _compat.shard_map_body(b.params):

@@ -83,13 +83,9 @@ _INPUT_IN_REPLAY = (
 )
 
 
-def zeros(avals):
+def _zero(aval):
     # A zero broadcast: a third of what `jnp.zeros` costs to trace (this runs
     # for every accumulator and stand-in).
-    return jax.tree.map(_zero, avals)
-
-
-def _zero(aval):
     shape, dtype = aval.shape, aval.dtype
     if dtype == jax.dtypes.float0:  # (the tangent type of an integer)
         return np.zeros(shape, dtype)
@@ -166,6 +162,34 @@ class Rewrite:
     # The `checkpoint_name`s JAX differentiated before the rewrite (see
     # `_walk.differentiated_names`): a handler may look at them, not change them.
     differentiated: frozenset = frozenset()
+    # Per (trace, type): zeros made in that trace, which every accumulator
+    # and stand-in of the type made there starts from (one broadcast each,
+    # not one a site: see `zeros`); emptied as each trace of the rewrite ends
+    # (`ending`).
+    made: dict = dataclasses.field(default_factory=dict)
+
+    def zeros(self, avals):
+        """Zeros of the types `avals`, each made once a trace (see
+        `made`)."""
+        made, trace = self.made, _compat.current_trace()
+
+        def one(aval):
+            if (trace, aval) not in made:
+                made[trace, aval] = _zero(aval)
+            return made[trace, aval]
+
+        return jax.tree.map(one, avals)
+
+    def ending(self, fn):
+        """`fn`, to be traced: no zeros made in its trace stay after it."""
+
+        def traced(*args):
+            try:
+                return fn(*args)
+            finally:
+                self.made.clear()
+
+        return traced
 
     def check_orders(self, scope: Scope) -> None:
         """Refuses a call number `_counted` found by order where that order
@@ -356,7 +380,9 @@ class Scope:
         entering = self.entering(key)
         if entering is None:
             return False
-        value = jax.tree.map(_compat.vary_over_manual_axes, zeros(entering.value))
+        value = jax.tree.map(
+            _compat.vary_over_manual_axes, self.rewrite.zeros(entering.value)
+        )
         self.accs[key] = Acc(value, entering.batch)
         return True
 
@@ -429,7 +455,7 @@ class Scope:
         more vmaps elsewhere): then per example of those."""
         fn = under_vmaps(reduce.fn, (None,) * extra, in_axes=(0, None))
         try:
-            new = jax.tree.map(strong, fn(acc, value))
+            new = _strong_tree(fn(acc, value))
         except (TypeError, ValueError) as e:
             raise ValueError(
                 _REDUCE_FAILED.format(
@@ -440,7 +466,7 @@ class Scope:
                     error=str(e).splitlines()[0].rstrip("."),
                 )
             ) from e
-        if types_key(new) != types_key(acc):
+        if not _alike(new, acc):
             raise ValueError(
                 _ACC_CHANGED.format(
                     where=self.where(key),
@@ -471,7 +497,7 @@ class Scope:
             if placeholders is not None:
                 return placeholders
             return [
-                jax.tree.map(_compat.vary_over_manual_axes, zeros(avals))
+                jax.tree.map(_compat.vary_over_manual_axes, self.rewrite.zeros(avals))
                 for avals, _ in expected
             ]
         remaining = [] if remaining is None else remaining
@@ -532,6 +558,14 @@ class Acc(NamedTuple):
         return types_key(self.value), self.batch
 
 
+def _alike(a, b) -> bool:
+    """Whether two trees of arrays have the same types (`types_key`)."""
+    x, y = getattr(a, "aval", None), getattr(b, "aval", None)  # (one array each)
+    if x is not None and y is not None:
+        return x.shape == y.shape and x.dtype == y.dtype
+    return types_key(a) == types_key(b)
+
+
 def types_key(types) -> tuple:
     """What two trees of types must share to be alike: structure, shapes and
     dtypes."""
@@ -550,7 +584,7 @@ def _batch_spec(site: Site):
     return batch if any(batch) else None
 
 
-def _acc_init(reduce, site: Site, sizes: tuple[int, ...]):
+def _acc_init(rewrite: Rewrite, reduce, site: Site, sizes: tuple[int, ...]):
     # One example's accumulator, the same for every example (of the vmaps of
     # `sizes`; none for a handler of the whole batch, whose `init` gets zeros
     # shaped like the whole value). Inside a shard_map an accumulator differs
@@ -562,7 +596,7 @@ def _acc_init(reduce, site: Site, sizes: tuple[int, ...]):
         avals = site.front_avals()
     else:  # (the program's types, with the shardings an Explicit-axis mesh gives)
         avals = jax.tree.unflatten(site.treedef, list(site.avals))
-    value = reduce.init(zeros(avals))
+    value = reduce.init(rewrite.zeros(avals))
     spec = _batch_spec(site) if sizes else None
 
     def per_example(x):
@@ -658,7 +692,7 @@ def act(
         entry = scope.take_inputs(key, expected, site, [front])[0]
     acc, extra = None, 0
     if mode is not None and mode.reduces:
-        init = functools.partial(_acc_init, mode, site, sizes)
+        init = functools.partial(_acc_init, scope.rewrite, mode, site, sizes)
         acc = scope.acc(key, init, sizes)
         extra = len(scope.accs[key].batch) - len(sizes)
     axes = example_axes(len(sizes))

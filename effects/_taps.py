@@ -279,32 +279,15 @@ class _Outer(NamedTuple):
     library: str | None = None
 
 
-def _info(eqn, primitive: str, outvars, outer: _Outer, operands=()) -> TapInfo:
-    frames = _compat.call_frames(eqn.source_info.traceback)
+def _frames(traceback):
+    """The first frame of `traceback` outside JAX and effects, and the first
+    outside installed packages too (the user's), or None."""
+    frames = _compat.call_frames(traceback)
     first = next(frames, None)
     user = first
     if first is not None and first[0].startswith(_SITE_PACKAGES):
         user = next((f for f in frames if not f[0].startswith(_SITE_PACKAGES)), None)
-    library = None
-    if first is not None and first is not user:
-        library = f"{os.path.basename(first[0])}:{first[1]}"
-    file, line = (outer.file, outer.line) if user is None else user[:2]
-    span = None if user is None else user[1:]
-    if first is None:
-        library = outer.library
-    elif file is None:  # (only an installed package's frames: the first of them)
-        file, line, library, span = *first[:2], None, first[1:]
-    shape = ",".join(_describe(v.aval) for v in outvars)
-    return TapInfo(
-        primitive,
-        _nested_paths(str(_compat.name_stack(eqn, outer.stack))),
-        file,
-        line,
-        library,
-        shape,
-        operands,
-        span=span,
-    )
+    return first, user
 
 
 def _nested_paths(scope: str) -> str:
@@ -315,7 +298,7 @@ def _nested_paths(scope: str) -> str:
 
 
 def _describe(aval) -> str:
-    return f"{jnp.dtype(aval.dtype).name}[{','.join(map(str, aval.shape))}]"
+    return f"{aval.dtype.name}[{','.join(map(str, aval.shape))}]"
 
 
 class _Inserter:
@@ -323,11 +306,50 @@ class _Inserter:
     order, so the same program gets the same names."""
 
     def __init__(self, tapped: Tapped):
-        self.tapped = tapped
+        # (the selection, read at every equation: plain attributes, cheaper to
+        # read than a module's)
+        self.primitives, self.where, self.carries = (
+            tapped.primitives,
+            tapped.where,
+            tapped.carries,
+        )
+        self.collection, self.with_inputs = tapped.collection, tapped.with_inputs
         self.shapes: dict[str, list[Any]] = {}  # base name -> shapes, in order
         self.done: dict[Any, Any] = {}  # key -> (jaxpr, tapped jaxpr)
         self.outer = _Outer()
         self.count = 0  # sites made so far
+        # (what `info` reads of a traceback and of a scope, which many
+        # equations share: read once a pass)
+        self.frames: dict[Any, Any] = {}
+        self.paths: dict[str, str] = {}
+        self.shapes_of: dict[Any, str] = {}
+
+    def info(self, eqn, primitive: str, outvars, operands=(), outer=None) -> TapInfo:
+        outer = outer or self.outer
+        tb = eqn.source_info.traceback
+        if tb not in self.frames:
+            self.frames[tb] = _frames(tb)
+        first, user = self.frames[tb]
+        library = None
+        if first is not None and first is not user:
+            library = f"{os.path.basename(first[0])}:{first[1]}"
+        file, line = (outer.file, outer.line) if user is None else user[:2]
+        span = None if user is None else user[1:]
+        if first is None:
+            library = outer.library
+        elif file is None:  # (only an installed package's frames: the first of them)
+            file, line, library, span = *first[:2], None, first[1:]
+        stack = str(_compat.name_stack(eqn, outer.stack))
+        if stack not in self.paths:
+            self.paths[stack] = _nested_paths(stack)
+        shape = ",".join(map(self.describe, outvars))
+        path = self.paths[stack]
+        return TapInfo(primitive, path, file, line, library, shape, operands, span=span)
+
+    def describe(self, v) -> str:
+        if v.aval not in self.shapes_of:
+            self.shapes_of[v.aval] = _describe(v.aval)
+        return self.shapes_of[v.aval]
 
     def name(self, info: TapInfo, inputs) -> str:
         # (find_nonfinite's, whose value holds the inputs: by their types too)
@@ -390,7 +412,7 @@ class _Inserter:
             return [self.higher_order(eqn)]
         if prim in _SKIP or _compat.checkpoint_name_of(eqn) is not None:
             return [eqn]
-        if self.tapped.primitives is not None and prim not in self.tapped.primitives:
+        if self.primitives is not None and prim not in self.primitives:
             return [eqn]
         outs = [v for v in eqn.outvars if type(v) is not _compat.DropVar]
         if not outs or len(outs) != len(eqn.outvars):
@@ -398,23 +420,23 @@ class _Inserter:
         if not all(_tappable(v.aval) for v in outs):
             return [eqn]
         inputs, operands = None, ()
-        if self.tapped.with_inputs:
+        if self.with_inputs:
             if not any(_inexact(v.aval) for v in outs):
                 return [eqn]
             operands = tuple(map(_operand, eqn.invars))
             if _NONFINITE in operands:
                 return [eqn]  # (from a non-finite constant: never a finding)
             inputs = [v for v, o in zip(eqn.invars, operands) if o is None]
-        info = _info(eqn, _compat.primitive_name(eqn), outs, self.outer, operands)
+        info = self.info(eqn, _compat.primitive_name(eqn), outs, operands)
         if operands:
             producers = tuple(
                 None if type(v) is _compat.Literal else made.get(v) for v in eqn.invars
             )
             info = dataclasses.replace(info, producers=producers)
-        if self.tapped.where is not None and not self.tapped.where(info):
+        if self.where is not None and not self.where(info):
             return [eqn]
         fresh = [_compat.Var(v.aval) for v in outs]
-        if not self.tapped.with_inputs:
+        if not self.with_inputs:
             return [
                 eqn.replace(outvars=fresh),
                 self.site(eqn, info, fresh, outs, inputs),
@@ -454,7 +476,7 @@ class _Inserter:
         self.count += 1
         params = dict(
             name=self.name(info, inputs),
-            collection=self.tapped.collection,
+            collection=self.collection,
             kind="tag",
             treedef=treedef,
             batch=((),) * len(leaves),
@@ -473,12 +495,13 @@ class _Inserter:
         )
 
     def carry_site(self, loop, carry):
-        wanted = self.tapped.carries
+        wanted = self.carries
         kept = [v for v in carry if type(v) is not _compat.Literal]
         if not wanted or not kept or not all(_tappable(v.aval) for v in kept):
             return None
         loop, outer = loop
-        info = _info(loop, f"{_compat.primitive_name(loop)} carry", kept, outer)
+        what = f"{_compat.primitive_name(loop)} carry"
+        info = self.info(loop, what, kept, outer=outer)
         if callable(wanted) and not wanted(info):
             return None
         fresh = [_compat.Var(v.aval) for v in kept]
@@ -542,7 +565,7 @@ class _Inserter:
             return self.jaxpr(jaxpr, n, (eqn, outer) if n else None)
 
         outer = self.outer
-        here = _info(eqn, "", (), outer)
+        here = self.info(eqn, "", ())
         self.outer = _Outer(
             _compat.name_stack(eqn, outer.stack), here.file, here.line, here.library
         )
