@@ -338,6 +338,7 @@ custom_vjp_call_p = _prims.custom_vjp_call_p
 # and `True` means `JAX_LATE` (inlined when lowering), `JAX_EARLY` this.
 _Inline = getattr(jax, "Inline", None)
 INLINE_WHEN_TRACED = True if _Inline is None else _Inline.JAX_EARLY
+NOT_INLINED = False if _Inline is None else _Inline.JAX_LATE  # (one equation)
 
 
 def is_key(aval) -> bool:

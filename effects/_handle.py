@@ -293,15 +293,18 @@ def _trace(fn, static, treedef, dynamic, batched=frozenset()) -> _Traced:
         # Rewritten programs run outside `handle` too: the custom rules in it
         # must not trace there for `handle` (see `_rewrite.per_state`).
         jaxpr = per_state(jaxpr)
+    # (the branches a vmap ran are found in the program as traced: a `jit`
+    # call's body is a jaxpr JAX caches, unwrapped or not)
     marked = _branches.marked(jaxpr)
+    suspects = _branches.suspects(jaxpr) - marked  # (a key marked anywhere is known)
     return _Traced(
-        jaxpr,
+        _jaxpr.unwrapped(jaxpr),
         consts,
         out_info["tree"],
         out_info["static"],
         sites_in(jaxpr),
         marked,
-        _branches.suspects(jaxpr) - marked,  # (a key marked anywhere is known)
+        suspects,
         batched=batched,
     )
 

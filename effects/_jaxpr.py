@@ -105,12 +105,15 @@ def _jit_template(mesh) -> dict[str, Any]:
     return dict(eqn.params)
 
 
-def call_jaxpr(closed: ClosedJaxpr, args: Sequence[Any], name: str) -> list[Any]:
+def call_jaxpr(
+    closed: ClosedJaxpr, args: Sequence[Any], name: str, inline: bool = True
+) -> list[Any]:
     """Binds `closed` on the current trace as one `jit(inline=True)` call, as
     `jax.jit` binds a function it traced: where a jaxpr is being built (under
     `jax.jit`), JAX's staging rule copies its equations into it, so it lowers as
     the same equations written there would; under `grad` and `vmap`, JAX's cached
-    JVP and batching of the whole jaxpr apply."""
+    JVP and batching of the whole jaxpr apply. With `inline=False`, one
+    equation there (which `unwrapped` reads back, as a jaxpr, uncopied)."""
     template = _jit_template(jax.sharding.get_abstract_mesh())
     n_in, n_out = len(closed.in_avals), len(closed.out_avals)
     params = {}
@@ -120,8 +123,25 @@ def call_jaxpr(closed: ClosedJaxpr, args: Sequence[Any], name: str) -> list[Any]
         elif type(value) is tuple and len(value) == 2:
             value = (value[0],) * n_out
         params[key] = value
-    params.update(jaxpr=closed, name=name, inline=_compat.inline_here())
+    inline = _compat.inline_here() if inline else _compat.NOT_INLINED
+    params.update(jaxpr=closed, name=name, inline=inline)
     return _compat.pjit_p.bind(*args, **params)
+
+
+def unwrapped(jaxpr: Jaxpr) -> Jaxpr:
+    """`jaxpr`, or where it is one plain `jit` call (`_compat.plain_jit`) of
+    its inputs, in order, giving its outputs, that call's body: the same
+    program, with the call's equations at its top level (where the rewrite
+    splices what handlers do at its sites, see `_rewrite.trace_rewrite`)."""
+    if len(jaxpr.eqns) != 1:
+        return jaxpr
+    (eqn,) = jaxpr.eqns
+    if not _compat.plain_jit(eqn) or (eqn.invars, eqn.outvars) != (
+        jaxpr.invars,
+        jaxpr.outvars,
+    ):
+        return jaxpr
+    return eqn.params["jaxpr"].jaxpr.replace(debug_info=jaxpr.debug_info)
 
 
 def structure(jaxpr: Jaxpr):

@@ -140,7 +140,10 @@ class Tapped(eqx.Module):
         jaxpr, consts = _jaxpr.trace(flat, avals, self.fn)
         tapped = _Inserter(self).jaxpr(jaxpr)
         closed = _compat.ClosedJaxpr(tapped, ())
-        outs = iter(_jaxpr.call_jaxpr(closed, [*consts, *dynamic], "taps"))
+        # (one equation in the caller's trace: `handle`, whose trace of this
+        # call alone is this program (`_jaxpr.unwrapped`), copies nothing)
+        args = [*consts, *dynamic]
+        outs = iter(_jaxpr.call_jaxpr(closed, args, "taps", inline=False))
         out = [next(outs) if x is None else x for x in out_info["static"]]
         return jax.tree.unflatten(out_info["tree"], out)
 

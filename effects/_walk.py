@@ -184,9 +184,12 @@ def recomputes(eqn) -> bool:
 
 def traced(fn, *args):
     """The jaxpr of `fn(*args)` as `handle` sees it: traced with its sites
-    carrying their effect, so that none is dropped as unused."""
+    carrying their effect, so that none is dropped as unused, its constants
+    as its first inputs, and one `jit` call of them all its body
+    (`_jaxpr.unwrapped`)."""
     with handling(True):
-        return jax.make_jaxpr(fn)(*args).jaxpr
+        jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return _jaxpr.unwrapped(_compat.constvars_as_invars(jaxpr))
 
 
 def differentiated_names(jaxpr) -> frozenset[Key]:

@@ -936,6 +936,28 @@ def test_methods_of_objects_whose_hash_fails_are_not_cached():
         assert_trees_close(got, (scale * X, {"intermediates": {"h": (scale * X,)}}))
 
 
+def test_a_function_that_is_one_jit_call_is_handled_as_its_body():
+    # `handle(jax.jit(f))` (a tapped function is one such call too) rewrites
+    # the call's body as `handle(f)` rewrites `f`: the same program, with no
+    # call left in it, and its sites listed at its top level.
+    def f(x):
+        return jnp.sum(fx.tag(jnp.sin(x), "h") ** 2)
+
+    jitted = jax.jit(f)
+    for handler in (fx.Tag(), fx.Tag(mode="sum")):
+        got, want = fx.handle(jitted, handler), fx.handle(f, handler)
+        assert_trees_close(got(X), want(X))
+        assert optimized_hlo(got, X) == optimized_hlo(want, X)
+        names = [e.primitive.name for e in jax.make_jaxpr(got)(X).jaxpr.eqns]
+        assert names == [e.primitive.name for e in jax.make_jaxpr(want)(X).jaxpr.eqns]
+        assert "pjit" not in names and "jit" not in names, names
+    (info,) = fx.sites(jitted)(X)["intermediates"]["h"]
+    assert info.where == ""
+    # Called with more than its arguments, or inside more, it is a call.
+    (info,) = fx.sites(lambda x: jitted(x) + 1.0)(X)["intermediates"]["h"]
+    assert info.where.startswith("jit")
+
+
 def test_inline_jit_of_handle_traces_once():
     f, calls = _counted()
     xs = [X + i for i in range(5)]
