@@ -559,6 +559,52 @@ def test_an_error_in_a_custom_jvp_rule_of_a_jit_under_grad_is_reported_as_a_leak
             loss(jax.jit(g))
 
 
+def test_a_discarded_checkpoint_in_a_scan_in_a_checkpoint_runs_only_backward():
+    # `docs/sharp-bits.md`'s known gap: a `jax.checkpoint` whose output
+    # nothing uses, in a scan in another checkpoint in a scan, under
+    # `jax.grad`: jax 0.8 to 0.10 drop its forward execution, effects and all,
+    # and run it in the backward pass alone: an ordered callback there runs
+    # after one that ends the forward pass. Used, it runs in both, as it does
+    # discarded in jax 0.12. So there `handle(jax.grad(f))` finds only
+    # recomputed copies of its tags, and refuses a handler that reports them
+    # (`_checks._check_recomputed_only`).
+    def order(use: bool) -> list[str]:
+        calls = []
+
+        def f(x):
+            def step(c, _):
+                def inner(v):
+                    def body(c2, k):
+                        def leaf(v2):
+                            jax.debug.callback(
+                                lambda _: calls.append("in"), v2, ordered=True
+                            )
+                            return v2 * 2.0
+
+                        return jax.checkpoint(leaf)(c2 * 0.5 + k), None
+
+                    return jax.lax.scan(body, v, jnp.arange(3.0))[0]
+
+                kept = jax.checkpoint(inner)(c)
+                return jnp.tanh(c) + (kept if use else 0.0), None
+
+            out = jax.lax.scan(step, x, jnp.arange(2.0))[0]
+            jax.debug.callback(lambda _: calls.append("end"), out, ordered=True)
+            return jnp.sum(out)
+
+        jax.grad(f)(jnp.ones(3))
+        jax.effects_barrier()
+        return calls
+
+    used = order(use=True)
+    assert used.index("end") == 6 and used.count("in") == 18
+    discarded = order(use=False)
+    if jax.__version_info__ < (0, 12):
+        assert discarded == ["end"] + ["in"] * 6
+    else:
+        assert discarded == ["in"] * 6 + ["end"] + ["in"] * 6
+
+
 def test_checkify_fails_on_checks_in_shard_maps():
     # `effects._nonfinite._in_shard_map`: checkify (jax 0.7 to 0.12) fails on a
     # program with a `checkify.check` in each of two shard_maps: the first

@@ -3979,6 +3979,14 @@ def test_a_generated_handler_keeps_the_gradient_laws(program, data):
         assert _has(program.body, ShardMap) and _has(program.body, Scan), error
         event("JAX drops a discarded shard_map's effects in a scan under grad")
         return
+    elif JAX < (0, 12) and "found only in regions JAX marks" in str(error):
+        # jax 0.8-0.10 run a discarded checkpoint in a scan in another
+        # checkpoint in the backward pass alone: its tags are recomputed
+        # copies only, refused by name (docs/sharp-bits.md; tests/
+        # test_jax_facts.py::test_a_discarded_checkpoint_in_a_scan_in_a_
+        # checkpoint_runs_only_backward; found by a random run).
+        assert _has(program.body, Discard) and _has(program.body, Checkpoint), error
+        event("refused: a discarded checkpoint's tags, recomputed only")
     else:
         event(f"refused: {drawn.parts.transform} under handle(grad(f))")
         assert isinstance(error, ValueError), error
