@@ -913,10 +913,12 @@ def _dropped_unused(path) -> bool:
 
 
 def _has_tag(node) -> bool:
-    """Whether a tag outside any while loop is in `node`."""
+    """Whether a tag outside any while loop and custom-derivative function is
+    in `node` (differentiating, JAX runs such a function's rule, which holds
+    no site, not the function: found by a random run)."""
     if isinstance(node, Site):
         return node.collection != CN
-    if isinstance(node, While):
+    if isinstance(node, (While, CustomJvp, CustomVjp)):
         return False
     return any(_has_tag(child) for child in _children(node))
 
