@@ -285,7 +285,7 @@ def inline_into_trace(jaxpr: Jaxpr, args: Sequence[Any]) -> list[Any] | None:
     without binding them again, as `jax.jit`'s staging rule inlines a jaxpr
     (jax 0.7-0.12: `pe.inline_jaxpr_into_trace`): the outputs, or None where
     the current trace builds no jaxpr."""
-    trace = _core.trace_ctx.trace
+    trace = current_trace()
     if type(trace) is not _pe.DynamicJaxprTrace:
         return None
     src = _source_info_util.current()
@@ -356,7 +356,7 @@ def inline_here():
     transformations (`trace.parent_trace`)."""
     if _Inline is not None:
         return INLINE_WHEN_TRACED
-    trace = _core.trace_ctx.trace
+    trace = current_trace()
     while trace is not None:
         if type(trace) is _pe.DynamicJaxprTrace:
             return True
