@@ -488,11 +488,27 @@ def scan_counts(params) -> tuple[int, int]:
 
 
 def scan_params(params, jaxpr, *, n_consts: int, n_carry: int, n_xs: int, n_ys: int):
-    """The params of a scan equation rebuilt around a new body."""
+    """The params of a scan equation rebuilt around a new body, whose inputs
+    the rewriter adds before the consts, after the carry and after the xs."""
     if "num_consts" in params:  # jax <= 0.10
         new: dict[str, Any] = dict(jaxpr=jaxpr, num_consts=n_consts, num_carry=n_carry)
         if "linear" in params:  # jax 0.7-0.9
-            new["linear"] = (False,) * (n_consts + n_carry + n_xs)
+            # Which inputs are linear, kept: jax 0.8's transpose of a scan
+            # takes an input marked non-linear for a residual, and fails on a
+            # linear one (a rewritten derivative, as in a custom_jvp's rule).
+            k, c = params["num_consts"], params["num_carry"]
+            consts, carry, xs = (
+                params["linear"][i:j] for i, j in ((0, k), (k, k + c), (k + c, None))
+            )
+            added = (n_consts - k, n_carry - c, n_xs - len(xs))
+            new["linear"] = (
+                (False,) * added[0]
+                + consts
+                + carry
+                + (False,) * added[1]
+                + xs
+                + (False,) * added[2]
+            )
         return new
     from jax._src import flattree as ft  # pyright: ignore  # jax 0.11+
 

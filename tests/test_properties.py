@@ -1361,12 +1361,6 @@ def _allowed(kind: str, scope: _Scope) -> bool:
         return len(shape) >= 1
     if kind == "shard_map":
         return len(shape) >= 1 and shape[0] % 2 == 0 and not scope.in_shard
-    if kind == "custom_root" and JAX < (0, 10):
-        # On jax 0.7-0.9 (a custom_jvp there) JAX itself fails to differentiate
-        # some bodies: a scan's transpose fails, a custom_vjp inside is
-        # differentiated with respect to a closed-over value. Only
-        # `test_tags_in_a_custom_root_are_collected_or_refused` draws it there.
-        return False
     if kind == "custom_vjp" and scope.in_root and JAX < (0, 11):
         # On jax 0.10 JAX itself fails to differentiate a custom_root whose
         # function holds a custom_vjp ("differentiation of a custom_vjp
@@ -2228,13 +2222,10 @@ def test_tags_in_a_custom_root_are_collected_or_refused(program):
         assert_close(out, expected.out, what="output")
         assert_close(found, want, what="found")
 
-    # Not on jax 0.7-0.9 where a scan is in the root: the known failure that
-    # `test_grad_of_a_tag_in_a_scan_in_a_custom_root` pins.
-    if JAX >= (0, 10) or not any(isinstance(n, Scan) for n in _root_nodes(program)):
-        handled_loss = scalar_handled_loss(f, (handler,), program.shape)
-        grad, grad_found = jax.jit(jax.grad(handled_loss, has_aux=True))(x)
-        assert_as_plain(grad, jax.jit(jax.grad(scalar_loss(f, program.shape)))(x))
-        assert_close(grad_found, found, rtol=1e-6, what="found under grad")
+    handled_loss = scalar_handled_loss(f, (handler,), program.shape)
+    grad, grad_found = jax.jit(jax.grad(handled_loss, has_aux=True))(x)
+    assert_as_plain(grad, jax.jit(jax.grad(scalar_loss(f, program.shape)))(x))
+    assert_close(grad_found, found, rtol=1e-6, what="found under grad")
 
     xs = program.batch()
     batched = jax.jit(jax.vmap(fx.handle(f, handler)))(xs)
@@ -2246,25 +2237,9 @@ def test_tags_in_a_custom_root_are_collected_or_refused(program):
     assert_close(batched, want, what="vmap(handle(f))")
 
 
-def _root_nodes(program) -> list:
-    """The nodes inside the program's `custom_root`s."""
-
-    def walk(node, inside):
-        here = [node] if inside else []
-        inside = inside or isinstance(node, CustomRoot)
-        return here + [n for c in _children(node) for n in walk(c, inside)]
-
-    return walk(program.body, False)
-
-
-@pytest.mark.xfail(
-    JAX < (0, 10),
-    strict=True,
-    reason="jax 0.7-0.9: jax.grad(handle(f, Tag)) of a tag in a scan in a "
-    "custom_root's residual function fails in JAX's scan "
-    "transpose (found by the property above)",
-)
 def test_grad_of_a_tag_in_a_scan_in_a_custom_root():
+    # (jax 0.8: the rewritten scan lost which of its inputs are linear, and
+    # JAX's transpose of it failed: `_compat.scan_params` keeps them.)
     step = Seq((Op("mul", 0.5), Site("tag", "t1", ROOT)))
     body = Seq((CustomRoot(Seq((Scan(step, 2, False, False),)), "f"), Op("sin")))
     program = Program(body, (3,), seed=0)

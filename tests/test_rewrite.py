@@ -466,6 +466,45 @@ def test_sites_in_custom_jvp_rule_collected_under_grad():
     assert_trees_close(found, found_of(slope=(np.cos(x),)))
 
 
+def test_grad_of_handled_where_a_custom_jvp_rule_differentiates_a_tagged_scan():
+    # The rule's jvp of the scan is traced for `handle` and bound again outside
+    # it, its sites unhandled: the scan is rebuilt, and its linear inputs stay
+    # marked so (jax 0.8's transpose of a scan fails on a linear input marked
+    # otherwise; found by a property test).
+    def body(c, x):
+        u = fx.perturb(c * 0.5 + x, "p", collection="rule")
+        return u, u * 0.5
+
+    def scanned(v):
+        return jax.lax.scan(body, v, v[None] * arr([[0.5], [1.0]]))[0]
+
+    g = jax.custom_jvp(scanned)
+
+    @g.defjvp
+    def g_jvp(primals, tangents):
+        out, tangent = jax.jvp(scanned, primals, tangents)
+        return out, 1.5 * tangent
+
+    g = jax.jit(g)
+
+    def loss(v):
+        return jnp.sum(jnp.sin(g(v)) * arr([1.0, 0.3, -0.8]))
+
+    def plain_loss(v):
+        return jnp.sum(jnp.sin(scanned(v)) * arr([1.0, 0.3, -0.8]))
+
+    x = arr([0.4, -0.7, 1.3])
+    # (the rule's derivative: 1.5 times the function's)
+    want = 1.5 * jax.grad(plain_loss)(x)
+    for handler in [fx.Perturb(collection="rule"), fx.Tag()]:
+        grad, found = jax.grad(fx.handle(loss, handler), has_aux=True)(x)
+        assert_trees_close(grad, want)
+    grad, found = jax.grad(
+        fx.handle(loss, fx.Perturb(collection="rule")), has_aux=True
+    )(x)
+    assert_trees_close(found, {"rule": {"p": (np.zeros((2, 3), np.float32),)}})
+
+
 def test_a_tagged_loop_in_a_vmapped_custom_jvp_whose_rule_batches_unlike_it():
     # Under a vmap over axis 1, a loop the function holds (here one holding a
     # tag) and its rule does not make JAX lay out the rule's outputs unlike the
