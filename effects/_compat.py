@@ -521,8 +521,8 @@ def scan_params(params, jaxpr, *, n_consts: int, n_carry: int, n_xs: int, n_ys: 
 
 # jax 0.10+: "hijax" primitives, JAX's higher-level primitives, are all bound as
 # one primitive, `call_hi_primitive`, whose one param `_prim` is an object
-# holding the jaxprs (and Python functions) the primitive is made of. In jax
-# 0.12 `lax.custom_root` is one (`CustomRoot`), and so are `jax.checkpoint`,
+# holding the jaxprs (and Python functions) the primitive is made of. From jax
+# 0.11 `lax.custom_root` is one (`CustomRoot`), and so are `jax.checkpoint`,
 # `jax.custom_vjp` and `jax.custom_jvp` under the `jax_remat3`,
 # `jax_custom_vjp3` and `jax_custom_jvp3` flags (`RematTraced`,
 # `CustomVJPTraced`, `CustomJVPTraced`).

@@ -44,9 +44,9 @@ node is shape-preserving. A predicate is either "data" (from `sum(v)`) or
   `"last"` and `"sum"` apply (`"append"` must raise);
 - tags inside a `lax.custom_root` belong to the collection `"root"`, with no
   perturb site, checkpoint_name, `while_loop` or other `custom_root` there: on
-  jax 0.12 `custom_root` is a hijax primitive (`CustomRoot`) whose functions
+  jax 0.11 and later `custom_root` is a hijax primitive (`CustomRoot`) whose functions
   `handle` cannot rewrite, and a handler matching a tag in one is an error
-  naming it (one property checks that, or the collected values before 0.12);
+  naming it (one property checks that, or the collected values before 0.11);
   the other properties' handlers do not match them;
 - perturb sites never sit in a `while_loop` body; those under a custom derivative
   belong to `"custom_perturbations"`, where only reporting applies
@@ -1458,7 +1458,12 @@ def _draw_structure(draw, kind: str, scope: _Scope, counter: list):
         inner = body(scope.inner(has_index=False, in_custom=True, in_jvp_rule=jvp_rule))
         return (CustomJvp if kind == "custom_jvp" else CustomVjp)(inner)
     if kind == "scan":
-        length = draw(st.sampled_from([2, 3, 1, 0]))
+        # (no scan of length 0 in a shard_map on jax 0.11: its compiler crashes
+        # the process on some gradients of one, with JAX alone, where other
+        # versions refuse them or compile them: test_jax_facts.py::
+        # test_an_empty_constant_added_in_a_shard_map_in_a_scan_fails_under_grad)
+        crashes = scope.in_shard and JAX == (0, 11)
+        length = draw(st.sampled_from([2, 3, 1] if crashes else [2, 3, 1, 0]))
         drawn = body(scope.inner(has_index=True))
         reverse, use_ys = draw(st.booleans()), draw(st.booleans())
         # A loop-invariant tag, one scan in two (not in a custom_root: the
@@ -2179,7 +2184,7 @@ def test_handle_of_vmap_equals_vmap_of_handle(program):
 
 
 def _root_is_hijax() -> bool:
-    """Whether `lax.custom_root` is a hijax primitive, `CustomRoot` (jax 0.12),
+    """Whether `lax.custom_root` is a hijax primitive, `CustomRoot` (jax 0.11+),
     whose functions effects cannot rewrite: a tag in one that a handler matches
     is an error naming it. Before, it is a `custom_jvp` effects rewrites."""
 
@@ -2199,7 +2204,7 @@ def test_tags_in_a_custom_root_are_collected_or_refused(program):
     """The tags in a `lax.custom_root`'s residual or solve function (collection
     "root"): collected as the reference has them, with and without `jax.grad`
     and `jax.vmap` around, where effects rewrites `custom_root`; where it is a
-    hijax primitive (jax 0.12), a `ValueError` naming one of them and
+    hijax primitive (jax 0.11+), a `ValueError` naming one of them and
     `CustomRoot`. The other properties check the programs holding them with
     handlers that do not match them."""
     expected = reference(program)
@@ -4636,10 +4641,10 @@ def test_find_nonfinite_answers_exactly_where_the_output_is_non_finite(program, 
         try:
             bad = fx.find_nonfinite(f, arg)
         except ValueError as e:
-            # (jax 0.12: a tag inside a `custom_root`, a primitive `handle`
+            # (jax 0.11+: a tag inside a `custom_root`, a primitive `handle`
             # cannot rewrite there, is refused by name, as by any handler)
-            assert JAX >= (0, 12) and "inside a `CustomRoot` primitive" in str(e), e
-            event("find_nonfinite: a tag in a custom_root, refused on jax 0.12")
+            assert ROOT_IS_HIJAX and "inside a `CustomRoot` primitive" in str(e), e
+            event("find_nonfinite: a tag in a custom_root, refused (hijax)")
             return
         if finite != one_by_one:
             event("find_nonfinite: XLA's simplification changes what is finite")
