@@ -740,9 +740,11 @@ def _nan_and_finite(tree) -> tuple[Any, Any]:  # (bool arrays, or NumPy bools)
 
 
 def _unchecked(ins, outs):
-    """A tap's finding and where, when its outputs are finite: none."""
+    """A tap's finding and where, when its outputs are finite: none. (A
+    constant: `one_cond` keeps it only where every output is finite, so the
+    compiled program holds no negation of each tap's flag.)"""
     finite = _nan_and_finite(outs)[1]
-    return _varying((lax.bitwise_not(finite), _nowhere(ins, outs))), finite
+    return _varying((np.bool_(False), _nowhere(ins, outs))), finite
 
 
 def _nowhere(ins, outs):
