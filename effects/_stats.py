@@ -83,13 +83,17 @@ class Statistics(Mapping[str, Any]):
         return f"Statistics({self._stats!r}, {about})"
 
     def _flatten(self):
-        keys = tuple((jax.tree_util.DictKey(k), v) for k, v in self._stats.items())
+        # (JAX flattens with keys every output of a traced function, for its
+        # result paths: a program with Stats at every operation has thousands)
+        keys = tuple(zip(_DICT_KEYS, self._stats.values()))
         return keys, (self.shape, self.dtype, self.stacked, self.batch)
 
     @classmethod
     def _unflatten(cls, about, stats):
         return cls(dict(zip(STAT_KEYS, stats)), *about)
 
+
+_DICT_KEYS = tuple(jax.tree_util.DictKey(k) for k in STAT_KEYS)
 
 jax.tree_util.register_pytree_with_keys(
     Statistics,
