@@ -65,7 +65,7 @@ def in_every_branch(deep: bool = False) -> bool:
     of that cond's batching rule, with no trace of a jaxpr in between. With
     `deep`, anywhere in that rule's branches: through the traces of what they
     call, and through the rules of the conds the vmap keeps there (right only
-    in a trace whose jaxprs no other trace shares: see `_branches`)."""
+    in a trace whose jaxprs no other trace shares: see `_checks.branch_suspects`)."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_JAX_FILES):
         where = frame.f_code.co_filename, frame.f_code.co_name

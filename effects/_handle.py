@@ -18,7 +18,7 @@ import equinox as eqx
 import jax
 import jax.export
 
-from . import _branches, _checks, _compat, _jaxpr
+from . import _checks, _compat, _jaxpr
 from ._handlers import (
     Handler,
     check_static,
@@ -256,7 +256,7 @@ class _Traced:
     # Sites in a cond branch a vmap inside `fn` ran for every example, marked
     # where bound; those that may sit in one unmarked, and once a handler
     # matches one of those, the sites marked in `fn` traced again (see
-    # `_every_branch`). (See `_branches`.)
+    # `_every_branch`). (See `_checks`, the cond branches a vmap ran.)
     marked: frozenset
     suspects: frozenset
     retraced: list = dataclasses.field(default_factory=list, compare=False)
@@ -295,8 +295,10 @@ def _trace(fn, static, treedef, dynamic, batched=frozenset()) -> _Traced:
         jaxpr = per_state(jaxpr)
     # (the branches a vmap ran are found in the program as traced: a `jit`
     # call's body is a jaxpr JAX caches, unwrapped or not)
-    marked = _branches.marked(jaxpr)
-    suspects = _branches.suspects(jaxpr) - marked  # (a key marked anywhere is known)
+    marked = _checks.branch_marked(jaxpr)
+    suspects = (
+        _checks.branch_suspects(jaxpr) - marked
+    )  # (a key marked anywhere is known)
     return _Traced(
         _jaxpr.unwrapped(jaxpr),
         consts,
@@ -312,9 +314,9 @@ def _trace(fn, static, treedef, dynamic, batched=frozenset()) -> _Traced:
 def _every_branch(traced: _Traced, handlers, fn, static, treedef, dynamic):
     """The sites a vmap inside `fn` ran for every branch of a cond, those
     marked in the first trace too: found by tracing `fn` again in a trace
-    context of its own (see `_branches`), once, where a handler matches a
+    context of its own (see `_checks.branch_suspects`), once, where a handler matches a
     site that may sit in one unmarked."""
-    suspects = map(_branches.probe, traced.suspects)
+    suspects = map(_checks.branch_probe, traced.suspects)
     if not any(h.matches(p) for p in suspects for h in handlers):
         return frozenset()
     if not traced.retraced:
@@ -322,7 +324,7 @@ def _every_branch(traced: _Traced, handlers, fn, static, treedef, dynamic):
         named_after = _named_after(fn, static, treedef, dynamic)
         with handling(True), probing(object()), batched_sites(traced.batched):
             jaxpr, _ = _jaxpr.trace(_flat(fn, static, treedef, {}), avals, named_after)
-        traced.retraced.append(_branches.marked(jaxpr))
+        traced.retraced.append(_checks.branch_marked(jaxpr))
     return traced.retraced[0]
 
 

@@ -29,10 +29,10 @@ handling = jax.make_user_context(False)
 
 
 # While `handle` traces a function again to find the sites a vmap inside it ran
-# for every branch of a `cond` (see `_branches`): a token of that trace alone.
-# Part of the trace context, and so of the key of every cache of traces JAX
-# keeps: the jaxprs of that trace are its own, and so are the marks made in
-# them.
+# for every branch of a `cond` (see `_checks.branch_suspects`): a token of
+# that trace alone. Part of the trace context, and so of the key of every
+# cache of traces JAX keeps: the jaxprs of that trace are its own, and so are
+# the marks made in them.
 probing = jax.make_user_context(None)
 
 
@@ -72,7 +72,7 @@ class _SitePrimitive(Primitive):
         effect = bool(handling.value) and not params.get("recompute")
         params["effect"] = effect
         # Bound where a vmap evaluates every branch of a `cond`: marked, as a
-        # param every later bind keeps (see `_branches.marked`).
+        # param every later bind keeps (see `_checks.branch_marked`).
         if effect and "every_branch" not in params:
             if _compat.in_every_branch(deep=probing.value is not None):
                 params["every_branch"] = True

@@ -567,7 +567,8 @@ def per_state(jaxpr):
     return jaxpr if new is None else new
 
 
-# States a rule meets: in and out of `handle`, and the probes of `_branches`.
+# States a rule meets: in and out of `handle`, and the probes of
+# `_checks.branch_suspects`.
 _TRACES_PER_THUNK = 16
 
 

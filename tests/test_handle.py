@@ -756,7 +756,7 @@ def test_a_derivative_of_a_tag_in_a_batched_cond_is_refused(part):
 
 def test_a_tag_in_a_batched_cond_in_a_batched_while_loop_is_refused():
     # A cond in a while loop whose predicate a vmap batches (the loop masks its
-    # carry per example): the tag is found by its mark (see `_branches`).
+    # carry per example): the tag is found by its mark (see `_checks.branch_marked`).
     def f(x):
         def body(c):
             tagged = lambda y: fx.tag(y + 1.0, "c")  # noqa: E731

@@ -262,7 +262,7 @@ def test_an_effect_in_a_custom_rule_in_a_while_loop_in_a_checkpoint_fails_under_
 
 
 def test_vmap_of_a_cond_with_a_batched_predicate_leaves_no_cond():
-    # `effects/_branches.py`, `suspects`: under `vmap` with a batched predicate
+    # `effects/_checks.py`, `branch_suspects`: under `vmap` with a batched predicate
     # a `cond` becomes a `select_n` of every branch's outputs, so no `cond` is
     # left to say that a site was in one.
     ps, xs = jnp.array([True, False]), jnp.ones(2)
@@ -272,12 +272,13 @@ def test_vmap_of_a_cond_with_a_batched_predicate_leaves_no_cond():
 
 
 def test_what_a_batched_branch_calls_is_traced_under_the_rule_anew_per_context():
-    # `effects/_branches.py`: a bind in what a batched branch calls (here a
-    # cond the vmap keeps, on a loop's iteration, in a loop) is made where the
-    # batching rule of the batched cond traces its branches: under that rule's
-    # frame, through traces and the kept cond's rule. JAX caches those traces;
-    # a new value of a user context (part of every cache key of traces) traces
-    # them all again, so a mark made in a trace of its own stays in it.
+    # `effects/_checks.py`, `branch_suspects`: a bind in what a batched branch
+    # calls (here a cond the vmap keeps, on a loop's iteration, in a loop) is
+    # made where the batching rule of the batched cond traces its branches:
+    # under that rule's frame, through traces and the kept cond's rule. JAX
+    # caches those traces; a new value of a user context (part of every cache
+    # key of traces) traces them all again, so a mark made in a trace of its
+    # own stays in it.
     token = jax.make_user_context(None)
 
     def f(p, x):
