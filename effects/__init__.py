@@ -2,9 +2,10 @@
 
 from importlib import metadata as _metadata
 
-# `_rules` fills the rewriter's table of rules for higher-order primitives
-# (`_rewrite.rules`); it imports `_rewrite`, so the package imports it.
-from . import _handle, _nnx, _rules  # noqa: F401
+# `_rules` and `_custom` fill the rewriter's table of rules for higher-order
+# primitives (`_rewrite.rules`); they import `_rewrite`, so the package
+# imports them.
+from . import _custom, _handle, _nnx, _rules  # noqa: F401
 from ._grads import intermediate_grads as intermediate_grads
 from ._handle import Found as Found
 from ._handle import handle as handle

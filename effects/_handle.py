@@ -19,6 +19,7 @@ import jax
 import jax.export
 
 from . import _checks, _compat, _jaxpr
+from ._custom import per_state
 from ._handlers import (
     Handler,
     check_static,
@@ -26,7 +27,7 @@ from ._handlers import (
 )
 from ._jaxpr import aval
 from ._primitives import batched_sites, handling, probing
-from ._rewrite import per_state, trace_rewrite
+from ._rewrite import trace_rewrite
 from ._scope import Handlers, Rewrite, Scope, Unbatched
 from ._site import CHECKPOINT_NAME, Site
 from ._walk import differentiated_names, sites_in
@@ -291,7 +292,7 @@ def _trace(fn, static, treedef, dynamic, batched=frozenset()) -> _Traced:
             _named_after(fn, static, treedef, dynamic),
         )
         # Rewritten programs run outside `handle` too: the custom rules in it
-        # must not trace there for `handle` (see `_rewrite.per_state`).
+        # must not trace there for `handle` (see `_custom.per_state`).
         jaxpr = per_state(jaxpr)
     # (the branches a vmap ran are found in the program as traced: a `jit`
     # call's body is a jaxpr JAX caches, unwrapped or not)

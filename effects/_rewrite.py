@@ -17,7 +17,7 @@ import jax
 
 from . import _compat, _jaxpr
 from ._handlers import Handler, acts_on
-from ._primitives import bind_site, handling, probing, site_effect, site_p
+from ._primitives import bind_site, handling, site_effect, site_p
 from ._scope import Handlers, Scope, act
 from ._site import (
     CHECKPOINT_NAME,
@@ -26,8 +26,8 @@ from ._site import (
 from ._walk import NOT_YET, analysis, site_of, walk
 
 Rule = Callable[[Any, list[Any], Scope], list[Any]]
-# The rules for higher-order primitives, by primitive: `_rules` fills it (the
-# package imports `_rules`, which imports this module).
+# The rules for higher-order primitives, by primitive: `_rules` and `_custom`
+# fill it (the package imports them, and they import this module).
 rules: dict[Any, Rule] = {}
 
 #
@@ -512,93 +512,3 @@ _CHANGED_DIFFERENTIATED = (
     "(`jax.grad(lambda x: fx.handle(f, ...)(x)[0])`), or mark the value with "
     "`fx.tag`, whose derivative follows what a handler does to it."
 )
-
-
-#
-# Custom rules, traced once per handling state
-#
-
-# A custom_jvp/custom_vjp equation traces its rule when a transformation first
-# needs it, through a thunk that JAX memoizes by which tangents are zero, not by
-# the trace context (`pe._memoize`). `handle` traces with sites carrying their
-# effect; the `jax.jit` functions it meets are traced in that state, and jit's
-# cache serves those traces to every later `handle`. If a program rewritten from
-# such a trace runs the thunk outside `handle` (`jax.grad(fx.handle(f))`), the
-# rule is traced with effect-free sites, and a later `fx.handle(jax.grad(f))` is
-# served that trace: the tags the rule discards are gone. (Run first inside
-# `handle`, the thunk would put sites carrying the effect into unhandled
-# programs.) So a jaxpr `handle` traced has its thunks replaced by ones that run
-# the original only in the state it was made in, and bind its trace again in
-# any other state, once per state. (JAX alone: tests/test_jax_facts.py::
-# test_custom_jvp_rule_is_traced_once_whatever_the_trace_context.)
-
-
-def _state() -> tuple[bool, Any]:
-    return bool(handling.value), probing.value
-
-
-def per_state(jaxpr):
-    """`jaxpr`, traced in the current state, with the rule thunk of every
-    custom_jvp/custom_vjp equation in it and its sub-jaxprs made one that gives
-    each state its own trace of the rule."""
-    birth = _state()
-    found = analysis(jaxpr)
-    hit = found.per_state
-    if hit is not NOT_YET and hit[0] == birth:
-        return jaxpr if hit[1] is None else hit[1]
-    eqns = []
-    for eqn in jaxpr.eqns:
-        name = _compat.rule_thunk_params.get(eqn.primitive)
-        # Only the jaxprs of the primitives the rewriter knows: another's are
-        # its own (an Equinox filter primitive keeps among its params the
-        # jaxpr of a closure-converted function, which that function holds
-        # too and checks its arguments against: a copy would fail the check).
-        # Most equations hold no jaxpr: finding none costs less than mapping.
-        if eqn.primitive not in rules or not _jaxpr.sub_jaxprs(eqn):
-            eqns.append(eqn)
-            continue
-        params = _jaxpr.map_jaxprs_in_params(eqn.params, per_state)
-        if name is not None:
-            params = dict(params, **{name: _per_state_thunk(params[name], birth)})
-        eqns.append(eqn if params is eqn.params else eqn.replace(params=params))
-    changed = any(a is not b for a, b in zip(eqns, jaxpr.eqns))
-    new = jaxpr.replace(eqns=eqns) if changed else None
-    found.per_state = (birth, new)  # (None: the jaxpr itself)
-    return jaxpr if new is None else new
-
-
-# States a rule meets: in and out of `handle`, and the probes of
-# `_checks.branch_suspects`.
-_TRACES_PER_THUNK = 16
-
-
-def _per_state_thunk(thunk, birth):
-    """`thunk`, made in the state `birth`, as a thunk memoized per state."""
-    traces = {}
-
-    def traced(*zeros):
-        state = _state()
-        out = traces.get((state, zeros))
-        if out is None:
-            with handling(birth[0]), probing(birth[1]):
-                jaxpr, consts, *rest = thunk.call_wrapped(*zeros)
-                jaxpr = per_state(jaxpr)
-            if state != birth:
-                jaxpr, consts = _bound_again(jaxpr, consts)
-            if len(traces) >= _TRACES_PER_THUNK:  # (the oldest goes)
-                del traces[next(iter(traces))]
-            out = traces[(state, zeros)] = (jaxpr, consts, *rest)
-        return out
-
-    return _compat.like_thunk(traced, thunk)
-
-
-def _bound_again(jaxpr, consts):
-    """`(jaxpr, consts)` traced again in the current handling state: its sites
-    bound again, carrying the effect or not as that state says."""
-    opened = _compat.constvars_as_invars(jaxpr)
-    n = len(consts)
-    return _compat.trace_closed(
-        lambda *args: run(opened, (), [*consts, *args], Scope(())),
-        [v.aval for v in opened.invars[n:]],
-    )

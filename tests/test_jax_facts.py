@@ -492,7 +492,7 @@ def test_jvp_of_a_vmapped_custom_jvp_from_its_jaxpr_lays_out_its_outputs_wrong()
     # unlike the function (here: the function holds a scan, which moves the
     # batch axis to the front; the rule does not) outputs of the wrong layout:
     # the batch axis where the rule had it, not where the equation says it is.
-    # `effects._rules._collecting_custom_jvp` raises a clear error for it.
+    # `effects._custom._collecting_custom_jvp` raises a clear error for it.
     @jax.custom_jvp
     def g(v):
         scanned = jax.lax.scan(lambda c, _: (c * 2, None), v, length=2)[0]
