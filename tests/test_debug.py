@@ -975,6 +975,7 @@ def test_find_nonfinite_in_functions_with_custom_derivatives(x, forward, backwar
 
 
 def test_find_nonfinite_compiles_once_per_signature():
+    # (repros: perf_find_nonfinite_recompiles.py)
     from helpers import CountCompiles
 
     calls = []

@@ -214,6 +214,7 @@ def _handlers(name):
 
 @pytest.mark.parametrize("name", list(HANDLERS))
 def test_handle_commutes_with_grad(name):
+    # (repros: semantics_intervene_under_grad.py)
     hs = _handlers(name)
     got, _ = fx.handle(jax.value_and_grad(loss), *hs)(X)
     want = jax.value_and_grad(lambda x: fx.handle(loss, *hs)(x)[0])(X)

@@ -1583,6 +1583,7 @@ def _counted_ref(model, x):
 
 
 def test_inline_handle_of_an_equinox_module_compiles_once():
+    # (repros: perf_inline_equinox_module_retraces.py)
     # `fx.handle(model, ...)(x)` written inline makes a new wrapper each call;
     # models of one structure share its jitted call, each with its own arrays.
     models = [_counted_model(i) for i in range(3)]
@@ -1657,6 +1658,7 @@ def test_the_module_cache_keeps_no_model_arrays():
 
 
 def test_eager_intermediate_grads_compile_once():
+    # (repros: perf_eager_intermediate_grads_recompiles.py)
     calls = []
     w = jnp.array([[0.5, -1.0, 2.0], [1.5, 0.2, -0.3]])
 

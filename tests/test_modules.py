@@ -261,6 +261,7 @@ def test_equinox_gradients_through_tagged_modules():
 
 
 def test_equinox_training_step_tagging_inside_the_loss_gives_plain_gradients():
+    # (repros: err_tagged_grads_type_mismatch.py)
     # Gradients with respect to a tagged copy have the copy's classes, which an
     # optimizer state made from the plain model refuses: JAX's message then
     # names the copy. Tagging inside the loss differentiates the plain model.
@@ -471,6 +472,7 @@ def _flax_scan_refuses_effects() -> bool:
 def test_linen_scan_entries_are_stacked_as_a_tag_in_the_scan_would_be(
     jax_leak_check_false_report,
 ):
+    # (repros: flax_linen_scan_over_layers.py, flax01212_scan_no_broadcast.py)
     model = ScanModel()
     xs = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
     variables = model.init(jax.random.key(0), xs)

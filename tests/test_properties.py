@@ -2365,6 +2365,7 @@ class Clip(fx.Handler):
 @FUZZ
 @given(programs())
 def test_a_user_handler_keeps_the_vmap_and_gradient_laws(program):
+    # (repros: bug_user_handler_vmap_law.py)
     """`handle(vmap(f), H) == vmap(handle(f, H))` for a handler written outside
     the package, or `handle(vmap(f), H)` refuses with the documented error (a
     value the vmap does not batch, a cond whose predicate it batches, a value

@@ -848,7 +848,8 @@ def test_glob_matching_nothing_is_an_error(wrap):
 
 
 #
-# lax.custom_root (bug_custom_root_jax012.py): in jax 0.12 a hijax primitive,
+# lax.custom_root (repros: bug_custom_root_jax012.py,
+# err_custom_root_tag_inside_jax012.py): from jax 0.11 a hijax primitive,
 # `call_hi_primitive`, that JAX lowers only from a jaxpr marked as holding one
 #
 
@@ -960,6 +961,7 @@ def _substituted(handler):
 
 @pytest.mark.parametrize("wrap", ["eager", "jit"])
 def test_shard_map_substitute_takes_the_tag_layout(wrap):
+    # (repros: bug_shard_map_substitute.py)
     """The issue: Substitute({"h": v}) inside a shard_map refused v in the layout
     Tag() reports ((8, 2): one entry per shard), and the per-shard value (2,)
     crashed inside JAX on its varying-axes check. Per call, as before, the same

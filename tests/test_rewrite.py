@@ -2009,6 +2009,7 @@ def _mark_varying(table):
     ids=["gather", "pcast"],
 )
 def test_jax_refuses_a_vmap_of_a_cond_in_a_shard_map(use, row, refusal):
+    # (repros: jax_vmap_shard_map_cond_scan.py)
     # JAX alone (jax 0.10-0.12): a branch using a constant it closes over
     # (indexing it by a constant, marking it varying) is well typed until a
     # vmap batches the predicate. A handler that looks a value up by `ctx.at`
