@@ -65,7 +65,8 @@ def in_every_branch(deep: bool = False) -> bool:
     of that cond's batching rule, with no trace of a jaxpr in between. With
     `deep`, anywhere in that rule's branches: through the traces of what they
     call, and through the rules of the conds the vmap keeps there (right only
-    in a trace whose jaxprs no other trace shares: see `_checks.branch_suspects`)."""
+    in a trace whose jaxprs no other trace shares: see
+    `_checks.branch_suspects`)."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_JAX_FILES):
         where = frame.f_code.co_filename, frame.f_code.co_name
@@ -496,18 +497,14 @@ def scan_params(params, jaxpr, *, n_consts: int, n_carry: int, n_xs: int, n_ys: 
             # Which inputs are linear, kept: jax 0.8's transpose of a scan
             # takes an input marked non-linear for a residual, and fails on a
             # linear one (a rewritten derivative, as in a custom_jvp's rule).
+            linear = params["linear"]
             k, c = params["num_consts"], params["num_carry"]
-            consts, carry, xs = (
-                params["linear"][i:j] for i, j in ((0, k), (k, k + c), (k + c, None))
-            )
-            added = (n_consts - k, n_carry - c, n_xs - len(xs))
             new["linear"] = (
-                (False,) * added[0]
-                + consts
-                + carry
-                + (False,) * added[1]
-                + xs
-                + (False,) * added[2]
+                (False,) * (n_consts - k)
+                + linear[: k + c]
+                + (False,) * (n_carry - c)
+                + linear[k + c :]
+                + (False,) * (n_xs - (len(linear) - k - c))
             )
         return new
     from jax._src import flattree as ft  # pyright: ignore  # jax 0.11+

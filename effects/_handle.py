@@ -297,9 +297,8 @@ def _trace(fn, static, treedef, dynamic, batched=frozenset()) -> _Traced:
     # (the branches a vmap ran are found in the program as traced: a `jit`
     # call's body is a jaxpr JAX caches, unwrapped or not)
     marked = _checks.branch_marked(jaxpr)
-    suspects = (
-        _checks.branch_suspects(jaxpr) - marked
-    )  # (a key marked anywhere is known)
+    # (a key marked anywhere is known)
+    suspects = _checks.branch_suspects(jaxpr) - marked
     return _Traced(
         _jaxpr.unwrapped(jaxpr),
         consts,
@@ -315,8 +314,8 @@ def _trace(fn, static, treedef, dynamic, batched=frozenset()) -> _Traced:
 def _every_branch(traced: _Traced, handlers, fn, static, treedef, dynamic):
     """The sites a vmap inside `fn` ran for every branch of a cond, those
     marked in the first trace too: found by tracing `fn` again in a trace
-    context of its own (see `_checks.branch_suspects`), once, where a handler matches a
-    site that may sit in one unmarked."""
+    context of its own (see `_checks.branch_suspects`), once, where a handler
+    matches a site that may sit in one unmarked."""
     suspects = map(_checks.branch_probe, traced.suspects)
     if not any(h.matches(p) for p in suspects for h in handlers):
         return frozenset()
