@@ -9,6 +9,7 @@ program (`_walk`)."""
 from __future__ import annotations
 
 import fnmatch
+import warnings
 
 import jax
 
@@ -83,12 +84,25 @@ _IN_CUSTOM_RULE = (
     "the function, or leave {them} out of `names` (a list of the others, or a "
     "predicate)."
 )
+# (what to do, where a handler consumes the sites a later one names)
+_BOTH_ACT = (
+    " Narrow the earlier handler's `names`. To have both act there, put a "
+    "handler that reports nothing (`Substitute`, `Intervene`) first, and the "
+    "other reports the value it gives; or nest them, "
+    "`fx.handle(fx.handle(f, {before_type}(...)), {handler}(...))`, with a "
+    "mode of {before_type} that passes the site on (`consumes=False`: "
+    "`fx.Append(consumes=False)`, `fx.Reduce(..., consumes=False)`)."
+)
 _CONSUMED_BEFORE = (
     "{handler}: the {kind} {name!r} (collection {collection!r}) is consumed by "
     "{before}, which comes before it in the same `fx.handle`: handlers act in "
-    "order and the first that matches a site consumes it. Narrow the earlier "
-    "handler's `names`, or handle in two steps: "
-    "`fx.handle(fx.handle(f, {before_type}(...)), {handler}(...))`."
+    "order and the first that matches a site consumes it." + _BOTH_ACT
+)
+_ALL_CONSUMED_BEFORE = (
+    "{handler} matches no site left: every one it matches (the {kind} {name!r} "
+    "of collection {collection!r} among them) is consumed by {before}, which "
+    "comes before it in the same `fx.handle`, so it reports nothing: handlers "
+    "act in order and the first that matches a site consumes it." + _BOTH_ACT
 )
 _CONSUMED_INSIDE = (
     "{handler}: {where} is reported by a handler of the `fx.handle` inside "
@@ -119,13 +133,15 @@ def _check_names(jaxpr, sites, handlers) -> None:
     """Each handler's required names exist among the sites it sees: those no
     handler before it consumes, as in `handle(handle(f, A), B)` (a
     `checkpoint_name` is never consumed), nor a handler of a `handle` inside
-    this one (a derivative it reported stays for the handlers of the value)."""
+    this one (a derivative it reported stays for the handlers of the value).
+    A handler that names none, all of whose sites one before it consumes, is a
+    warning (nested, `handle(handle(f, A), B)`, `B` sees no site at all)."""
     # (built where a handler requires names: one probe per site)
     probes, inside = None, frozenset()
     for i, h in enumerate(handlers):
         select = h.matches
         exact, globs = select.required() if isinstance(select, Select) else ((), ())
-        if not (exact or globs):
+        if not (exact or globs or any(map(_consumes, handlers[:i]))):
             continue
         if probes is None:
             probes = [Site.probe(*s) for s in sorted(sites)]
@@ -151,10 +167,14 @@ def _check_names(jaxpr, sites, handlers) -> None:
             )
 
         # Each name must exist, and a filter of glob patterns alone select a
-        # site, so a pattern with a typo is not an empty `found`.
-        for name in exact or (globs,):
+        # site, so a pattern with a typo is not an empty `found`. (None: the
+        # sites of a handler that names none.)
+        for name in exact or ((globs,) if globs else (None,)):
             mine = [p for p in probes if _named(p, name) and h.matches(p)]
+            if not mine and name is None:
+                break  # (nothing to see: as in a handle of its own)
             if not mine:
+                assert name is not None
                 raise ValueError(_unknown_name(h, name, probes, consumer))
             if all(consumer(p) is not None for p in mine):
                 j = consumer(mine[0])
@@ -166,16 +186,18 @@ def _check_names(jaxpr, sites, handlers) -> None:
                         )
                     )
                 before = type(handlers[j]).__name__
-                raise ValueError(
-                    _CONSUMED_BEFORE.format(
-                        before=f"{before} (handler {j})",
-                        before_type=before,
-                        handler=type(h).__name__,
-                        kind=_kind(mine[0].kind),
-                        name=mine[0].name,
-                        collection=mine[0].collection,
-                    )
+                message = (_CONSUMED_BEFORE if name else _ALL_CONSUMED_BEFORE).format(
+                    before=f"{before} (handler {j})",
+                    before_type=before,
+                    handler=type(h).__name__,
+                    kind=_kind(mine[0].kind),
+                    name=mine[0].name,
+                    collection=mine[0].collection,
                 )
+                if name is None:
+                    warnings.warn(message, stacklevel=_compat.outside_level())
+                    break
+                raise ValueError(message)
 
 
 def _check_derivatives(jaxpr, sites, handlers) -> None:
@@ -254,8 +276,11 @@ def _kind(kind: str) -> str:
     return "tag" if kind == "tag" else "perturb site"
 
 
-def _named(site: Site, name: str | tuple[str, ...]) -> bool:
-    """Whether `site` is named `name`, or matches one of the glob patterns."""
+def _named(site: Site, name: str | tuple[str, ...] | None) -> bool:
+    """Whether `site` is named `name`, or matches one of the glob patterns
+    (any name, for None)."""
+    if name is None:
+        return True
     if isinstance(name, tuple):
         return any(fnmatch.fnmatchcase(site.name, g) for g in name)
     return site.name == name

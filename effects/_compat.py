@@ -87,6 +87,17 @@ def in_every_branch(deep: bool = False) -> bool:
 _OWN_FILES = __file__.rsplit("/", 1)[0] + "/"
 
 
+def outside_level() -> int:
+    """The `stacklevel` of a warning its caller gives, that names the first
+    frame in neither effects nor JAX: the user's call."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(
+        (_OWN_FILES, _JAX_FILES)
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def call_frames(traceback) -> Iterator[tuple[str, int, int, int, int]]:
     """(file, line, column, end line, end column) of each frame of `traceback` in
     neither JAX nor effects (the span of the expression it runs), innermost

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import warnings
 
 import equinox as eqx
 import jax
@@ -273,7 +274,11 @@ def test_two_handlers_equal_nested_handles(a_handler, b_handler, expected):
     assert_trees_close(inner_found, found_a)
     assert_trees_close(outer_found, found_b)
 
-    merged_out, merged = fx.handle(_two_collections, a_handler, b_handler)(X)
+    # (a later handler all of whose sites an earlier one consumed says so)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.filterwarnings("always", "Tag matches no site left", UserWarning)
+        merged_out, merged = fx.handle(_two_collections, a_handler, b_handler)(X)
+    assert bool(said) == (found_b == {"intermediates": {}})
     assert_trees_close(merged_out, out)
     assert_trees_close(merged, _merge_found(found_a, found_b))
 
@@ -1532,6 +1537,59 @@ def test_a_name_consumed_by_an_earlier_handler_is_unknown_to_later_ones():
     out, found = fx.handle(f, intervene, fx.Tag())(X)
     expected = {"intermediates": {"t1": (2.0 * jnp.sin(X),)}}
     assert_trees_close((out, found), (4.0 * jnp.sin(X), expected))
+
+
+def test_the_advice_for_a_consumed_name_works():
+    # The error says how to have both handlers act: a handler that reports
+    # nothing first, or the two nested with the inner mode passing it on.
+    def f(x):
+        return fx.tag(jnp.sin(x), "t1") * 2.0
+
+    new = {"t1": jnp.cos(X)}
+    with pytest.raises(ValueError, match="put a handler that reports nothing"):
+        fx.handle(f, fx.Tag(), fx.Substitute(new))(X)
+    out, found = fx.handle(f, fx.Substitute(new), fx.Tag())(X)
+    assert_trees_close(
+        (out, found["intermediates"]["t1"]), (2 * new["t1"], (new["t1"],))
+    )
+    passing = fx.Tag(mode=fx.Append(consumes=False))
+    (out, found), outer = fx.handle(fx.handle(f, passing), fx.Substitute(new))(X)
+    assert outer == {}
+    assert_trees_close(
+        (out, found["intermediates"]["t1"]), (2 * new["t1"], (jnp.sin(X),))
+    )
+
+
+class _Count(fx.Handler):
+    """A user's handler that counts the executions of every tag."""
+
+    mode = fx.Reduce(lambda n, x: n + x, lambda zero: jnp.int32(0))
+
+    def apply(self, site, value, ctx):
+        ctx.emit(jnp.int32(1))
+        return value
+
+
+def test_a_handler_naming_none_whose_every_site_an_earlier_one_consumed_warns():
+    def f(x):
+        return fx.tag(jnp.sin(x), "t1") * fx.tag(x, "t2")
+
+    with pytest.warns(UserWarning, match="Stats matches no site left") as record:
+        flat = fx.handle(f, _Count(), fx.Stats())(X)
+    # (the warning names the user's call; its message what to do)
+    assert [w.filename for w in record] == [__file__]
+    assert "consumes=False" in str(record[0].message)
+    # The values are the nested form's, where Stats sees no site at all.
+    (out, inner), outer = fx.handle(fx.handle(f, _Count()), fx.Stats())(X)
+    assert outer == {"intermediates": {}}
+    assert_trees_close(flat, (out, inner))
+    assert_trees_close(out, jnp.sin(X) * X)
+    assert_trees_close(inner["intermediates"], {"t1": np.int32(1), "t2": np.int32(1)})
+    # Where one site is left, or none was ever there, nothing is said
+    # (warnings are errors in this suite).
+    _, found = fx.handle(f, fx.Tag(names="t1"), fx.Stats())(X)
+    assert list(found["intermediates"]) == ["t1", "t2"]
+    assert fx.handle(jnp.sin, _Count(), fx.Stats())(X)[1] == {"intermediates": {}}
 
 
 def test_jax_errors_while_tracing_name_the_users_function():

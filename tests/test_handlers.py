@@ -436,7 +436,8 @@ def test_a_handler_without_a_mode_passes_the_value_it_returns_on():
     assert_trees_close((out, outer), want)
     assert inner == {}
     zeros = fx.Perturb(kind="tag", collection="intermediates")
-    out, found = fx.handle(f, zeros, fx.Tag())(X)
+    with pytest.warns(UserWarning, match="Tag matches no site left.*Perturb"):
+        out, found = fx.handle(f, zeros, fx.Tag())(X)
     want_zeros = {"intermediates": {"h": (np.zeros_like(h),)}}
     assert_trees_close((out, found), (np.cos(np.sin(X)), want_zeros))
 
@@ -1665,8 +1666,10 @@ def test_a_handler_whose_matches_is_a_method_reports_under_each_sites_collection
     assert_trees_close(
         found, {"a": {"h": np.ones(3, f32)}, "b": {"gh": np.ones(3, f32)}}
     )
-    # (Count consumed both: the Tag after it finds nothing of its own)
-    _, again = fx.handle(f, Count(), fx.Tag(collection="b"))(X)
+    # (Count consumed both: the Tag after it finds nothing of its own, and
+    # says so)
+    with pytest.warns(UserWarning, match="Tag matches no site left.*'gh'"):
+        _, again = fx.handle(f, Count(), fx.Tag(collection="b"))(X)
     assert_trees_close(again, found)
 
 

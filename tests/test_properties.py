@@ -137,6 +137,7 @@ import dataclasses
 import functools
 import os
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -2613,8 +2614,13 @@ def _two_handlers(program, a, b, f=None) -> str:
     program's function unless given; returns which case it was: "both
     report", "equal" or "same error"."""
     f, x = program.function() if f is None else f, program.x()
-    merged, merged_error = _outcome(fx.handle(f, a, b), x)
+    with warnings.catch_warnings(record=True) as said:
+        # (`b` matching sites `a` all consumed: a warning, checked below)
+        warnings.filterwarnings("always", ".* matches no site left", UserWarning)
+        merged, merged_error = _outcome(fx.handle(f, a, b), x)
     nested, nested_error = _outcome(fx.handle(fx.handle(f, a), b), x)
+    if said and nested_error is None:  # (then `b` reports nothing nested)
+        assert not any(nested[1].values()), (a, b, nested[1])
     if " both report " in str(merged_error):
         # One `found` cannot hold both reports of a name, which nesting can;
         # unless the program fails with one of the handlers alone, which the
@@ -2660,7 +2666,9 @@ def test_a_reporting_handler_consumes_what_it_reports():
         assert _two_handlers(program, h, fx.Tag()) == "equal", h
         assert _two_handlers(program, h, fx.Tag(mode="sum")) == "equal", h
         alone = fx.handle(f, h)(x)
-        assert_identical(fx.handle(f, h, fx.Tag())(x), alone, repr(h))
+        with pytest.warns(UserWarning, match="Tag matches no site left"):
+            both = fx.handle(f, h, fx.Tag())(x)
+        assert_identical(both, alone, repr(h))
 
 
 class _Whole:
