@@ -739,12 +739,19 @@ def _nan_and_finite(tree) -> tuple[Any, Any]:  # (bool arrays, or NumPy bools)
     return nan, finite
 
 
-def _unchecked(ins, outs):
-    """A tap's finding and where, when its outputs are finite: none. (A
+def _unchecked(taps):
+    """The finding and where of a site's taps (`((inputs, outputs), ...)`, see
+    `_taps._Inserter.group`), when their outputs are finite: none. (A
     constant: `one_cond` keeps it only where every output is finite, so the
     compiled program holds no negation of each tap's flag.)"""
-    finite = _nan_and_finite(outs)[1]
-    return _varying((np.bool_(False), _nowhere(ins, outs))), finite
+    finite = _nan_and_finite([outs for _, outs in taps])[1]
+    return _varying((np.bool_(False), _nowhere_of(taps))), finite
+
+
+def _nowhere_of(taps):
+    """`_checked`'s where, of a site none of whose taps made anything: the
+    first tap, and zeros of each's types."""
+    return np.int32(0), tuple(_nowhere(ins, outs) for ins, outs in taps)
 
 
 def _nowhere(ins, outs):
@@ -762,9 +769,10 @@ def _nowhere(ins, outs):
     )
 
 
-def _checked(ins, outs):
-    """Whether a tap's equation made a NaN or an Inf from finite inputs, and
-    where: per output leaf, the index of its first element (flattened) that
+def _checked(taps):
+    """Whether the equation of one of a site's taps made a NaN or an Inf from
+    finite inputs, and where: the first that did, and for it, per output leaf
+    (zeros for the others), the index of its first element (flattened) that
     went bad, a NaN made before an Inf, as a key (`_said` reads it), that
     element, and each input's element broadcast to it (for an input of one
     element, that one). An element went bad where it is a NaN though its
@@ -777,17 +785,33 @@ def _checked(ins, outs):
     whether it runs or not (the search of a 4-block GPT, 230 taps: compiled
     and run in 4.2 s with XLA's, 2.8 s with the call, 1.8 s without this
     branch at all; the plain function, 0.4 s)."""
-    ins, outs = _whole(jax.tree.leaves(ins)), _whole(jax.tree.leaves(outs))
-    types = jax.eval_shape(lambda: _nowhere(ins, outs))
+    taps = _whole(tuple((jax.tree.leaves(i), jax.tree.leaves(o)) for i, o in taps))
+    types = jax.eval_shape(lambda: _nowhere_of(taps))
     found = jax.ShapeDtypeStruct((), np.bool_)
     result = jax.pure_callback(
-        _host_checked, (found, types), ins, outs, vmap_method="sequential"
+        _host_checked_of, (found, types), taps, vmap_method="sequential"
     )
     return _varying(result)
 
 
+def _host_checked_of(taps):
+    """`_checked`, of NumPy arrays: the first tap that made something."""
+    wheres = []
+    for ins, outs in taps:
+        found, where = _host_checked(ins, outs)
+        if found:
+            first = len(wheres)
+            wheres += [where] + [
+                jax.tree.map(np.zeros_like, _nowhere(i, o))
+                for i, o in taps[first + 1 :]
+            ]
+            return found, (np.int32(first), tuple(wheres))
+        wheres.append(where)
+    return np.bool_(False), (np.int32(0), tuple(wheres))
+
+
 def _host_checked(ins, outs):
-    """`_checked`, of NumPy arrays."""
+    """A tap's `_checked`, of NumPy arrays."""
     found, where = np.bool_(False), []
     ins = [np.asarray(x) for x in ins]
     for y in map(np.asarray, outs):
@@ -888,8 +912,8 @@ def _count_findings(acc, x):
     return lax.add(n, np.int32(1)), lax.select(take, n, first), kept
 
 
-def _no_findings(zeros):  # (zeros shaped like a tap's `(inputs, outputs)`)
-    return _varying((np.int32(0), np.int32(-1), _nowhere(*zeros)))
+def _no_findings(zeros):  # (zeros shaped like a site's taps)
+    return _varying((np.int32(0), np.int32(-1), _nowhere_of(zeros)))
 
 
 # Per example: under a vmap inside the function, which example went bad first.
@@ -909,7 +933,7 @@ class TapFindings(Handler):
         return (site.collection, site.name) in self.keys
 
     def apply(self, site, value, ctx):
-        ctx.emit(_made_nonfinite(*value))
+        ctx.emit(_made_nonfinite(value))
         return value
 
 
@@ -921,7 +945,7 @@ class TapCheck(TapFindings):
     def apply(self, site, value, ctx):
         from jax.experimental import checkify
 
-        bad, where = _made_nonfinite(*value)
+        bad, where = _made_nonfinite(value)
         checkify.check(~bad, f"{_CODE}{self.keys.index((site.collection, site.name))}")
         ctx.emit((bad, where))
         return value
@@ -1125,9 +1149,10 @@ def _tap_search(fn, args, kwargs, backward: bool, ran=None) -> BadSite | None:
     k, at = _first_execution(firsts)
     infos = listed[which][name]
     bad = _bad_site(infos, _CHECKED, name, k, which == 1, at)
-    tap = infos[0].tap
-    where = jax.tree.map(lambda x: x[at], where)
-    said, index = _said(tap, infos[0].value, where)
+    # (the site's tap that went bad: see `_taps._Inserter.group`)
+    first, where = jax.tree.map(lambda x: x[at], where)
+    tap, name = infos[0].tap[int(first)], name.split("\n")[int(first)]
+    said, index = _said(tap, infos[0].value[int(first)], where[int(first)])
     forward, expression = (), None
     if which == 1:
         forward = _forward_primitives(listed[0], tap)
@@ -1188,7 +1213,7 @@ def _forward_primitives(forward: dict, tap) -> tuple[str, ...]:
     derivative of `sqrt`). None where the expression it differentiates holds
     no primitive of its own: a call of a function with a custom derivative,
     whose rule made the operation (see `_expression`)."""
-    taps = [infos[0].tap for infos in forward.values()]
+    taps = [tap for infos in forward.values() for tap in infos[0].tap]
     if tap.span is not None:
         # JAX makes the operations of a derivative with the source of the
         # operation they differentiate: the same expression, in any scope (a

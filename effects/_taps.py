@@ -234,6 +234,10 @@ def taps(
 # Inserting the sites
 #
 
+# find_nonfinite's equations checked by one site: at most 16, and once they
+# hold 4 MiB, no more (see `group`).
+_GROUP, _GROUP_BYTES = 16, 4 << 20
+
 # Never tapped: sites already (a tag, a `checkpoint_name`).
 _SKIP = frozenset({"effects_site", "name"})
 _SITE_PACKAGES = tuple(
@@ -321,6 +325,10 @@ class _Inserter:
         self.done: dict[Any, Any] = {}  # key -> (jaxpr, tapped jaxpr)
         self.outer = _Outer()
         self.count = 0  # sites made so far
+        # find_nonfinite's: the equations of this jaxpr tapped since its last
+        # site, `(info, name, inputs, outputs, equation)`, which one site
+        # checks (`group`)
+        self.members: list[tuple[TapInfo, str, list[Any], list[Any], Any]] = []
         # (what `info` reads of a traceback and of a scope, which many
         # equations share: read once a pass)
         self.frames: dict[Any, Any] = {}
@@ -376,6 +384,7 @@ class _Inserter:
         made: dict[Any, str] = {}  # variable -> the primitive that made it
         # (the outputs of a `jit` inlined here: what its body gave them)
         given: dict[Any, Any] = {}
+        outside, self.members = self.members, []
         for eqn in jaxpr.eqns:
             if given:
                 eqn = eqn.replace(invars=_substituted(eqn.invars, given))
@@ -383,12 +392,18 @@ class _Inserter:
                 new = self.inlined(eqn, given, made)
                 if new is not None:
                     changed = True
-                    eqns += new
+                    eqns += self.group() + new
                     continue
+            if eqn.primitive in rules and _jaxpr.sub_jaxprs(eqn):
+                eqns += self.group()  # (its body's taps execute after these)
             new = self.equation(eqn, made)
             changed |= new[0] is not eqn
             eqns += new
+            if self.members and self.full():
+                eqns += self.group()
             made.update((v, _compat.primitive_name(eqn)) for v in eqn.outvars)
+        eqns += self.group()
+        self.members = outside
         outvars = _substituted(jaxpr.outvars, given)
         if carries and carry_of is not None:
             site = self.carry_site(carry_of, outvars[:carries])
@@ -442,48 +457,71 @@ class _Inserter:
         if not self.with_inputs:
             return [
                 eqn.replace(outvars=fresh),
-                self.site(eqn, info, fresh, outs, inputs),
+                self.site(eqn, info, fresh, outs),
             ]
         # find_nonfinite's: the outputs kept whole in memory, as the values
         # the program reads from here on. XLA then fuses no chain of
         # operations across them, which it would copy into the check of each
         # value of the chain (see `_nonfinite._RUN_ONCE`), and each operation
         # rounds on its own, as when JAX runs the function one at a time.
-        held = [_compat.Var(v.aval) for v in outs]
+        # The site that checks them comes after this and the next equations
+        # (`group`).
         barrier = _compat.new_eqn(
             fresh,
-            held,
+            outs,
             jax.lax.optimization_barrier_p,
             {},
             set(),
             eqn.source_info,
             eqn.ctx,
         )
-        return [
-            eqn.replace(outvars=fresh),
-            barrier,
-            self.site(eqn, info, held, outs, inputs),
-        ]
+        self.members.append((info, self.name(info, inputs), inputs or [], outs, eqn))
+        return [eqn.replace(outvars=fresh), barrier]
 
-    def site(self, eqn, info: TapInfo, ins, outs, inputs):
-        """A site equation reading `ins` (and the equation's `inputs`), whose
-        outputs are `outs` (and fresh variables for the inputs)."""
-        if inputs is None and len(ins) == 1:  # (most taps: one output)
-            treedef = LEAF
-        else:
-            value = tuple(ins) if len(ins) > 1 else ins[0]
-            tree = (tuple(inputs), value) if inputs is not None else value
-            treedef = jax.tree.structure(tree, is_leaf=_is_var)
-        inputs = inputs or ()
-        leaves = [*inputs, *ins]
+    def full(self) -> bool:
+        """Whether the site of `members` is due."""
+        if len(self.members) >= _GROUP:
+            return True
+        values = [v.aval for m in self.members for v in (*m[2], *m[3])]
+        return sum(a.size * a.dtype.itemsize for a in values) >= _GROUP_BYTES
+
+    def group(self) -> list[Any]:
+        """find_nonfinite's site of the equations tapped since the last one in
+        this jaxpr (`members`, up to `_GROUP` of them, in program order: the
+        first that went bad is the first of its group), none where there are
+        none. Its value is each one's `(inputs, outputs)`, its `tap` their
+        `TapInfo`s, its name theirs, one a line; its outputs are read by
+        nothing: the program goes on with the values it checks. (One site of
+        a few equations, not one each: its check is a conditional that
+        compiles in about 2 ms on CPU, whatever it holds; where it finds
+        something, it hands every value it holds to the host, so a few MiB at
+        most.)"""
+        members, self.members = self.members, []
+        if not members:
+            return []
+        tree = tuple((tuple(m[2]), tuple(m[3])) for m in members)
+        leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_var)
+        name = "\n".join(m[1] for m in members)
+        fresh = [_compat.Var(v.aval) for v in leaves]
+        infos = tuple(m[0] for m in members)
+        return [self.site_eqn(members[-1][4], name, treedef, leaves, fresh, infos)]
+
+    def site(self, eqn, info: TapInfo, ins, outs):
+        """A site equation reading `ins`, whose outputs are `outs`."""
+        value = ins[0] if len(ins) == 1 else tuple(ins)
+        treedef = LEAF if len(ins) == 1 else jax.tree.structure(value, is_leaf=_is_var)
+        return self.site_eqn(eqn, self.name(info, ()), treedef, ins, outs, info)
+
+    def site_eqn(self, eqn, name: str, treedef, ins, outs, tap):
+        """The site `name` of the value `treedef` of `ins`, after `eqn`."""
         self.count += 1
         params = dict(
-            name=self.name(info, inputs),
+            name=name,
             collection=self.collection,
             kind="tag",
             treedef=treedef,
-            batch=((),) * len(leaves),
-            tap=info,
+            batch=((),) * len(ins),
+            tap=tap,
             effect=True,
             # An execution of its own, wherever it is: a tap in the backward
             # pass's recomputation of a `jax.checkpoint` region (taps of a
@@ -492,9 +530,8 @@ class _Inserter:
             # `_walk.recomputes`), as a forward site does.
             forward=True,
         )
-        outvars = [_compat.Var(v.aval) for v in inputs] + list(outs)
         return _compat.new_eqn(
-            leaves, outvars, site_p, params, {site_effect}, eqn.source_info, eqn.ctx
+            ins, outs, site_p, params, {site_effect}, eqn.source_info, eqn.ctx
         )
 
     def carry_site(self, loop, carry):
@@ -508,7 +545,7 @@ class _Inserter:
         if callable(wanted) and not wanted(info):
             return None
         fresh = [_compat.Var(v.aval) for v in kept]
-        site = self.site(loop, info, kept, fresh, None)
+        site = self.site(loop, info, kept, fresh)
         return site
 
     def inlined(self, eqn, given: dict, made: dict) -> list[Any] | None:
@@ -533,8 +570,14 @@ class _Inserter:
             ]
             env.update(zip(inner.outvars, outvars))
             tap = inner.params.get("tap") if inner.primitive is site_p else None
-            name = _compat.primitive_name(inner) if tap is None else tap.primitive
-            made.update((v, name) for v in outvars)
+            if isinstance(tap, TapInfo):
+                made.update((v, tap.primitive) for v in outvars)
+            elif inner.primitive is jax.lax.optimization_barrier_p:
+                # (find_nonfinite's, after the equation it keeps: whose)
+                ins = _substituted(inner.invars, env)
+                made.update((v, made.get(x)) for v, x in zip(outvars, ins))
+            else:
+                made.update((v, _compat.primitive_name(inner)) for v in outvars)
             eqns.append(
                 inner.replace(
                     invars=_substituted(inner.invars, env),
