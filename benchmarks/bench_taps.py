@@ -12,7 +12,8 @@ plain `jax.jit` of the same model:
   against the plain loss's;
 - cold trace and lowering of `jax.grad(loss)` with a site after every
   primitive of the gradient, handled by `fx.Stats("taps")`, against the plain
-  gradient's.
+  gradient's, and against its floor: the gradient's program traced and
+  evaluated by hand with the same statistics of every value taps see.
 
 Every handled result is first checked against the plain one (the output; the
 collected matmul outputs against the hand-written matmuls of the first
@@ -21,7 +22,8 @@ of the same values, written by hand in one program with them. Targets (the
 taps issue): Tag run <= 1.03x, first call <= 1.3x; Stats run <= 1.10x, first
 call <= 2x (and against the floor 1.05x, 1.3x; Tag's floor, the plain
 program returning the matmuls' outputs, 1.03x); find_nonfinite second call
-<= 1.3x, first <= 6x; the tapped gradient's trace and lowering <= 1.5x.
+<= 1.3x, first <= 6x; the tapped gradient's trace and lowering <= 1.5x
+(and against its floor, 1.3x, as Stats' first call).
 
 Run with `python benchmarks/bench_taps.py [--append FILE] [--quick] [--full]`.
 """
@@ -50,6 +52,22 @@ from bench_gpt import (
 import effects as fx
 
 DEFAULT = Config(layers=4, width=256, heads=4, tokens=64)
+
+
+def _tappable(x) -> bool:
+    """Whether taps see a value of `x`'s type (not a key, not `float0`)."""
+    dtype = jnp.result_type(x)
+    return not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and (
+        dtype != jax.dtypes.float0
+    )
+
+
+def _real(x):
+    """`x` as `fx.Stats` reads it: integers, booleans and narrow floats as
+    float32 (a GPT's gradient has no complex or key values)."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize >= 4:
+        return x
+    return x.astype(jnp.float32)
 
 
 def main():
@@ -184,6 +202,60 @@ def main():
         rows.append(ratio_row(f"find_nonfinite, {what}: second call", pair, 1.3))
 
     grad = jax.grad(loss)
+    stats_one = jax.jit(leaf_stats)
+
+    def stats_of_grad_by_hand(m, t):
+        # The floor of Stats at the tapped gradient: the gradient's program,
+        # traced and evaluated with the same statistics of every value taps
+        # see (every primitive's output, jits inlined), one jit call each.
+        closed = jax.make_jaxpr(grad)(m, t)
+        kept = []
+
+        def run(jaxpr, consts, args):
+            env = dict(zip(jaxpr.constvars, consts))
+            env.update(zip(jaxpr.invars, args))
+
+            def read(v):
+                return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
+
+            for eqn in jaxpr.eqns:
+                ins = list(map(read, eqn.invars))
+                if eqn.primitive.name in ("pjit", "jit"):
+                    inner = eqn.params["jaxpr"]
+                    outs = run(inner.jaxpr, inner.consts, ins)
+                else:
+                    outs = eqn.primitive.bind(*ins, **eqn.params)
+                    outs = outs if eqn.primitive.multiple_results else [outs]
+                    if all(type(v) is jax.extend.core.Var for v in eqn.outvars):
+                        kept.extend(stats_one(_real(o)) for o in outs if _tappable(o))
+                env.update(zip(eqn.outvars, outs))
+            return [read(v) for v in jaxpr.outvars]
+
+        return run(closed.jaxpr, closed.consts, jax.tree.leaves((m, t))), kept
+
+    # (the same statistics: one per value, the leaves of a tap's value)
+    _, found = jax.eval_shape(fx.handle(fx.taps(grad), fx.Stats("taps")), model, tokens)
+    kept = jax.eval_shape(stats_of_grad_by_hand, model, tokens)[1]
+    taps_stats = jax.tree.leaves(
+        found, is_leaf=lambda x: type(x).__name__ == "Statistics"
+    )
+    assert len(kept) == len(taps_stats), (len(kept), len(taps_stats))
+    pair = compare_cold(
+        lambda: (
+            lambda m=fresh(model): jax.jit(
+                fx.handle(fx.taps(grad), fx.Stats("taps"))
+            ).lower(m, tokens)
+        ),
+        lambda: lambda m=fresh(model): jax.jit(stats_of_grad_by_hand).lower(m, tokens),
+        repeats=max(repeats // 3, 1),
+    )
+    rows.append(
+        ratio_row(
+            "grad, taps at every primitive, Stats: trace+lower, against by hand",
+            pair,
+            1.3,
+        )
+    )
     for what, handler in (
         ("Stats", fx.Stats("taps")),
         ("the last value (Tag mode='last')", fx.Tag("taps", mode="last")),
