@@ -4610,7 +4610,13 @@ def test_taps_are_the_plain_program_unhandled_and_keep_the_laws(program):
         some = fx.Tag("taps", names=frozenset(names[::2]), mode="sum")
         event(f"taps, handle(f, A, B): {_two_handlers(program, some, handler, tapped)}")
     xs = program.batch()
-    outside = jax.jit(jax.vmap(fx.handle(tapped, handler)))(xs)
+    try:
+        outside = jax.jit(jax.vmap(fx.handle(tapped, handler)))(xs)
+    except ValueError as e:
+        # (`jax.vmap(f)` fails there too, whatever handles it)
+        assert jax_vma_refusal(e, program), e
+        event("JAX refuses a vmap of a cond in a shard_map")
+        return
     try:
         inside = jax.jit(fx.handle(jax.vmap(tapped), handler))(xs)
     except ValueError as e:
