@@ -180,20 +180,21 @@ def _check_names(jaxpr, sites, handlers) -> None:
                 j = consumer(mine[0])
                 assert j is not None
                 if j < 0:
-                    raise ValueError(
-                        _CONSUMED_INSIDE.format(
-                            handler=type(h).__name__, where=mine[0].where()
-                        )
+                    where = mine[0].where()
+                    message = _CONSUMED_INSIDE.format(
+                        handler=type(h).__name__, where=where
                     )
-                before = type(handlers[j]).__name__
-                message = (_CONSUMED_BEFORE if name else _ALL_CONSUMED_BEFORE).format(
-                    before=f"{before} (handler {j})",
-                    before_type=before,
-                    handler=type(h).__name__,
-                    kind=_kind(mine[0].kind),
-                    name=mine[0].name,
-                    collection=mine[0].collection,
-                )
+                else:
+                    before = type(handlers[j]).__name__
+                    template = _CONSUMED_BEFORE if name else _ALL_CONSUMED_BEFORE
+                    message = template.format(
+                        before=f"{before} (handler {j})",
+                        before_type=before,
+                        handler=type(h).__name__,
+                        kind=_kind(mine[0].kind),
+                        name=mine[0].name,
+                        collection=mine[0].collection,
+                    )
                 if name is None:
                     warnings.warn(message, stacklevel=_compat.outside_level())
                     break

@@ -1592,6 +1592,23 @@ def test_a_handler_naming_none_whose_every_site_an_earlier_one_consumed_warns():
     assert fx.handle(jnp.sin, _Count(), fx.Stats())(X)[1] == {"intermediates": {}}
 
 
+def test_a_handler_naming_none_whose_derivatives_an_inner_handle_consumed_warns():
+    # The cotangents an inner `handle` reported are consumed there: a handler
+    # of them that names none, after one that consumes in the outer handle,
+    # finds none left, and says so (as the flat form does), with the values
+    # of the form nested once more.
+    def f(x):
+        return jnp.sum(jnp.sin(fx.tag(x * 2.0, "h")))
+
+    inner = fx.handle(jax.grad(f), fx.Tag(of="cotangent"))
+    with pytest.warns(UserWarning, match="cotangent of tag 'h'.*inside this one"):
+        flat = fx.handle(inner, fx.Tag(), fx.Tag(of="cotangent"))(X)
+    nested, outer = fx.handle(fx.handle(inner, fx.Tag()), fx.Tag(of="cotangent"))(X)
+    assert outer == {"intermediates:cotangent": {}}
+    assert_trees_close(flat, (nested[0], {**nested[1], **outer}))
+    assert_trees_close(nested[1]["intermediates"]["h"], (2.0 * X,))
+
+
 def test_jax_errors_while_tracing_name_the_users_function():
     def branchy_model(x):
         h = fx.tag(jnp.sin(x), "h")
