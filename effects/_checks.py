@@ -107,8 +107,10 @@ _ALL_CONSUMED_BEFORE = (
 _CONSUMED_INSIDE = (
     "{handler}: {where} is reported by a handler of the `fx.handle` inside "
     "this one, which consumes it: the first handler that matches a site "
-    "consumes it. Narrow the inner handler's `names`, or move {handler} into "
-    "that `fx.handle`, before it."
+    "consumes it. Narrow the inner handler's `names`, move {handler} into "
+    "that `fx.handle`, before it, or give the inner handler a mode that passes "
+    "the site on (`consumes=False`: `fx.Append(consumes=False)`, "
+    "`fx.Reduce(..., consumes=False)`)."
 )
 _TWO_REPORTERS = (
     "{first} and {second} both report the {where} into found[{collection!r}]: "

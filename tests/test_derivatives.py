@@ -325,6 +325,14 @@ def test_a_derivative_reported_inside_is_an_error_for_a_name_outside(part):
     # a handler of that part selecting no name sees nothing, as in one `handle`
     _, outer = fx.handle(inner, fx.Tag(of=part))(X)
     assert outer == {f"intermediates:{part}": {}}
+    # What the error says works: the inner handler passing the site on.
+    passing = fx.Tag(of=part, mode=fx.Append(consumes=False))
+    (_, inner_found), outer = fx.handle(
+        fx.handle(d, passing), fx.Tag(of=part, names="h")
+    )(X)
+    key = f"intermediates:{part}"
+    assert_trees_close(outer[key]["h"], inner_found[key]["h"])
+    assert_trees_close(inner_found[key], fx.handle(d, fx.Tag(of=part))(X)[1][key])
 
 
 def test_a_handler_matching_every_part_by_a_method_consumes_only_the_value():
