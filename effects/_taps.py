@@ -394,7 +394,7 @@ class _Inserter:
                     changed = True
                     eqns += self.group() + new
                     continue
-            if eqn.primitive in rules and _jaxpr.sub_jaxprs(eqn):
+            if self.members and eqn.primitive in rules and _jaxpr.sub_jaxprs(eqn):
                 eqns += self.group()  # (its body's taps execute after these)
             new = self.equation(eqn, made)
             changed |= new[0] is not eqn
