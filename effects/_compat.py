@@ -212,6 +212,14 @@ def current_trace():
     return _core.trace_ctx.trace
 
 
+def new_input(trace, aval):
+    """A new input of the jaxpr `trace` is building, after those it has (jax
+    0.7-0.12: `DynamicJaxprTrace.new_arg`, as JAX makes a traced function's
+    inputs): a region's state, entering its trace where a handler first
+    touches it (see `_rules.Region`)."""
+    return trace.new_arg(aval, _source_info_util.current())
+
+
 def is_top_level() -> bool:
     """True when no JAX transformation is being traced (jax 0.10)."""
     return _core.trace_ctx.is_top_level()

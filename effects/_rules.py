@@ -4,10 +4,12 @@ its sub-jaxprs, and keeps only its binder order and params.
 
 A call (jit, checkpoint, custom_jvp/custom_vjp) is traced once, on the scope
 it is in (`Scope.traced`). A loop, a cond's branches and a shard_map's body
-(a `Region`) are traced as `jax.experimental.checkify` traces them: once
-threading nothing, which is the one trace where the handlers in them only
-append; where that trace touches an accumulator, takes per-execution inputs or
-reads the loop's iteration, it has learnt which (a `Plan`), and the region is
+(a `Region`) are traced once, each accumulator entering the trace as a new
+input where a handler first touches it (`_scope.Lazy`), and leaving it as an
+output: that trace is final where each leaves with the types it entered with
+and the branches agree. Otherwise (a value under more vmaps inside, branches
+that report differently, per-execution inputs, a shard_map's accumulators)
+the trace has learnt what the region threads (a `Plan`), and the region is
 traced again with that state as extra inputs and outputs.
 """
 
@@ -24,7 +26,7 @@ from . import _compat, _jaxpr
 from ._handlers import mode_label
 from ._layout import WHOLE, Axes, Boundary
 from ._rewrite import _bind, _matched, rules, run, trace_rewrite
-from ._scope import Acc, Key, Scope, types_key, types_of
+from ._scope import Acc, Key, Lazy, Scope, types_key, types_of
 from ._site import Site, describe
 from ._walk import recomputes, sites_in
 
@@ -243,11 +245,15 @@ class Region:
             sliced["index"] = jnp.arange(boundary.size, dtype=jnp.int32)
         self.carried, self._carried = jax.tree.flatten(carried)
         self.sliced, self._sliced = jax.tree.flatten(sliced)
-        # Whether this region's traces are first traces, traced again.
-        self.provisional = scope.provisional
-        # Per trace: what it found, and the entries it returns.
+        # Whether this region's traces are first traces, entering the
+        # accumulators lazily (see `traced`).
+        self.lazy = False
+        # Per trace: what it found, the entries it returns, and in a first
+        # trace, what it entered lazily and whether each accumulator left it
+        # with the types it entered with.
         self.found: list[Plan] = []
         self.out: list[dict[Key, list[tuple[Any, Axes]]]] = []
+        self.entered: list[tuple[Lazy | None, bool]] = []
 
     def args(self, invals) -> list[Any]:
         """The equation's own inputs with the state the region threads."""
@@ -271,13 +277,15 @@ class Region:
         `enter(plan)`: the accumulators entering, one tree each (by default as
         `Plan.acc` makes them); `outside`: the scope a first trace starts from.
 
-        A first trace threads nothing. Where the handlers in the bodies only
-        append (`Tag()`) it is the only one. Where they touch an accumulator,
-        take per-execution inputs or read the loop's iteration, it has learnt
-        which, and the bodies are traced again threading them. That plan is kept
-        for the rest of the rewrite, found again by what it depends on (each
-        body, and the types of the accumulators it starts from): a region met
-        again, in the second trace of a region around it, is traced once."""
+        A first trace enters the accumulators as the handlers first touch
+        them (but a shard_map's, which threads nothing), and is the only one
+        where it is final (`complete`). Where it is not, or it took
+        per-execution inputs or read the loop's iteration, it has learnt what
+        the region threads, and the bodies are traced again threading it. That
+        plan is kept for the rest of the rewrite, found again by what it
+        depends on (each body, and the types of the accumulators it starts
+        from): a region met again, in the second trace of a region around it,
+        is traced once."""
         outside = scope if outside is None else outside
         shards = boundary.marker if boundary.stack == "shard" else None
         keys = [
@@ -289,30 +297,24 @@ class Region:
         plans = [plan for plan in known if plan is not None]
         if len(plans) < len(bodies):
             first = cls(scope, Plan(), boundary, [], loop, outside, at)
-            first.provisional = True
+            # (a shard_map's accumulators leave it other than they enter)
+            first.lazy = boundary.stack != "shard"
             traced = [first.trace(j, c, in_avals) for j, c in bodies]
             plans = first.found
             plan = Plan.merged(plans, scope.handlers)
             if loop is not None:
                 plan.forbid(loop, scope)
-            complete = all(map(Plan().covers, plans))
+            if first.complete(plan):
+                region = cls(scope, plan, boundary, None, loop, outside, at)
+                region.found, region.out = first.found, first.out
+                return region, [
+                    first.threading(plan, body, hoisted, len(in_avals), entered)
+                    for (body, hoisted), (entered, _) in zip(traced, first.entered)
+                ]
             for key, (j, _), found in zip(keys, bodies, plans):
-                if not complete:
-                    entered = {k: _entering(outside, k) for k in found.acc_avals}
-                    # (the jaxpr kept: its id stays its own)
-                    scope.rewrite.plans.setdefault(key, []).append((j, found, entered))
-            entries = list(plan.entries.items())
-            # In a first trace, itself traced again, the scope only learns what
-            # the region needs (a region that takes it is made), and the region
-            # stays as traced here: but for a shard_map's, whose accumulators
-            # leave it other than they enter.
-            shortcut = scope.provisional and boundary.stack != "shard"
-            if all(list(out.items()) == entries for out in first.out) and (
-                complete or shortcut
-            ):
-                if not complete:
-                    cls(scope, plan, boundary, None, loop, outside, at)
-                return first, traced
+                entered = {k: _entering(outside, k) for k in found.acc_avals}
+                # (the jaxpr kept: its id stays its own)
+                scope.rewrite.plans.setdefault(key, []).append((j, found, entered))
         plan = Plan.merged(plans, scope.handlers)
         accs = None if enter is None else enter(plan)
         region = cls(scope, plan, boundary, accs, loop, outside, at)
@@ -322,6 +324,40 @@ class Region:
         ]
         assert all(map(plan.covers, region.found)), "a second trace lacked state"
         return region, traced
+
+    def complete(self, plan: Plan) -> bool:
+        """Whether this region's first traces are final: each entered the
+        accumulators it touched (in a loop, each leaving with the types it
+        entered with), took no per-execution input, read no iteration, and
+        all (a cond's branches) entered, touched and appended alike."""
+        entries = list(plan.entries.items())
+        return all(
+            not found.inputs
+            and not found.index
+            and ok
+            and set(() if lazy is None else lazy.accs) == set(found.acc_avals)
+            and list(found.acc_avals) == list(plan.acc_avals)
+            and list(out.items()) == entries
+            for found, out, (lazy, ok) in zip(self.found, self.out, self.entered)
+        )
+
+    def threading(self, plan: Plan, body, hoisted, n_args: int, lazy: Lazy | None):
+        """A first trace's body, its inputs in the order the region's
+        threads them: the accumulators it entered, after its own inputs,
+        moved where the carried state goes."""
+        if lazy is None or not lazy.accs:
+            return body, hoisted
+        n = len(hoisted)
+        i = n_args if self.at is None else self.at[0]
+        start = n + n_args
+        accs = [
+            start + first + j
+            for key in plan.acc_avals
+            for first, avals in [lazy.accs[key]]
+            for j in range(len(avals))
+        ]
+        order = [*range(n + i), *accs, *range(n + i, start)]
+        return _jaxpr.with_invars(body, [body.invars[k] for k in order]), hoisted
 
     def trace(self, jaxpr, consts, in_avals, own: Plan | None = None):
         """Traces the region `(*args, *carried, *sliced) -> (*outs, *carried,
@@ -342,6 +378,7 @@ class Region:
             sliced = self._sliced.unflatten(map(b.enter, flat[n_args + n_carried :]))
             given = iter(sliced["inputs"])
             index = carried.get("index", sliced.get("index"))
+            lazy = Lazy() if self.lazy else None
             sub = scope.inner(
                 accs={
                     k: Acc(value, acc.batch)
@@ -357,26 +394,25 @@ class Region:
                 # trace; see `_scope._counted`)
                 index=scope.index + (() if self.loop is None else (index,)),
                 outside=self.outside,
-                provisional=self.provisional,
+                lazy=lazy,
             )
             outs = run(jaxpr, consts, args, sub)
             found = Plan.of(sub)
             out = Plan.merged([Plan(entries=plan.entries), found]).entries
             self.found.append(found)
             self.out.append(out)
-            entries = []
-            for key, specs in out.items():
-                got = [value for value, _ in sub.entries.get(key, [])]
-                # A run with fewer executions (a branch) lacks the last ones:
-                # zeros after its own, or before them in a backward pass,
-                # which runs the executions last first.
-                fill = [sub.rewrite.zeros(avals) for avals, _ in specs[len(got) :]]
-                if (found.sites.get(key) or plan.sites[key]).part == "cotangent":
-                    got, fill = fill, got
-                entries += got + fill
+            entries = self._entries(sub, found, out)
+            # (a first trace: those it entered, as it touched them)
+            threaded = plan.acc_avals if lazy is None else found.acc_avals
             carried["accs"] = [
-                jax.tree.map(b.leave, sub.accs[k].value) for k in plan.acc_avals
+                jax.tree.map(b.leave, sub.accs[k].value) for k in threaded
             ]
+            if lazy is None:
+                self.entered.append((lazy, True))
+            else:
+                leaving = [jax.typeof(x) for x in jax.tree.leaves(carried["accs"])]
+                entering = [a for k in threaded for a in lazy.accs[k][1]]
+                self.entered.append((lazy, leaving == entering))
             if "index" in carried:
                 carried["index"] = carried["index"] + 1
             outs.insert(len(outs) if o is None else o, jax.tree.leaves(carried))
@@ -393,6 +429,20 @@ class Region:
             return _jaxpr.trace(fn, avals)
         with _compat.shard_map_body(b.params):
             return _jaxpr.trace(fn, avals)
+
+    def _entries(self, sub: Scope, found: Plan, out) -> list[Any]:
+        """What a trace in `sub` appended, as the region returns it (`out`):
+        a run with fewer executions (a branch) lacks the last ones, zeros
+        after its own, or before them in a backward pass, which runs the
+        executions last first."""
+        entries = []
+        for key, specs in out.items():
+            got = [value for value, _ in sub.entries.get(key, [])]
+            fill = [sub.rewrite.zeros(avals) for avals, _ in specs[len(got) :]]
+            if (found.sites.get(key) or self.plan.sites[key]).part == "cotangent":
+                got, fill = fill, got
+            entries += got + fill
+        return entries
 
     def leave(self, outs) -> list[Any]:
         """Gives the enclosing scope what the region returned besides the

@@ -217,7 +217,7 @@ class Scope:
         accs=None,
         inputs=None,
         replaying: bool = False,
-        provisional: bool = False,
+        lazy: Lazy | None = None,
         custom: str | None = None,
         shards: tuple = (),
         rewrite: Rewrite | None = None,
@@ -239,8 +239,9 @@ class Scope:
         # The backward pass's recomputation of a `jax.checkpoint` region (see
         # `replay`): per-execution inputs are refused here.
         self.replaying = replaying
-        # In a region's first trace that is traced again (`_rules.Region.traced`).
-        self.provisional = provisional
+        # In a loop's or branch's first trace: the state it enters as a
+        # handler first touches it (see `_rules.Region.traced`).
+        self.lazy = lazy
         self.entries: dict[Key, list[tuple[Any, Axes]]] = {}
         self.accs: dict[Key, Acc] = dict(accs or {})
         # The scope this region is in. A region's first trace (see
@@ -285,7 +286,6 @@ class Scope:
             rewrite=self.rewrite,
             index=self.index,
             replaying=self.replaying,
-            provisional=self.provisional,
             outside=self,
         )
         return Scope(self.handlers, **(same | fields))
@@ -346,7 +346,10 @@ class Scope:
         grown by the vmap batch axes `batch` has and it lacks."""
         if key not in self.accs and not self._enter(key):
             self.acc_inits[key] = init
-            self.accs[key] = Acc(init(), batch)
+            value = init()
+            if self.lazy is not None:  # (its types: the region's rule makes it)
+                value = self.lazy.enter(key, value)
+            self.accs[key] = Acc(value, batch)
         self.touched[key] = None
         value, have = self.accs[key]
         if batch != have:
@@ -375,8 +378,17 @@ class Scope:
         return scope.accs[key].types()
 
     def _enter(self, key: Key) -> bool:
-        """Makes here, as zeros, the accumulator `key` the region would start
-        from; False where it has none."""
+        """Enters here the accumulator `key` the region starts from: in a lazy
+        first trace, as a new input of its trace, the scope outside entering
+        it first; else as zeros. False where there is none."""
+        if self.lazy is not None:
+            outside = self.outside
+            assert outside is not None
+            if key not in outside.accs and not outside._enter(key):
+                return False
+            have = outside.accs[key]
+            self.accs[key] = Acc(self.lazy.enter(key, have.value), have.batch)
+            return True
         entering = self.entering(key)
         if entering is None:
             return False
@@ -556,6 +568,26 @@ class Acc(NamedTuple):
     def key(self) -> tuple:
         """What two accumulators' types must share to be alike."""
         return types_key(self.value), self.batch
+
+
+class Lazy:
+    """The accumulators a region's first trace enters as a handler first
+    touches them: each leaf a new input of the trace, after its own."""
+
+    def __init__(self):
+        self.trace = _compat.current_trace()
+        # key -> (the position of its first leaf among the new inputs, the
+        # types of its leaves)
+        self.accs: dict[Key, tuple[int, list[Any]]] = {}
+        self.n = 0
+
+    def enter(self, key: Key, value):
+        """A new input like `value` (a tree), entering as the accumulator `key`."""
+        leaves, tree = jax.tree.flatten(value)
+        avals = [jax.typeof(x) for x in leaves]
+        self.accs[key] = (self.n, avals)
+        self.n += len(avals)
+        return tree.unflatten([_compat.new_input(self.trace, a) for a in avals])
 
 
 def _alike(a, b) -> bool:

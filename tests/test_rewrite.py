@@ -1415,13 +1415,16 @@ def _nested_regions(x, ws):
     return lax.scan(layer, x, ws)[0]
 
 
-@pytest.mark.parametrize("mode", ["append", "sum"])
-def test_each_region_is_traced_once_where_its_handlers_only_append(monkeypatch, mode):
+@pytest.mark.parametrize("mode", ["append", "sum", "at"])
+def test_each_region_is_traced_once_unless_a_handler_reads_its_iteration(
+    monkeypatch, mode
+):
     # A jitted helper and a cond's branches in a scan body. Under Tag() every
-    # region is traced once; under a sum a loop or branch body is traced once
-    # more, threading its accumulators, and what is inside it with it. (The
-    # helper's body, whose handler keeps its value, is spliced: see
-    # `trace_rewrite`.)
+    # region is traced once, and under a sum too: the accumulators enter each
+    # trace as a handler first touches them. A handler reading the iteration
+    # (`at`) has the scan body traced once more, threading it, and what is
+    # inside it with it. (The helper's body, whose handler keeps its value,
+    # is spliced: see `trace_rewrite`.)
     from effects import _rules
 
     traced: dict = {}
@@ -1438,21 +1441,27 @@ def test_each_region_is_traced_once_where_its_handlers_only_append(monkeypatch, 
     counting("run")  # (a loop's or branch's body)
     counting("trace_rewrite")  # (a called function's)
     x, ws = lin(-1.0, 1.0, 3), jnp.stack([jnp.eye(3) * s for s in (0.5, -1.0, 2.0)])
-    out, found = fx.handle(lambda x: _nested_regions(x, ws), fx.Tag(mode=mode))(x)
+    if mode == "at":
+        handler = fx.Intervene({"h": lambda h, at: h * (at[1] + 1.0)})
+    else:
+        handler = fx.Tag(mode=mode)
+    out, found = fx.handle(lambda x: _nested_regions(x, ws), handler)(x)
     h, hs, bs = x, [], []
-    for w in ws:
-        h = jnp.tanh(h @ w)
+    for i, w in enumerate(ws):
+        h = jnp.tanh(h @ w) * (i + 1.0 if mode == "at" else 1.0)
         hs.append(h)
         h = h * 2.0 if h.sum() > 0 else h - 1.0
         bs.append(h)
     if mode == "append":
         want = found_of(h=(jnp.stack(hs),), b=(jnp.stack(bs),))
-    else:
+    elif mode == "sum":
         want = found_of(h=sum(hs), b=sum(bs))
+    else:
+        want = {}
     assert_trees_close((out, found), (h, want))
     # the scan body, the helper and the two branches
     assert len(traced) == 4
-    assert set(traced.values()) == {1 if mode == "append" else 2}
+    assert set(traced.values()) == {2 if mode == "at" else 1}
 
 
 def test_copied_equations_make_the_hand_written_program():
