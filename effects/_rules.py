@@ -4,13 +4,14 @@ its sub-jaxprs, and keeps only its binder order and params.
 
 A call (jit, checkpoint, custom_jvp/custom_vjp) is traced once, on the scope
 it is in (`Scope.traced`). A loop, a cond's branches and a shard_map's body
-(a `Region`) are traced once, each accumulator entering the trace as a new
-input where a handler first touches it (`_scope.Lazy`), and leaving it as an
-output: that trace is final where each leaves with the types it entered with
-and the branches agree. Otherwise (a value under more vmaps inside, branches
-that report differently, per-execution inputs, a shard_map's accumulators)
-the trace has learnt what the region threads (a `Plan`), and the region is
-traced again with that state as extra inputs and outputs.
+(a `Region`) are traced once, each accumulator (and a loop's iteration)
+entering the trace as a new input where a handler first touches it
+(`_scope.Lazy`), and leaving it as an output: that trace is final where each
+leaves with the types it entered with and the branches agree. Otherwise (a
+value under more vmaps inside, branches that report differently,
+per-execution inputs, a shard_map's accumulators) the trace has learnt what
+the region threads (a `Plan`), and the region is traced again with that
+state as extra inputs and outputs.
 """
 
 from __future__ import annotations
@@ -277,11 +278,11 @@ class Region:
         `enter(plan)`: the accumulators entering, one tree each (by default as
         `Plan.acc` makes them); `outside`: the scope a first trace starts from.
 
-        A first trace enters the accumulators as the handlers first touch
-        them (but a shard_map's, which threads nothing), and is the only one
-        where it is final (`complete`). Where it is not, or it took
-        per-execution inputs or read the loop's iteration, it has learnt what
-        the region threads, and the bodies are traced again threading it. That
+        A first trace enters the accumulators and the loop's iteration as the
+        handlers first touch them (but a shard_map's, which threads nothing),
+        and is the only one where it is final (`complete`). Where it is not,
+        or it took per-execution inputs, it has learnt what the region
+        threads, and the bodies are traced again threading it. That
         plan is kept for the rest of the rewrite, found again by what it
         depends on (each body, and the types of the accumulators it starts
         from): a region met again, in the second trace of a region around it,
@@ -325,15 +326,22 @@ class Region:
         assert all(map(plan.covers, region.found)), "a second trace lacked state"
         return region, traced
 
+    def _index_aval(self):
+        """The type of the loop's iteration inside (see `__init__`)."""
+        if self.loop == "lax.scan":
+            index = jnp.arange(self.boundary.size, dtype=jnp.int32)
+            return self.boundary.input_aval(jax.typeof(index))
+        return jax.typeof(jnp.int32(0))
+
     def complete(self, plan: Plan) -> bool:
         """Whether this region's first traces are final: each entered the
-        accumulators it touched (in a loop, each leaving with the types it
-        entered with), took no per-execution input, read no iteration, and
-        all (a cond's branches) entered, touched and appended alike."""
+        accumulators it touched (each leaving with the types it entered
+        with) and the loop's iteration it read, took no per-execution input,
+        and all (a cond's branches) entered, touched and appended alike."""
         entries = list(plan.entries.items())
         return all(
             not found.inputs
-            and not found.index
+            and (self.loop is None or not found.index or _entered_index(lazy))
             and ok
             and set(() if lazy is None else lazy.accs) == set(found.acc_avals)
             and list(found.acc_avals) == list(plan.acc_avals)
@@ -345,18 +353,26 @@ class Region:
         """A first trace's body, its inputs in the order the region's
         threads them: the accumulators it entered, after its own inputs,
         moved where the carried state goes."""
-        if lazy is None or not lazy.accs:
+        if lazy is None or lazy.n == 0:
             return body, hoisted
         n = len(hoisted)
         i = n_args if self.at is None else self.at[0]
         start = n + n_args
-        accs = [
+        carried = [
             start + first + j
             for key in plan.acc_avals
             for first, avals in [lazy.accs[key]]
             for j in range(len(avals))
         ]
-        order = [*range(n + i), *accs, *range(n + i, start)]
+        sliced = []
+        if lazy.index_at is not None:  # (a while_loop's carried, a scan's sliced)
+            index = [start + lazy.index_at]
+            carried, sliced = (
+                (carried + index, [])
+                if self.loop == "lax.while_loop"
+                else (carried, index)
+            )
+        order = [*range(n + i), *carried, *range(n + i, start), *sliced]
         return _jaxpr.with_invars(body, [body.invars[k] for k in order]), hoisted
 
     def trace(self, jaxpr, consts, in_avals, own: Plan | None = None):
@@ -378,7 +394,9 @@ class Region:
             sliced = self._sliced.unflatten(map(b.enter, flat[n_args + n_carried :]))
             given = iter(sliced["inputs"])
             index = carried.get("index", sliced.get("index"))
-            lazy = Lazy() if self.lazy else None
+            lazy = Lazy(self._index_aval) if self.lazy else None
+            if lazy is not None and self.loop is not None:
+                index = lazy
             sub = scope.inner(
                 accs={
                     k: Acc(value, acc.batch)
@@ -413,9 +431,15 @@ class Region:
                 leaving = [jax.typeof(x) for x in jax.tree.leaves(carried["accs"])]
                 entering = [a for k in threaded for a in lazy.accs[k][1]]
                 self.entered.append((lazy, leaving == entering))
+            if lazy is not None and lazy.index_at is not None:
+                index = lazy.index()
+                if self.loop == "lax.while_loop":
+                    carried["index"] = index
             if "index" in carried:
                 carried["index"] = carried["index"] + 1
             outs.insert(len(outs) if o is None else o, jax.tree.leaves(carried))
+            if lazy is not None:
+                lazy.done()
             return [*jax.tree.leaves(outs), *map(b.leave, jax.tree.leaves(entries))]
 
         avals = [
@@ -472,6 +496,10 @@ class Region:
         for (key, _, lead), value in zip(specs, values):
             scope.add_entry(key, b.from_inside(value, lead), b.after(lead))
         return [*outs[:o], *outs[o + len(self.carried) : n_own + len(self.carried)]]
+
+
+def _entered_index(lazy: Lazy | None) -> bool:
+    return lazy is not None and lazy.index_at is not None
 
 
 def _known(outside: Scope, key, jaxpr) -> Plan | None:

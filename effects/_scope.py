@@ -571,15 +571,31 @@ class Acc(NamedTuple):
 
 
 class Lazy:
-    """The accumulators a region's first trace enters as a handler first
-    touches them: each leaf a new input of the trace, after its own."""
+    """The state a region's first trace enters as a handler first touches
+    it: the accumulators, and a loop's iteration (`index_aval` gives its
+    type), each leaf a new input of the trace, after its own."""
 
-    def __init__(self):
+    def __init__(self, index_aval=None):
         self.trace = _compat.current_trace()
         # key -> (the position of its first leaf among the new inputs, the
         # types of its leaves)
         self.accs: dict[Key, tuple[int, list[Any]]] = {}
         self.n = 0
+        self.index_aval = index_aval
+        self.index_at: int | None = None  # (its position, once entered)
+        self._index = None
+
+    def index(self):
+        """The loop's iteration, entering at its first use."""
+        if self._index is None:
+            assert self.index_aval is not None  # (a loop's)
+            self.index_at, self.n = self.n, self.n + 1
+            self._index = _compat.new_input(self.trace, self.index_aval())
+        return self._index
+
+    def done(self):
+        """Lets go of the trace, once it is over."""
+        self.trace = self._index = None
 
     def enter(self, key: Key, value):
         """A new input like `value` (a tree), entering as the accumulator `key`."""
@@ -843,9 +859,12 @@ def _counted(scope: Scope, index: int, site: Site, key: Key, within: str | None)
         if number is None or (backward and within is None):
             raise ValueError(_AT_BACKWARD.format(where=site.where()))
         scope.wants_index = True
-        # (a loop whose iteration is not threaded yet: a stand-in, and the
-        # region is traced again threading it)
-        loops = (jnp.int32(0) if i is None else i for i in scope.index)
+        # (a loop's first trace enters its iteration here; None: a stand-in
+        # where it is not threaded)
+        loops = (
+            i.index() if isinstance(i, Lazy) else jnp.int32(0) if i is None else i
+            for i in scope.index
+        )
         return (jnp.int32(number), *loops)
 
     return at

@@ -1415,16 +1415,17 @@ def _nested_regions(x, ws):
     return lax.scan(layer, x, ws)[0]
 
 
-@pytest.mark.parametrize("mode", ["append", "sum", "at"])
-def test_each_region_is_traced_once_unless_a_handler_reads_its_iteration(
+@pytest.mark.parametrize("mode", ["append", "sum", "at", "per_call"])
+def test_each_region_is_traced_once_unless_it_takes_per_execution_inputs(
     monkeypatch, mode
 ):
     # A jitted helper and a cond's branches in a scan body. Under Tag() every
-    # region is traced once, and under a sum too: the accumulators enter each
-    # trace as a handler first touches them. A handler reading the iteration
-    # (`at`) has the scan body traced once more, threading it, and what is
-    # inside it with it. (The helper's body, whose handler keeps its value,
-    # is spliced: see `trace_rewrite`.)
+    # region is traced once, and under a sum, or reading the iteration
+    # (`at`), too: the accumulators and the iterations enter each trace as a
+    # handler first touches them. Per-execution inputs have the scan body
+    # traced once more, threading them, and what is inside it with it. (The
+    # helper's body, whose handler keeps its value, is spliced: see
+    # `trace_rewrite`.)
     from effects import _rules
 
     traced: dict = {}
@@ -1441,14 +1442,18 @@ def test_each_region_is_traced_once_unless_a_handler_reads_its_iteration(
     counting("run")  # (a loop's or branch's body)
     counting("trace_rewrite")  # (a called function's)
     x, ws = lin(-1.0, 1.0, 3), jnp.stack([jnp.eye(3) * s for s in (0.5, -1.0, 2.0)])
+    given = jnp.stack([lin(-0.5, 0.5, 3) * (i + 1.0) for i in range(len(ws))])
     if mode == "at":
         handler = fx.Intervene({"h": lambda h, at: h * (at[1] + 1.0)})
+    elif mode == "per_call":
+        handler = fx.Substitute({"h": (given,)}, per_call=True)
     else:
         handler = fx.Tag(mode=mode)
     out, found = fx.handle(lambda x: _nested_regions(x, ws), handler)(x)
     h, hs, bs = x, [], []
     for i, w in enumerate(ws):
-        h = jnp.tanh(h @ w) * (i + 1.0 if mode == "at" else 1.0)
+        h = given[i] if mode == "per_call" else jnp.tanh(h @ w)
+        h = h * (i + 1.0 if mode == "at" else 1.0)
         hs.append(h)
         h = h * 2.0 if h.sum() > 0 else h - 1.0
         bs.append(h)
@@ -1461,7 +1466,7 @@ def test_each_region_is_traced_once_unless_a_handler_reads_its_iteration(
     assert_trees_close((out, found), (h, want))
     # the scan body, the helper and the two branches
     assert len(traced) == 4
-    assert set(traced.values()) == {2 if mode == "at" else 1}
+    assert set(traced.values()) == {2 if mode == "per_call" else 1}
 
 
 def test_copied_equations_make_the_hand_written_program():
