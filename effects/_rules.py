@@ -408,8 +408,9 @@ class Region:
                 },
                 shards=scope.shards + ((b.marker,) if b.stack == "shard" else ()),
                 scans=scope.scans + (b.stack == "scan"),
-                # (a loop's iteration, None where it is not threaded: a first
-                # trace; see `_scope._counted`)
+                # (a loop's iteration: in a first trace, entering where a
+                # handler reads it; None where it is not threaded; see
+                # `_scope._counted`)
                 index=scope.index + (() if self.loop is None else (index,)),
                 outside=self.outside,
                 lazy=lazy,
@@ -420,26 +421,8 @@ class Region:
             self.found.append(found)
             self.out.append(out)
             entries = self._entries(sub, found, out)
-            # (a first trace: those it entered, as it touched them)
-            threaded = plan.acc_avals if lazy is None else found.acc_avals
-            carried["accs"] = [
-                jax.tree.map(b.leave, sub.accs[k].value) for k in threaded
-            ]
-            if lazy is None:
-                self.entered.append((lazy, True))
-            else:
-                leaving = [jax.typeof(x) for x in jax.tree.leaves(carried["accs"])]
-                entering = [a for k in threaded for a in lazy.accs[k][1]]
-                self.entered.append((lazy, leaving == entering))
-            if lazy is not None and lazy.index_at is not None:
-                index = lazy.index()
-                if self.loop == "lax.while_loop":
-                    carried["index"] = index
-            if "index" in carried:
-                carried["index"] = carried["index"] + 1
-            outs.insert(len(outs) if o is None else o, jax.tree.leaves(carried))
-            if lazy is not None:
-                lazy.done()
+            state = self._state_out(sub, found, carried, lazy)
+            outs.insert(len(outs) if o is None else o, state)
             return [*jax.tree.leaves(outs), *map(b.leave, jax.tree.leaves(entries))]
 
         avals = [
@@ -453,6 +436,27 @@ class Region:
             return _jaxpr.trace(fn, avals)
         with _compat.shard_map_body(b.params):
             return _jaxpr.trace(fn, avals)
+
+    def _state_out(self, sub: Scope, found: Plan, carried, lazy: Lazy | None):
+        """The carried state's leaves as a trace in `sub` returns them: the
+        accumulators (in a first trace, those it entered, as it touched
+        them; whether each leaves with its types is recorded), and a
+        while_loop's iteration, counted."""
+        b = self.boundary
+        threaded = self.plan.acc_avals if lazy is None else found.acc_avals
+        carried["accs"] = [jax.tree.map(b.leave, sub.accs[k].value) for k in threaded]
+        if lazy is None:
+            self.entered.append((lazy, True))
+        else:
+            leaving = [jax.typeof(x) for x in jax.tree.leaves(carried["accs"])]
+            entering = [a for k in threaded for a in lazy.accs[k][1]]
+            self.entered.append((lazy, leaving == entering))
+            if lazy.index_at is not None and self.loop == "lax.while_loop":
+                carried["index"] = lazy.index()
+            lazy.done()
+        if "index" in carried:
+            carried["index"] = carried["index"] + 1
+        return jax.tree.leaves(carried)
 
     def _entries(self, sub: Scope, found: Plan, out) -> list[Any]:
         """What a trace in `sub` appended, as the region returns it (`out`):
