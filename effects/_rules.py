@@ -305,13 +305,12 @@ class Region:
             plan = Plan.merged(plans, scope.handlers)
             if loop is not None:
                 plan.forbid(loop, scope)
-            if first.complete(plan):
+            aligned = first.aligned(plan, traced, len(in_avals))
+            if aligned is not None:
                 region = cls(scope, plan, boundary, None, loop, outside, at)
-                region.found, region.out = first.found, first.out
-                return region, [
-                    first.threading(plan, body, hoisted, len(in_avals), entered)
-                    for (body, hoisted), (entered, _) in zip(traced, first.entered)
-                ]
+                region.found = first.found
+                region.out = [plan.entries] * len(bodies)
+                return region, aligned
             for key, (j, _), found in zip(keys, bodies, plans):
                 entered = {k: _entering(outside, k) for k in found.acc_avals}
                 # (the jaxpr kept: its id stays its own)
@@ -333,26 +332,41 @@ class Region:
             return self.boundary.input_aval(jax.typeof(index))
         return jax.typeof(jnp.int32(0))
 
-    def complete(self, plan: Plan) -> bool:
-        """Whether this region's first traces are final: each entered the
-        accumulators it touched (each leaving with the types it entered
-        with) and the loop's iteration it read, took no per-execution input,
-        and all (a cond's branches) entered, touched and appended alike."""
-        entries = list(plan.entries.items())
-        return all(
-            not found.inputs
-            and (self.loop is None or not found.index or _entered_index(lazy))
-            and ok
-            and set(() if lazy is None else lazy.accs) == set(found.acc_avals)
-            and list(found.acc_avals) == list(plan.acc_avals)
-            and list(out.items()) == entries
-            for found, out, (lazy, ok) in zip(self.found, self.out, self.entered)
-        )
+    def aligned(self, plan: Plan, traced, n_args: int):
+        """This region's first traces (`traced`: `(body, hoisted)` each) as
+        the region threads `plan`, or None where they cannot be, and the
+        region is traced again: each must have entered the accumulators it
+        touched (each leaving with the types it entered with) and the loop's
+        iteration it read, and taken no per-execution input. Their inputs
+        are moved where the region's state goes (`threading`), and a branch
+        lacking what another touched or appended gets it (`_padded`)."""
+        accs: dict[Key, list[Any]] = {}  # (the types each entered with)
+        for found, (lazy, ok) in zip(self.found, self.entered):
+            have = {} if lazy is None else lazy.accs
+            if found.inputs or not ok or set(have) != set(found.acc_avals):
+                return None
+            if self.loop is not None and found.index and not _entered_index(lazy):
+                return None
+            for key, (_, avals) in have.items():
+                if accs.setdefault(key, avals) != avals:
+                    return None
+        bodies = []
+        for (body, hoisted), found, (lazy, _) in zip(traced, self.found, self.entered):
+            same = [list(found.acc_avals), list(found.entries.items())]
+            if same == [list(plan.acc_avals), list(plan.entries.items())]:
+                bodies.append(self.threading(plan, body, hoisted, n_args, lazy))
+                continue
+            assert self.loop is None and self.at is None  # (a cond's branch)
+            body = self._padded(plan, found, body, len(hoisted) + n_args, lazy, accs)
+            if body is None:
+                return None
+            bodies.append((body, hoisted))
+        return bodies
 
     def threading(self, plan: Plan, body, hoisted, n_args: int, lazy: Lazy | None):
         """A first trace's body, its inputs in the order the region's
-        threads them: the accumulators it entered, after its own inputs,
-        moved where the carried state goes."""
+        threads them: the state it entered, after its own inputs, moved where
+        the carried and the sliced state go."""
         if lazy is None or lazy.n == 0:
             return body, hoisted
         n = len(hoisted)
@@ -367,13 +381,67 @@ class Region:
         sliced = []
         if lazy.index_at is not None:  # (a while_loop's carried, a scan's sliced)
             index = [start + lazy.index_at]
-            carried, sliced = (
-                (carried + index, [])
-                if self.loop == "lax.while_loop"
-                else (carried, index)
-            )
+            if self.loop == "lax.while_loop":
+                carried += index
+            else:
+                sliced = index
         order = [*range(n + i), *carried, *range(n + i, start), *sliced]
         return _jaxpr.with_invars(body, [body.invars[k] for k in order]), hoisted
+
+    def _padded(self, plan: Plan, found: Plan, body, start: int, lazy, accs):
+        """A branch's first trace (`body`, its own inputs before `start`), as
+        the region threads `plan`: the accumulators it did not touch passed
+        through, and zeros for the entries it lacks (after its own, or before
+        them in a backward pass, which runs the executions last first), made
+        by a jaxpr of their own whose equations join the body's. None where
+        a zero is a constant (float0)."""
+        sizes = {k: len(avals) for k, avals in accs.items()}
+        n_accs = sum(sizes[k] for k in found.acc_avals)
+        outs = body.outvars
+        n_own = len(outs) - n_accs - sum(map(_n_leaves, found.entries.values()))
+        lacking = [k for k in plan.acc_avals if k not in found.acc_avals]
+        fills = [s[len(found.entries.get(k, ())) :] for k, s in plan.entries.items()]
+        b, zeros = self.boundary, self.scope.rewrite.zeros
+
+        def fill(*passed):
+            made = [zeros(avals) for specs in fills for avals, _ in specs]
+            return [*map(b.leave, passed), *map(b.leave, jax.tree.leaves(made))]
+
+        passed_avals = [a for k in lacking for a in accs[k]]
+        extra, consts = _jaxpr.trace(self.scope.rewrite.ending(fill), passed_avals)
+        if consts:
+            return None
+        n_passed = len(passed_avals)
+        passed = _by_key(lacking, sizes, extra.invars, extra.outvars[:n_passed])
+        mine = _by_key(found.acc_avals, sizes, None, outs[n_own : n_own + n_accs])
+        carried_in, carried_out = [], []
+        for key in plan.acc_avals:
+            if key in passed:
+                carried_in += passed[key][0]
+                carried_out += passed[key][1]
+            else:
+                first, avals = lazy.accs[key]
+                carried_in += body.invars[start + first : start + first + len(avals)]
+                carried_out += mine[key][1]
+        got, made = iter(outs[n_own + n_accs :]), iter(extra.outvars[n_passed:])
+        # (its own in the order it appended them, the region's in its order)
+        values_of = {
+            k: [next(got) for _ in range(_n_leaves(specs))]
+            for k, specs in found.entries.items()
+        }
+        entries = []
+        for key, filled in zip(plan.entries, fills):
+            values = values_of.get(key, [])
+            zero = [next(made) for _ in range(_n_leaves(filled))]
+            if (found.sites.get(key) or plan.sites[key]).part == "cotangent":
+                values, zero = zero, values
+            entries += values + zero
+        return body.replace(
+            invars=[*body.invars[:start], *carried_in],
+            eqns=[*body.eqns, *extra.eqns],
+            outvars=[*outs[:n_own], *carried_out, *entries],
+            effects=body.effects | extra.effects,
+        )
 
     def trace(self, jaxpr, consts, in_avals, own: Plan | None = None):
         """Traces the region `(*args, *carried, *sliced) -> (*outs, *carried,
@@ -500,6 +568,21 @@ class Region:
         for (key, _, lead), value in zip(specs, values):
             scope.add_entry(key, b.from_inside(value, lead), b.after(lead))
         return [*outs[:o], *outs[o + len(self.carried) : n_own + len(self.carried)]]
+
+
+def _n_leaves(specs) -> int:
+    """How many leaves the entries of `specs` (`(avals, lead)` each) have."""
+    return sum(len(jax.tree.leaves(avals)) for avals, _ in specs)
+
+
+def _by_key(keys, sizes, ins, outs) -> dict[Key, tuple[list, list]]:
+    """`ins` and `outs` (None: none), `sizes[key]` leaves per key."""
+    split, at = {}, 0
+    for key in keys:
+        n = sizes[key]
+        split[key] = ([] if ins is None else ins[at : at + n], outs[at : at + n])
+        at += n
+    return split
 
 
 def _entered_index(lazy: Lazy | None) -> bool:

@@ -1469,6 +1469,64 @@ def test_each_region_is_traced_once_unless_it_takes_per_execution_inputs(
     assert set(traced.values()) == {2 if mode == "per_call" else 1}
 
 
+@pytest.mark.parametrize("mode", ["append", "sum"])
+def test_branches_that_report_differently_are_traced_once(monkeypatch, mode):
+    # One branch tags "a" twice and "b", the other "b" only, in a scan: the
+    # other branch gets zeros for "a" and passes the sum through, from its
+    # one trace (see `Region.aligned`); each branch is traced once.
+    from effects import _rules
+
+    traced: dict = {}
+    original = _rules.run
+
+    def counted(jaxpr, *args, **kwargs):
+        traced[jaxpr] = traced.get(jaxpr, 0) + 1
+        return original(jaxpr, *args, **kwargs)
+
+    monkeypatch.setattr(_rules, "run", counted)
+
+    def one(h):
+        h = fx.tag(jnp.sin(h), "a")
+        return fx.tag(fx.tag(h * 2.0, "a") - 3.0, "b")
+
+    def other(h):
+        return fx.tag(h + 2.0, "b")
+
+    def f(x):
+        def body(h, _):
+            return lax.cond(h.sum() > 0, one, other, h), None
+
+        return lax.scan(body, x, None, length=4)[0]
+
+    x = lin(-1.0, 1.0, 3) + 0.4
+    handled = fx.handle(f, fx.Tag(mode=mode))
+    out, found = handled(x)
+    h, a, b = x, [], []
+    for _ in range(4):
+        if h.sum() > 0:
+            first = jnp.sin(h)
+            a.append((first, first * 2.0))
+            h = first * 2.0 - 3.0
+        else:
+            a.append((jnp.zeros(3), jnp.zeros(3)))
+            h = h + 2.0
+        b.append(h)
+    assert {bool(v.sum() > 0) for v in [x, *b[:-1]]} == {True, False}
+    if mode == "append":
+        want = found_of(
+            a=(jnp.stack([p for p, _ in a]), jnp.stack([q for _, q in a])),
+            b=(jnp.stack(b),),
+        )
+    else:
+        want = found_of(a=sum(p + q for p, q in a), b=sum(b))
+    assert_trees_close((out, found), (h, want))
+    assert sorted(traced.values()) == [1, 1, 1]  # the body and the branches
+    assert_trees_close(jax.jit(handled)(x), (out, found))
+    assert_trees_close(
+        jax.grad(lambda x: handled(x)[0].sum())(x), jax.grad(lambda x: f(x).sum())(x)
+    )
+
+
 def test_copied_equations_make_the_hand_written_program():
     # Where a jaxpr is being built, the rewritten program is inlined: the
     # jaxpr is the hand-written function's, equation for equation.
