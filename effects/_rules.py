@@ -337,9 +337,8 @@ class Region:
         the region threads `plan`, or None where they cannot be, and the
         region is traced again: each must have entered the accumulators it
         touched (each leaving with the types it entered with) and the loop's
-        iteration it read, and taken no per-execution input. Their inputs
-        are moved where the region's state goes (`threading`), and a branch
-        lacking what another touched or appended gets it (`_padded`)."""
+        iteration it read, and taken no per-execution input (see
+        `_laid_out`)."""
         accs: dict[Key, list[Any]] = {}  # (the types each entered with)
         for found, (lazy, ok) in zip(self.found, self.entered):
             have = {} if lazy is None else lazy.accs
@@ -352,96 +351,100 @@ class Region:
                     return None
         bodies = []
         for (body, hoisted), found, (lazy, _) in zip(traced, self.found, self.entered):
-            same = [list(found.acc_avals), list(found.entries.items())]
-            if same == [list(plan.acc_avals), list(plan.entries.items())]:
-                bodies.append(self.threading(plan, body, hoisted, n_args, lazy))
-                continue
-            assert self.loop is None and self.at is None  # (a cond's branch)
-            body = self._padded(plan, found, body, len(hoisted) + n_args, lazy, accs)
+            if lazy is not None:
+                body = self._laid_out(
+                    plan, found, body, len(hoisted), n_args, lazy, accs
+                )
             if body is None:
                 return None
             bodies.append((body, hoisted))
         return bodies
 
-    def threading(self, plan: Plan, body, hoisted, n_args: int, lazy: Lazy | None):
-        """A first trace's body, its inputs in the order the region's
-        threads them: the state it entered, after its own inputs, moved where
-        the carried and the sliced state go."""
-        if lazy is None or lazy.n == 0:
-            return body, hoisted
-        n = len(hoisted)
-        i = n_args if self.at is None else self.at[0]
-        start = n + n_args
-        carried = [
-            start + first + j
-            for key in plan.acc_avals
-            for first, avals in [lazy.accs[key]]
-            for j in range(len(avals))
-        ]
-        sliced = []
-        if lazy.index_at is not None:  # (a while_loop's carried, a scan's sliced)
-            index = [start + lazy.index_at]
-            if self.loop == "lax.while_loop":
-                carried += index
-            else:
-                sliced = index
-        order = [*range(n + i), *carried, *range(n + i, start), *sliced]
-        return _jaxpr.with_invars(body, [body.invars[k] for k in order]), hoisted
-
-    def _padded(self, plan: Plan, found: Plan, body, start: int, lazy, accs):
-        """A branch's first trace (`body`, its own inputs before `start`), as
-        the region threads `plan`: the accumulators it did not touch passed
-        through, and zeros for the entries it lacks (after its own, or before
-        them in a backward pass, which runs the executions last first), made
-        by a jaxpr of their own whose equations join the body's. None where
-        a zero is a constant (float0)."""
+    def _laid_out(
+        self, plan: Plan, found: Plan, body, n_hoisted, n_args, lazy: Lazy, accs
+    ):
+        """A first trace's `body` as the region threads `plan`: the state it
+        entered, after its own inputs, moved where the carried and the sliced
+        state go, and its outputs in the region's order; for a branch, the
+        accumulators it did not touch passed through and zeros for the
+        entries it lacks (after its own, or before them in a backward pass,
+        which runs the executions last first), made by a jaxpr of their own
+        whose equations join the body's. None where a zero is a constant
+        (float0)."""
         sizes = {k: len(avals) for k, avals in accs.items()}
-        n_accs = sum(sizes[k] for k in found.acc_avals)
-        outs = body.outvars
-        n_own = len(outs) - n_accs - sum(map(_n_leaves, found.entries.values()))
         lacking = [k for k in plan.acc_avals if k not in found.acc_avals]
         fills = [s[len(found.entries.get(k, ())) :] for k, s in plan.entries.items()]
+        index = lazy.index_at
+        carries = index is not None and self.loop == "lax.while_loop"
+        outs, start = body.outvars, n_hoisted + n_args
+        n_state = sum(sizes[k] for k in found.acc_avals) + carries
+        n_own = len(outs) - n_state - sum(map(_n_leaves, found.entries.values()))
+        i, o = (n_args, n_own) if self.at is None else self.at
+        state, got = iter(outs[o : o + n_state]), iter(outs[n_own + n_state :])
+        passed = [a for k in lacking for a in accs[k]]
+        extra = self._filler(passed, fills)
+        if extra is None:
+            return None
+        ins, outs_extra, eqns, effects = extra
+        through = iter(zip(ins, outs_extra[: len(passed)]))
+        made = iter(outs_extra[len(passed) :])
+        mine = {k: [next(state) for _ in range(sizes[k])] for k in found.acc_avals}
+        carried_in, carried_out = [], []
+        for key in plan.acc_avals:
+            if key in mine:
+                first = start + lazy.accs[key][0]
+                carried_in += body.invars[first : first + sizes[key]]
+                carried_out += mine[key]
+            else:
+                pairs = [next(through) for _ in range(sizes[key])]
+                carried_in += [v for v, _ in pairs]
+                carried_out += [v for _, v in pairs]
+        sliced_in = [] if index is None else [body.invars[start + index]]
+        if carries:
+            carried_in, sliced_in = carried_in + sliced_in, []
+            carried_out.append(next(state))
+        values = {
+            k: [next(got) for _ in range(_n_leaves(specs))]
+            for k, specs in found.entries.items()
+        }
+        entries = []
+        for key, filled in zip(plan.entries, fills):
+            own = values.get(key, [])
+            zero = [next(made) for _ in range(_n_leaves(filled))]
+            if (found.sites.get(key) or plan.sites[key]).part == "cotangent":
+                own, zero = zero, own
+            entries += own + zero
+        own = [*outs[:o], *outs[o + n_state : n_own + n_state]]  # (the equation's)
+        cut = n_hoisted + i
+        return body.replace(
+            invars=[
+                *body.invars[:cut],
+                *carried_in,
+                *body.invars[cut:start],
+                *sliced_in,
+            ],
+            eqns=[*body.eqns, *eqns],
+            outvars=[*own[:o], *carried_out, *own[o:], *entries],
+            effects=body.effects | effects,
+        )
+
+    def _filler(self, passed, fills):
+        """What a branch lacks (see `_laid_out`): the accumulators of types
+        `passed` passed through and zeros for the entries `fills` (specs,
+        per name), as a jaxpr's inputs, outputs, equations and effects. None
+        where a zero is a constant (float0)."""
+        if not passed and not any(fills):
+            return (), (), (), frozenset()
         b, zeros = self.boundary, self.scope.rewrite.zeros
 
         def fill(*passed):
             made = [zeros(avals) for specs in fills for avals, _ in specs]
             return [*map(b.leave, passed), *map(b.leave, jax.tree.leaves(made))]
 
-        passed_avals = [a for k in lacking for a in accs[k]]
-        extra, consts = _jaxpr.trace(self.scope.rewrite.ending(fill), passed_avals)
+        extra, consts = _jaxpr.trace(self.scope.rewrite.ending(fill), passed)
         if consts:
             return None
-        n_passed = len(passed_avals)
-        passed = _by_key(lacking, sizes, extra.invars, extra.outvars[:n_passed])
-        mine = _by_key(found.acc_avals, sizes, None, outs[n_own : n_own + n_accs])
-        carried_in, carried_out = [], []
-        for key in plan.acc_avals:
-            if key in passed:
-                carried_in += passed[key][0]
-                carried_out += passed[key][1]
-            else:
-                first, avals = lazy.accs[key]
-                carried_in += body.invars[start + first : start + first + len(avals)]
-                carried_out += mine[key][1]
-        got, made = iter(outs[n_own + n_accs :]), iter(extra.outvars[n_passed:])
-        # (its own in the order it appended them, the region's in its order)
-        values_of = {
-            k: [next(got) for _ in range(_n_leaves(specs))]
-            for k, specs in found.entries.items()
-        }
-        entries = []
-        for key, filled in zip(plan.entries, fills):
-            values = values_of.get(key, [])
-            zero = [next(made) for _ in range(_n_leaves(filled))]
-            if (found.sites.get(key) or plan.sites[key]).part == "cotangent":
-                values, zero = zero, values
-            entries += values + zero
-        return body.replace(
-            invars=[*body.invars[:start], *carried_in],
-            eqns=[*body.eqns, *extra.eqns],
-            outvars=[*outs[:n_own], *carried_out, *entries],
-            effects=body.effects | extra.effects,
-        )
+        return extra.invars, extra.outvars, extra.eqns, extra.effects
 
     def trace(self, jaxpr, consts, in_avals, own: Plan | None = None):
         """Traces the region `(*args, *carried, *sliced) -> (*outs, *carried,
@@ -573,16 +576,6 @@ class Region:
 def _n_leaves(specs) -> int:
     """How many leaves the entries of `specs` (`(avals, lead)` each) have."""
     return sum(len(jax.tree.leaves(avals)) for avals, _ in specs)
-
-
-def _by_key(keys, sizes, ins, outs) -> dict[Key, tuple[list, list]]:
-    """`ins` and `outs` (None: none), `sizes[key]` leaves per key."""
-    split, at = {}, 0
-    for key in keys:
-        n = sizes[key]
-        split[key] = ([] if ins is None else ins[at : at + n], outs[at : at + n])
-        at += n
-    return split
 
 
 def _entered_index(lazy: Lazy | None) -> bool:
