@@ -4643,16 +4643,26 @@ def test_find_nonfinite_answers_exactly_where_the_output_is_non_finite(program, 
         # (compiled, and with each operation rounded on its own, as
         # find_nonfinite's search runs it: XLA's simplification can fold two
         # products by constants into one that does not overflow, test_jax_facts
-        # ::test_xla_folds_a_product_by_two_constants_into_one; where the two
+        # ::test_xla_folds_a_product_by_two_constants_into_one, and `x + x * c`
+        # into `x * (1 + c)` in a loop body even with "algsimp" off; where they
         # differ, either answer is the function's)
-        finite, one_by_one = (
-            all(
+        def all_finite(out):
+            return all(
                 np.isfinite(np.asarray(v)).all()
-                for v in jax.tree.leaves(jax.jit(f, compiler_options=options)(arg))
+                for v in jax.tree.leaves(out)
                 if jnp.issubdtype(np.asarray(v).dtype, jnp.inexact)
             )
-            for options in (None, {"xla_disable_hlo_passes": "algsimp"})
+
+        finite = all_finite(jax.jit(f)(arg))
+        try:
+            with jax.disable_jit():  # (each operation on its own)
+                one_by_one = all_finite(f(jnp.asarray(arg)))
+        except ValueError:  # (a zero-length scan, which JAX does not run so)
+            one_by_one = finite
+        unsimplified = jax.jit(
+            f, compiler_options={"xla_disable_hlo_passes": "algsimp"}
         )
+        one_by_one &= all_finite(unsimplified(arg))
         try:
             bad = fx.find_nonfinite(f, arg)
         except ValueError as e:
