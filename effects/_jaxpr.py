@@ -73,14 +73,6 @@ def copy_into_trace(jaxpr: Jaxpr, args: Sequence[Any]) -> list[Any] | None:
     return _compat.inline_into_trace(jaxpr, args)
 
 
-def with_invars(jaxpr: Jaxpr, invars: Sequence[Any]) -> Jaxpr:
-    """`jaxpr` with its inputs in another order (`invars`: the same)."""
-    dbg = jaxpr.debug_info
-    if dbg is not None and dbg.arg_names is not None:
-        dbg = dbg._replace(arg_names=None)
-    return jaxpr.replace(invars=list(invars), debug_info=dbg)
-
-
 def insert_invars(jaxpr: Jaxpr, index: int, avals: Sequence[Any]) -> Jaxpr:
     """Adds unused inputs of the given avals before input `index`."""
     if not avals:

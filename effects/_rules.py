@@ -280,7 +280,7 @@ class Region:
 
         A first trace enters the accumulators and the loop's iteration as the
         handlers first touch them (but a shard_map's, which threads nothing),
-        and is the only one where it is final (`complete`). Where it is not,
+        and is the only one where it is final (`aligned`). Where it is not,
         or it took per-execution inputs, it has learnt what the region
         threads, and the bodies are traced again threading it. That
         plan is kept for the rest of the rewrite, found again by what it
