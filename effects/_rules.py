@@ -4,14 +4,13 @@ its sub-jaxprs, and keeps only its binder order and params.
 
 A call (jit, checkpoint, custom_jvp/custom_vjp) is traced once, on the scope
 it is in (`Scope.traced`). A loop, a cond's branches and a shard_map's body
-(a `Region`) are traced once, each accumulator (and a loop's iteration)
-entering the trace as a new input where a handler first touches it
-(`_scope.Lazy`), and leaving it as an output: that trace is final where each
-leaves with the types it entered with and the branches agree. Otherwise (a
-value under more vmaps inside, branches that report differently,
-per-execution inputs, a shard_map's accumulators) the trace has learnt what
-the region threads (a `Plan`), and the region is traced again with that
-state as extra inputs and outputs.
+(a `Region`) are traced once, each accumulator, per-execution input and
+loop iteration entering the trace as a new input where a handler first
+touches it (`_scope.Lazy`), an accumulator leaving it as an output: that
+trace is final where each leaves with the types it entered with. Otherwise
+(a value under more vmaps inside, a shard_map's accumulators) the trace has
+learnt what the region threads (a `Plan`), and the region is traced again
+with that state as extra inputs and outputs.
 """
 
 from __future__ import annotations
@@ -27,8 +26,8 @@ from . import _compat, _jaxpr
 from ._handlers import mode_label
 from ._layout import WHOLE, Axes, Boundary
 from ._rewrite import _bind, _matched, rules, run, trace_rewrite
-from ._scope import Acc, Key, Lazy, Scope, types_key, types_of
-from ._site import Site, describe
+from ._scope import Acc, Key, Lazy, Scope, last_first, types_key, types_of
+from ._site import Site, describe, strong
 from ._walk import recomputes, sites_in
 
 #
@@ -181,13 +180,6 @@ _BRANCHES_DIFFER = (
 )
 
 
-def _entering(scope: Scope, key: Key):
-    """What a region's plan depends on of the accumulator `key` it starts from
-    in `scope` (see `Scope.entering`)."""
-    found = scope.entering(key)
-    return None if found is None else found.key()
-
-
 #
 # Regions
 #
@@ -235,6 +227,8 @@ class Region:
             ]
             values = scope.take_inputs(key, outside_specs, plan.sites[key])
             for value, (_, lead) in zip(values, specs):
+                # (typed as a first trace enters them: see `_scope.Lazy.take`)
+                value = jax.tree.map(_typed_input, value)
                 inputs.append(boundary.to_inside(value, lead))
         carried: dict[str, Any] = {"accs": accs}
         sliced: dict[str, Any] = {"inputs": inputs}
@@ -278,46 +272,27 @@ class Region:
         `enter(plan)`: the accumulators entering, one tree each (by default as
         `Plan.acc` makes them); `outside`: the scope a first trace starts from.
 
-        A first trace enters the accumulators and the loop's iteration as the
-        handlers first touch them (but a shard_map's, which threads nothing),
-        and is the only one where it is final (`aligned`). Where it is not,
-        or it took per-execution inputs, it has learnt what the region
-        threads, and the bodies are traced again threading it. That
-        plan is kept for the rest of the rewrite, found again by what it
-        depends on (each body, and the types of the accumulators it starts
-        from): a region met again, in the second trace of a region around it,
-        is traced once."""
+        A first trace enters the accumulators, the per-execution inputs and
+        the loop's iteration as the handlers first touch them (but a
+        shard_map's, which threads nothing), and is the only one where it is
+        final (`aligned`). Where it is not, it has learnt what the region
+        threads, and the bodies are traced again threading it."""
         outside = scope if outside is None else outside
-        shards = boundary.marker if boundary.stack == "shard" else None
-        keys = [
-            (id(j), tuple(map(id, c)), tuple(in_avals), shards, loop, scope.custom)
-            + (scope.shards, scope.replaying)
-            for j, c in bodies
-        ]
-        known = [_known(outside, key, j) for key, (j, _) in zip(keys, bodies)]
-        plans = [plan for plan in known if plan is not None]
-        if len(plans) < len(bodies):
-            first = cls(scope, Plan(), boundary, [], loop, outside, at)
-            # (a shard_map's accumulators leave it other than they enter)
-            first.lazy = boundary.stack != "shard"
-            traced = [first.trace(j, c, in_avals) for j, c in bodies]
-            plans = first.found
-            plan = Plan.merged(plans, scope.handlers)
-            if loop is not None:
-                plan.forbid(loop, scope)
-            aligned = first.aligned(plan, traced, len(in_avals))
-            if aligned is not None:
-                region = cls(scope, plan, boundary, None, loop, outside, at)
-                region.found = first.found
-                region.out = [plan.entries] * len(bodies)
-                return region, aligned
-            for key, (j, _), found in zip(keys, bodies, plans):
-                entered = {k: _entering(outside, k) for k in found.acc_avals}
-                # (the jaxpr kept: its id stays its own)
-                scope.rewrite.plans.setdefault(key, []).append((j, found, entered))
+        first = cls(scope, Plan(), boundary, [], loop, outside, at)
+        # (a shard_map's accumulators leave it other than they enter)
+        first.lazy = boundary.stack != "shard"
+        traced = [first.trace(j, c, in_avals) for j, c in bodies]
+        plans = first.found
         plan = Plan.merged(plans, scope.handlers)
+        if loop is not None:
+            plan.forbid(loop, scope)
         accs = None if enter is None else enter(plan)
         region = cls(scope, plan, boundary, accs, loop, outside, at)
+        aligned = first.aligned(region, traced, len(in_avals))
+        if aligned is not None:
+            region.found = first.found
+            region.out = [plan.entries] * len(bodies)
+            return region, aligned
         traced = [
             region.trace(j, c, in_avals, own if len(bodies) > 1 else None)
             for (j, c), own in zip(bodies, plans)
@@ -332,28 +307,38 @@ class Region:
             return self.boundary.input_aval(jax.typeof(index))
         return jax.typeof(jnp.int32(0))
 
-    def aligned(self, plan: Plan, traced, n_args: int):
+    def aligned(self, region: Region, traced, n_args: int):
         """This region's first traces (`traced`: `(body, hoisted)` each) as
-        the region threads `plan`, or None where they cannot be, and the
-        region is traced again: each must have entered the accumulators it
-        touched (each leaving with the types it entered with) and the loop's
-        iteration it read, and taken no per-execution input (see
-        `_laid_out`)."""
+        `region` threads them, or None where they cannot be, and the region
+        is traced again: each must have entered the accumulators it touched
+        (each leaving with the types it entered with), the loop's iteration
+        it read and the per-execution inputs it took, with the types the
+        region gives (see `_laid_out`)."""
         accs: dict[Key, list[Any]] = {}  # (the types each entered with)
         for found, (lazy, ok) in zip(self.found, self.entered):
             have = {} if lazy is None else lazy.accs
-            if found.inputs or not ok or set(have) != set(found.acc_avals):
+            if not ok or set(have) != set(found.acc_avals):
+                return None
+            if lazy is None and found.inputs:
                 return None
             if self.loop is not None and found.index and not _entered_index(lazy):
                 return None
             for key, (_, avals) in have.items():
                 if accs.setdefault(key, avals) != avals:
                     return None
+        # The types of the inputs the region gives, per name and entry.
+        b, plan = region.boundary, region.plan
+        given = region._sliced.unflatten(region.sliced)["inputs"]
+        leaves = iter(b.input_aval(jax.typeof(x)) for x in jax.tree.leaves(given))
+        inputs = {
+            key: [[next(leaves) for _ in jax.tree.leaves(a)] for a, _ in specs]
+            for key, specs in plan.inputs.items()
+        }
         bodies = []
         for (body, hoisted), found, (lazy, _) in zip(traced, self.found, self.entered):
             if lazy is not None:
                 body = self._laid_out(
-                    plan, found, body, len(hoisted), n_args, lazy, accs
+                    plan, found, body, len(hoisted), n_args, lazy, accs, inputs
                 )
             if body is None:
                 return None
@@ -361,16 +346,17 @@ class Region:
         return bodies
 
     def _laid_out(
-        self, plan: Plan, found: Plan, body, n_hoisted, n_args, lazy: Lazy, accs
+        self, plan: Plan, found: Plan, body, n_hoisted, n_args, lazy, accs, inputs
     ):
         """A first trace's `body` as the region threads `plan`: the state it
         entered, after its own inputs, moved where the carried and the sliced
         state go, and its outputs in the region's order; for a branch, the
-        accumulators it did not touch passed through and zeros for the
-        entries it lacks (after its own, or before them in a backward pass,
-        which runs the executions last first), made by a jaxpr of their own
-        whose equations join the body's. None where a zero is a constant
-        (float0)."""
+        accumulators it did not touch passed through, unused inputs for the
+        entries of `inputs` it did not take, and zeros for the entries it
+        lacks (after its own, or before them in a backward pass, which runs
+        the executions last first), made by a jaxpr of their own whose
+        equations join the body's. None where a zero is a constant (float0)
+        or an input entered with other types than the region gives."""
         sizes = {k: len(avals) for k, avals in accs.items()}
         lacking = [k for k in plan.acc_avals if k not in found.acc_avals]
         fills = [s[len(found.entries.get(k, ())) :] for k, s in plan.entries.items()]
@@ -403,17 +389,11 @@ class Region:
         if carries:
             carried_in, sliced_in = carried_in + sliced_in, []
             carried_out.append(next(state))
-        values = {
-            k: [next(got) for _ in range(_n_leaves(specs))]
-            for k, specs in found.entries.items()
-        }
-        entries = []
-        for key, filled in zip(plan.entries, fills):
-            own = values.get(key, [])
-            zero = [next(made) for _ in range(_n_leaves(filled))]
-            if (found.sites.get(key) or plan.sites[key]).part == "cotangent":
-                own, zero = zero, own
-            entries += own + zero
+        taken = _taken(plan, found, body.invars[start:], lazy, inputs)
+        if taken is None:
+            return None
+        sliced_in += taken
+        entries = _filled(plan, found, got, made, fills)
         own = [*outs[:o], *outs[o + n_state : n_own + n_state]]  # (the equation's)
         cut = n_hoisted + i
         return body.replace(
@@ -573,6 +553,51 @@ class Region:
         return [*outs[:o], *outs[o + len(self.carried) : n_own + len(self.carried)]]
 
 
+def _filled(plan: Plan, found: Plan, got, made, fills) -> list[Any]:
+    """The entries a first trace appended (`got`, in its order) with the
+    zeros `made` for those it lacks (`fills`, per name), in the region's
+    order: zeros after its own, or before them in a backward pass."""
+    values = {
+        k: [next(got) for _ in range(_n_leaves(specs))]
+        for k, specs in found.entries.items()
+    }
+    entries = []
+    for key, filled in zip(plan.entries, fills):
+        own = values.get(key, [])
+        zero = [next(made) for _ in range(_n_leaves(filled))]
+        if (found.sites.get(key) or plan.sites[key]).part == "cotangent":
+            own, zero = zero, own
+        entries += own + zero
+    return entries
+
+
+def _taken(plan: Plan, found: Plan, entered, lazy: Lazy, inputs):
+    """The per-execution inputs a first trace took (`entered`: the inputs it
+    entered lazily) where the region gives those of `inputs` (per name, the
+    types of each entry's leaves): each entry as it was taken, a backward
+    pass's last first, and unused inputs for those a branch did not take.
+    None where one entered with other types."""
+    taken = []
+    for key, types in inputs.items():
+        calls = lazy.inputs.get(key, [])
+        if last_first(key, found.sites.get(key) or plan.sites[key]):
+            calls = calls[::-1]
+        own = [entry for call in calls for entry in call]
+        for j, avals in enumerate(types):
+            if j >= len(own):  # (a branch that takes fewer)
+                taken += [_compat.Var(a) for a in avals]
+                continue
+            leaves = [entered[at] for at in own[j]]
+            if [v.aval for v in leaves] != avals:
+                return None
+            taken += leaves
+    return taken
+
+
+def _typed_input(x):
+    return _compat.vary_over_manual_axes(strong(x))
+
+
 def _n_leaves(specs) -> int:
     """How many leaves the entries of `specs` (`(avals, lead)` each) have."""
     return sum(len(jax.tree.leaves(avals)) for avals, _ in specs)
@@ -580,20 +605,6 @@ def _n_leaves(specs) -> int:
 
 def _entered_index(lazy: Lazy | None) -> bool:
     return lazy is not None and lazy.index_at is not None
-
-
-def _known(outside: Scope, key, jaxpr) -> Plan | None:
-    """The plan learnt for the region `key` in this rewrite, where each
-    accumulator it touches starts as it did then, or as the plan threads it
-    (the region learnt it in the first trace of a region around it, where it
-    was first made, and meets it threaded in the second)."""
-    for kept, plan, entered in outside.rewrite.plans.get(key, ()):
-        if kept is jaxpr and all(
-            _entering(outside, k) in (e, plan.acc_avals[k].key())
-            for k, e in entered.items()
-        ):
-            return plan
-    return None
 
 
 #

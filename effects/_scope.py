@@ -124,8 +124,6 @@ class Handlers(tuple):
 class Rewrite:
     """What every scope of one rewrite shares."""
 
-    # The plans learnt of the regions met (see `_rules.Region.traced`).
-    plans: dict = dataclasses.field(default_factory=dict)
     # Per (handler index, `Site.pair`): the call numbers of the value's
     # executions, in order (see `_counted`), and the derivatives (or
     # recomputations) of one whose `at` a handler read, by (handler index,
@@ -504,8 +502,11 @@ class Scope:
         if self.replaying:  # (also in a first trace: the region would take them)
             raise ValueError(_INPUT_IN_REPLAY.format(owner=owner, where=site.where()))
         if remaining is None and self.outside is not None:
-            # (a region's first trace: the inputs it takes are learnt here)
+            # (a region's first trace: the inputs it takes are learnt here,
+            # and enter it as new inputs where it is lazy)
             self.input_avals.setdefault(key, []).extend(expected)
+            if self.lazy is not None:
+                return self.lazy.take(key, [avals for avals, _ in expected])
             if placeholders is not None:
                 return placeholders
             return [
@@ -516,7 +517,7 @@ class Scope:
         if len(remaining) < len(expected):
             raise ValueError(_MISSING_INPUT.format(owner=owner, where=site.where()))
         n = len(expected)
-        if site.part == "cotangent" or key[2:] == ("cotangent",):
+        if last_first(key, site):
             # A backward pass runs the executions last first: it takes the
             # entries from the end.
             taken, self.inputs[key] = remaining[-n:], remaining[:-n]
@@ -525,6 +526,13 @@ class Scope:
         for value, (avals, _) in zip(taken, expected):
             _check_input(value, avals, site, owner)
         return taken
+
+
+def last_first(key: Key, site: Site) -> bool:
+    """Whether the executions of `key` at `site` run last first: a backward
+    pass's (a cotangent site, or a handler of the value differentiated
+    there)."""
+    return site.part == "cotangent" or key[2:] == ("cotangent",)
 
 
 def _strong_tree(value):
@@ -572,14 +580,17 @@ class Acc(NamedTuple):
 
 class Lazy:
     """The state a region's first trace enters as a handler first touches
-    it: the accumulators, and a loop's iteration (`index_aval` gives its
-    type), each leaf a new input of the trace, after its own."""
+    it: the accumulators, the per-execution inputs, and a loop's iteration
+    (`index_aval` gives its type), each leaf a new input of the trace, after
+    its own."""
 
     def __init__(self, index_aval=None):
         self.trace = _compat.current_trace()
         # key -> (the position of its first leaf among the new inputs, the
         # types of its leaves)
         self.accs: dict[Key, tuple[int, list[Any]]] = {}
+        # key -> per `take`, the positions of each entry's leaves
+        self.inputs: dict[Key, list[list[list[int]]]] = {}
         self.n = 0
         self.index_aval = index_aval
         self.index_at: int | None = None  # (its position, once entered)
@@ -602,8 +613,26 @@ class Lazy:
         leaves, tree = jax.tree.flatten(value)
         avals = [jax.typeof(x) for x in leaves]
         self.accs[key] = (self.n, avals)
+        return tree.unflatten(self._new(avals))
+
+    def take(self, key: Key, specs) -> list[Any]:
+        """New inputs for the per-execution input entries of `key` whose
+        types are `specs` (a tree each), as the region gives them: strongly
+        typed, varying over a shard_map's manual axes (see `Region`)."""
+        taken, call = [], []
+        self.inputs.setdefault(key, []).append(call)
+        for avals in specs:
+            leaves, tree = jax.tree.flatten(avals)
+            made, _ = _compat.trace_closed(
+                lambda: [_compat.vary_over_manual_axes(_zero(a)) for a in leaves], []
+            )
+            call.append(list(range(self.n, self.n + len(leaves))))
+            taken.append(tree.unflatten(self._new([v.aval for v in made.outvars])))
+        return taken
+
+    def _new(self, avals) -> list[Any]:
         self.n += len(avals)
-        return tree.unflatten([_compat.new_input(self.trace, a) for a in avals])
+        return [_compat.new_input(self.trace, a) for a in avals]
 
 
 def _alike(a, b) -> bool:

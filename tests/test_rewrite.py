@@ -1415,32 +1415,32 @@ def _nested_regions(x, ws):
     return lax.scan(layer, x, ws)[0]
 
 
-@pytest.mark.parametrize("mode", ["append", "sum", "at", "per_call"])
-def test_each_region_is_traced_once_unless_it_takes_per_execution_inputs(
-    monkeypatch, mode
-):
-    # A jitted helper and a cond's branches in a scan body. Under Tag() every
-    # region is traced once, and under a sum, or reading the iteration
-    # (`at`), too: the accumulators and the iterations enter each trace as a
-    # handler first touches them. Per-execution inputs have the scan body
-    # traced once more, threading them, and what is inside it with it. (The
-    # helper's body, whose handler keeps its value, is spliced: see
-    # `trace_rewrite`.)
+@pytest.fixture
+def traced(monkeypatch) -> dict:
+    """How many times the rewrite traced each jaxpr: a loop's or branch's
+    body (`run`), a called function's (`trace_rewrite`)."""
     from effects import _rules
 
-    traced: dict = {}
-
-    def counting(name):
+    counts: dict = {}
+    for name in ["run", "trace_rewrite"]:
         original = getattr(_rules, name)
 
-        def counted(jaxpr, *args, **kwargs):
-            traced[jaxpr] = traced.get(jaxpr, 0) + 1
+        def counted(jaxpr, *args, original=original, **kwargs):
+            counts[jaxpr] = counts.get(jaxpr, 0) + 1
             return original(jaxpr, *args, **kwargs)
 
         monkeypatch.setattr(_rules, name, counted)
+    return counts
 
-    counting("run")  # (a loop's or branch's body)
-    counting("trace_rewrite")  # (a called function's)
+
+@pytest.mark.parametrize("mode", ["append", "sum", "at", "per_call"])
+def test_each_region_is_traced_once(traced, mode):
+    # A jitted helper and a cond's branches in a scan body. Under Tag() every
+    # region is traced once, and under a sum, reading the iteration (`at`) or
+    # taking per-execution inputs, too: the accumulators, the iterations and
+    # the inputs enter each trace as a handler first touches them. (The
+    # helper's body, whose handler keeps its value, is spliced: see
+    # `trace_rewrite`.)
     x, ws = lin(-1.0, 1.0, 3), jnp.stack([jnp.eye(3) * s for s in (0.5, -1.0, 2.0)])
     given = jnp.stack([lin(-0.5, 0.5, 3) * (i + 1.0) for i in range(len(ws))])
     if mode == "at":
@@ -1466,24 +1466,14 @@ def test_each_region_is_traced_once_unless_it_takes_per_execution_inputs(
     assert_trees_close((out, found), (h, want))
     # the scan body, the helper and the two branches
     assert len(traced) == 4
-    assert set(traced.values()) == {2 if mode == "per_call" else 1}
+    assert set(traced.values()) == {1}
 
 
 @pytest.mark.parametrize("mode", ["append", "sum"])
-def test_branches_that_report_differently_are_traced_once(monkeypatch, mode):
+def test_branches_that_report_differently_are_traced_once(traced, mode):
     # One branch tags "a" twice and "b", the other "b" only, in a scan: the
     # other branch gets zeros for "a" and passes the sum through, from its
     # one trace (see `Region.aligned`); each branch is traced once.
-    from effects import _rules
-
-    traced: dict = {}
-    original = _rules.run
-
-    def counted(jaxpr, *args, **kwargs):
-        traced[jaxpr] = traced.get(jaxpr, 0) + 1
-        return original(jaxpr, *args, **kwargs)
-
-    monkeypatch.setattr(_rules, "run", counted)
 
     def one(h):
         h = fx.tag(jnp.sin(h), "a")
@@ -1525,6 +1515,53 @@ def test_branches_that_report_differently_are_traced_once(monkeypatch, mode):
     assert_trees_close(
         jax.grad(lambda x: handled(x)[0].sum())(x), jax.grad(lambda x: f(x).sum())(x)
     )
+
+
+class _ScaleCotangent(fx.Handler):
+    """Multiplies the cotangent of each execution of a tag by its own input."""
+
+    factors: dict
+
+    def matches(self, site):
+        return site.part == "cotangent" and site.name in self.factors
+
+    def per_call_inputs(self):
+        return self.factors
+
+    def apply(self, site, value, ctx):
+        return jax.tree.map(jnp.multiply, value, ctx.next_input())
+
+
+@pytest.mark.parametrize("outer_jit", [False, True])
+@pytest.mark.usefixtures("jax_leak_check_false_report")
+def test_per_execution_inputs_of_a_backward_pass_in_branches_are_traced_once(
+    traced, outer_jit
+):
+    # Inputs per execution of a cotangent, in a scan whose cond runs "g" twice
+    # in one branch and not in the other: a backward pass takes its inputs
+    # last first; the branch without "g" takes none (unused inputs there).
+    # Each region enters what it takes in its one trace.
+    w = jnp.array([1.0, 2.0, 3.0, 4.0])
+
+    def f(x):
+        def step(c, wk):
+            h = fx.tag(x * wk, "h")
+            twice = lambda h: fx.tag(h * 1.0, "g") + fx.tag(h * 0.0, "g")  # noqa: E731
+            return c + lax.cond(wk > 2.5, twice, lambda h: h, h), None
+
+        return lax.scan(step, 0.0, w)[0]
+
+    g1, g2 = jnp.array([1.0, 1.0, 5.0, 11.0]), jnp.array([1.0, 1.0, 7.0, 13.0])
+    hs = jnp.array([10.0, 20.0, 30.0, 40.0])
+    handled = fx.handle(jax.grad(f), _ScaleCotangent({"h": (hs,), "g": (g1, g2)}))
+    handled = jax.jit(handled) if outer_jit else handled
+    grad, found = handled(1.0)
+    # d/dx sum_k c_k w_k, where c_k, the cotangent of h_k, is hs_k times the
+    # branch's derivative: g1_k from the first "g" (the second's is 0), 1 in
+    # the other branch.
+    want = jnp.sum(w * hs * jnp.where(w > 2.5, g1, 1.0))
+    assert_trees_close((grad, found), (want, {}))
+    assert set(traced.values()) == {1}
 
 
 def test_copied_equations_make_the_hand_written_program():
