@@ -461,6 +461,17 @@ def _vary(x, axes):
     return jax.lax.pcast(x, missing, to="varying")
 
 
+def same_types(avals, others) -> bool:
+    """Whether JAX takes values of the types `avals` for those of `others`,
+    one for one, as a loop's carry or a cond's branch outputs: their shapes,
+    dtypes, weak types and varying axes agree, and their shardings where
+    both name a mesh (`core.typematch`, jax 0.7-0.12)."""
+    return len(avals) == len(others) and all(
+        a.weak_type == b.weak_type and _core.typematch(a, b)
+        for a, b in zip(avals, others)
+    )
+
+
 def mapped_aval(length: int, aval):
     """The aval of one slice along the leading axis."""
     # jax 0.10: `jax.extend.core.mapped_aval`; jax 0.7-0.9 have it only in

@@ -278,6 +278,24 @@ class Boundary:
             return _compat.shard_aval(self.params, self.spec, aval)
         return aval
 
+    def entering(self, aval, axes: Axes = ()):
+        """The type of the region's input leaf that `enter` makes a value of
+        type `aval` inside, or, for a shard_map, of an accumulator leaf of
+        type `aval` with leading axes `axes` outside: one shard's, without
+        this shard_map's axis where it has one."""
+        if self.stack != "shard":
+            return aval
+        shape = list(aval.shape)
+        if self.marker in axes:
+            del shape[axes.index(self.marker)]
+        return self.acc_aval(_compat.ShapedArray((self.size, *shape), aval.dtype))
+
+    def inside(self, axes: Axes) -> Axes:
+        """An accumulator's leading axes inside the region."""
+        if self.stack != "shard":
+            return axes
+        return tuple(a for a in axes if a != self.marker)
+
     def enter(self, x):
         """An input or accumulator leaf inside, from what the region gives."""
         if self.stack == "shard":  # this shard's slice of size 1

@@ -211,13 +211,10 @@ class Region:
         boundary: Boundary = WHOLE,
         accs=None,
         loop: str | None = None,
-        outside: Scope | None = None,
         at: tuple[int, int] | None = None,
     ):
         self.scope, self.plan, self.boundary, self.loop = scope, plan, boundary, loop
         self.at = at
-        # The scope a trace starts from, for what the plan does not thread.
-        self.outside = scope if outside is None else outside
         if accs is None:
             accs = [plan.acc(scope, key) for key in plan.acc_avals]
         inputs = []
@@ -264,30 +261,27 @@ class Region:
         boundary: Boundary = WHOLE,
         loop: str | None = None,
         enter=None,
-        outside: Scope | None = None,
         at: tuple[int, int] | None = None,
     ):
         """The region of `bodies` (`(jaxpr, consts)`: a body, or a cond's
         branches), and each body traced, `(open jaxpr, its constants)`.
         `enter(plan)`: the accumulators entering, one tree each (by default as
-        `Plan.acc` makes them); `outside`: the scope a first trace starts from.
+        `Plan.acc` makes them).
 
         A first trace enters the accumulators, the per-execution inputs and
-        the loop's iteration as the handlers first touch them (but a
-        shard_map's, which threads nothing), and is the only one where it is
-        final (`aligned`). Where it is not, it has learnt what the region
-        threads, and the bodies are traced again threading it."""
-        outside = scope if outside is None else outside
-        first = cls(scope, Plan(), boundary, [], loop, outside, at)
-        # (a shard_map's accumulators leave it other than they enter)
-        first.lazy = boundary.stack != "shard"
+        the loop's iteration as the handlers first touch them, and is the
+        only one where it is final (`aligned`). Where it is not, it has learnt
+        what the region threads, and the bodies are traced again threading
+        it."""
+        first = cls(scope, Plan(), boundary, [], loop, at)
+        first.lazy = True
         traced = [first.trace(j, c, in_avals) for j, c in bodies]
         plans = first.found
         plan = Plan.merged(plans, scope.handlers)
         if loop is not None:
             plan.forbid(loop, scope)
         accs = None if enter is None else enter(plan)
-        region = cls(scope, plan, boundary, accs, loop, outside, at)
+        region = cls(scope, plan, boundary, accs, loop, at)
         aligned = first.aligned(region, traced, len(in_avals))
         if aligned is not None:
             region.found = first.found
@@ -326,8 +320,13 @@ class Region:
             for key, (_, avals) in have.items():
                 if accs.setdefault(key, avals) != avals:
                     return None
-        # The types of the inputs the region gives, per name and entry.
+        # The types of the accumulators the region gives, and of its inputs,
+        # per name and entry.
         b, plan = region.boundary, region.plan
+        given = region._carried.unflatten(region.carried)["accs"]
+        have = [b.acc_aval(jax.typeof(x)) for x in jax.tree.leaves(given)]
+        if not _compat.same_types(have, [a for k in plan.acc_avals for a in accs[k]]):
+            return None
         given = region._sliced.unflatten(region.sliced)["inputs"]
         leaves = iter(b.input_aval(jax.typeof(x)) for x in jax.tree.leaves(given))
         inputs = {
@@ -445,7 +444,7 @@ class Region:
             sliced = self._sliced.unflatten(map(b.enter, flat[n_args + n_carried :]))
             given = iter(sliced["inputs"])
             index = carried.get("index", sliced.get("index"))
-            lazy = Lazy(self._index_aval) if self.lazy else None
+            lazy = Lazy(b, self._index_aval) if self.lazy else None
             if lazy is not None and self.loop is not None:
                 index = lazy
             sub = scope.inner(
@@ -463,7 +462,6 @@ class Region:
                 # handler reads it; None where it is not threaded; see
                 # `_scope._counted`)
                 index=scope.index + (() if self.loop is None else (index,)),
-                outside=self.outside,
                 lazy=lazy,
             )
             outs = run(jaxpr, consts, args, sub)
@@ -501,7 +499,7 @@ class Region:
         else:
             leaving = [jax.typeof(x) for x in jax.tree.leaves(carried["accs"])]
             entering = [a for k in threaded for a in lazy.accs[k][1]]
-            self.entered.append((lazy, leaving == entering))
+            self.entered.append((lazy, _compat.same_types(leaving, entering)))
             if lazy.index_at is not None and self.loop == "lax.while_loop":
                 carried["index"] = lazy.index()
             lazy.done()
@@ -588,7 +586,7 @@ def _taken(plan: Plan, found: Plan, entered, lazy: Lazy, inputs):
                 taken += [_compat.Var(a) for a in avals]
                 continue
             leaves = [entered[at] for at in own[j]]
-            if [v.aval for v in leaves] != avals:
+            if not _compat.same_types([v.aval for v in leaves], avals):
                 return None
             taken += leaves
     return taken
@@ -828,29 +826,25 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
     p = eqn.params
     b = Boundary.shard_map(p)
     # An accumulator with this shard axis already (from this shard_map's previous
-    # run in a loop, or another over the same axes) enters split along it; any
-    # other enters whole in every shard. A first trace starts from them as one
-    # shard sees them (`local`).
-    m = b.marker
-    visible = scope.visible()
-    split = {k for k, acc in visible.items() if m in acc.batch}
-    local = scope.inner()
-    for k, (types, axes) in visible.items():
-        types = b.without(types, axes) if k in split else types
-        local.accs[k] = Acc(types, tuple(a for a in axes if a != m))
+    # run in a loop, or another over the same axes), or first made here (whole
+    # in every shard), enters split along it; any other enters whole in every
+    # shard, and leaves split (see `_scope.Lazy.enter`).
+    whole = []
 
     def enter(plan):
         accs = []
         for key, acc in plan.acc_avals.items():
-            inside = acc.batch
-            if key in split:
-                have = visible[key].batch
-                if have != b.after(inside):
+            inside, have = acc.batch, scope.entering(key)
+            if have is None or b.marker in have.batch:
+                if have is not None and have.batch != b.after(inside):
                     raise ValueError(
                         _ACC_GROWS_IN_SHARD_MAP.format(where=plan.sites[key].where())
                     )
-                value = b.to_inside(scope.acc(key, None, have), inside)
+                init = plan.accs.get(key)
+                init = init and functools.partial(b.repeated_init, init, inside)
+                value = b.to_inside(scope.acc(key, init, b.after(inside)), inside)
             else:
+                whole.append(key)
                 value = b.repeated(plan.acc(scope, key))
             accs.append(value)
         return accs
@@ -858,7 +852,7 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
     body = p["jaxpr"]
     in_avals = [v.aval for v in body.invars]
     region, [(new_body, hoisted)] = Region.traced(
-        scope, [(body, ())], in_avals, b, enter=enter, outside=local
+        scope, [(body, ())], in_avals, b, enter=enter
     )
     # The hoisted constants enter whole in every shard; the region's own inputs
     # and outputs are stacked over the shards.
@@ -871,15 +865,13 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
         out_specs=tuple(p["out_specs"]) + (b.spec,) * (len(new_body.outvars) - n_out),
     )
     outs = region.leave(_bind(eqn, [*hoisted, *region.args(invals)], **params))
-    for key, acc in region.plan.acc_avals.items():
-        # What it starts as, stacked, for a region around that threads it: one
-        # first made here, or one made before in that region that entered
-        # whole and leaves split.
-        init = region.plan.accs.get(key)
-        if init is None and key not in split:
-            init = scope.acc_inits.get(key)
+    for key in whole:
+        # One made before in a region around, which threads it: what it starts
+        # as there, stacked.
+        init = scope.acc_inits.get(key)
         if init is not None:
-            scope.acc_inits[key] = functools.partial(b.repeated_init, init, acc.batch)
+            batch = region.plan.acc_avals[key].batch
+            scope.acc_inits[key] = functools.partial(b.repeated_init, init, batch)
     return outs
 
 

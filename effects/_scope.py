@@ -244,8 +244,8 @@ class Scope:
         self.accs: dict[Key, Acc] = dict(accs or {})
         # The scope this region is in. A region's first trace (see
         # `_rules.Region.traced`) starts from its accumulators (and those of
-        # the scopes it is in): each made here only when the region first
-        # touches it (see `entering`), as a region touches a few of the many
+        # the scopes it is in): each entering here only when the region first
+        # touches it (see `_enter`), as a region touches a few of the many
         # accumulators a program may have. Its call counts likewise (`count`).
         self.outside = outside
         self.given = inputs or {}
@@ -344,10 +344,10 @@ class Scope:
         grown by the vmap batch axes `batch` has and it lacks."""
         if key not in self.accs and not self._enter(key):
             self.acc_inits[key] = init
-            value = init()
+            acc = Acc(init(), batch)
             if self.lazy is not None:  # (its types: the region's rule makes it)
-                value = self.lazy.enter(key, value)
-            self.accs[key] = Acc(value, batch)
+                acc = self.lazy.enter(key, acc)
+            self.accs[key] = acc
         self.touched[key] = None
         value, have = self.accs[key]
         if batch != have:
@@ -367,7 +367,8 @@ class Scope:
     def entering(self, key: Key) -> Acc | None:
         """The types and batch axes of the accumulator `key` a region in this
         scope starts from: this scope's, or one a scope outside has; None
-        where there is none (the region makes it)."""
+        where there is none (the region makes it). (A shard_map's rule reads
+        it: such an accumulator enters split over its shards or whole.)"""
         scope = self
         while scope is not None and key not in scope.accs:
             scope = scope.outside
@@ -376,36 +377,16 @@ class Scope:
         return scope.accs[key].types()
 
     def _enter(self, key: Key) -> bool:
-        """Enters here the accumulator `key` the region starts from: in a lazy
-        first trace, as a new input of its trace, the scope outside entering
-        it first; else as zeros. False where there is none."""
-        if self.lazy is not None:
-            outside = self.outside
-            assert outside is not None
-            if key not in outside.accs and not outside._enter(key):
-                return False
-            have = outside.accs[key]
-            self.accs[key] = Acc(self.lazy.enter(key, have.value), have.batch)
-            return True
-        entering = self.entering(key)
-        if entering is None:
+        """Enters here the accumulator `key` the region starts from, in a
+        region's first trace: as new inputs of its trace, the scope outside
+        entering it first. False where there is none."""
+        outside = self.outside
+        if self.lazy is None or outside is None:
             return False
-        value = jax.tree.map(
-            _compat.vary_over_manual_axes, self.rewrite.zeros(entering.value)
-        )
-        self.accs[key] = Acc(value, entering.batch)
+        if key not in outside.accs and not outside._enter(key):
+            return False
+        self.accs[key] = self.lazy.enter(key, outside.accs[key])
         return True
-
-    def visible(self) -> dict[Key, Acc]:
-        """`entering` of every accumulator a region in this scope may start
-        from."""
-        found, scope = {}, self
-        while scope is not None:
-            for key, acc in scope.accs.items():
-                if key not in found:
-                    found[key] = acc.types()
-            scope = scope.outside
-        return found
 
     def traced(self, trace):
         """Traces a region the handlers act in with this scope, as a jaxpr of
@@ -489,9 +470,7 @@ class Scope:
 
     # Per-execution inputs ---------------------------------------------------
 
-    def take_inputs(
-        self, key: Key, expected: list[tuple[Any, Axes]], site: Site, placeholders=None
-    ):
+    def take_inputs(self, key: Key, expected: list[tuple[Any, Axes]], site: Site):
         """Takes one input entry per `(avals, lead)` in `expected`: for one
         execution of a site, or for all executions in a region inside this one."""
         remaining = self.inputs.get(key)
@@ -501,18 +480,11 @@ class Scope:
         owner = _name(self.handlers[key[0]])
         if self.replaying:  # (also in a first trace: the region would take them)
             raise ValueError(_INPUT_IN_REPLAY.format(owner=owner, where=site.where()))
-        if remaining is None and self.outside is not None:
-            # (a region's first trace: the inputs it takes are learnt here,
-            # and enter it as new inputs where it is lazy)
+        if remaining is None and self.lazy is not None:
+            # (a region's first trace: the inputs it takes enter it as new
+            # inputs, and are learnt here)
             self.input_avals.setdefault(key, []).extend(expected)
-            if self.lazy is not None:
-                return self.lazy.take(key, [avals for avals, _ in expected])
-            if placeholders is not None:
-                return placeholders
-            return [
-                jax.tree.map(_compat.vary_over_manual_axes, self.rewrite.zeros(avals))
-                for avals, _ in expected
-            ]
+            return self.lazy.take(key, [avals for avals, _ in expected])
         remaining = [] if remaining is None else remaining
         if len(remaining) < len(expected):
             raise ValueError(_MISSING_INPUT.format(owner=owner, where=site.where()))
@@ -584,8 +556,9 @@ class Lazy:
     (`index_aval` gives its type), each leaf a new input of the trace, after
     its own."""
 
-    def __init__(self, index_aval=None):
+    def __init__(self, boundary, index_aval=None):
         self.trace = _compat.current_trace()
+        self.boundary = boundary
         # key -> (the position of its first leaf among the new inputs, the
         # types of its leaves)
         self.accs: dict[Key, tuple[int, list[Any]]] = {}
@@ -601,19 +574,21 @@ class Lazy:
         if self._index is None:
             assert self.index_aval is not None  # (a loop's)
             self.index_at, self.n = self.n, self.n + 1
-            self._index = _compat.new_input(self.trace, self.index_aval())
+            self._index = _compat.new_input(self.trace, self.index_aval())  # (a loop's)
         return self._index
 
     def done(self):
         """Lets go of the trace, once it is over."""
         self.trace = self._index = None
 
-    def enter(self, key: Key, value):
-        """A new input like `value` (a tree), entering as the accumulator `key`."""
-        leaves, tree = jax.tree.flatten(value)
-        avals = [jax.typeof(x) for x in leaves]
+    def enter(self, key: Key, acc: Acc) -> Acc:
+        """The accumulator `key` inside, entering as new inputs, from `acc`
+        as the scope outside has it (or as `init` makes it inside)."""
+        b = self.boundary
+        leaves, tree = jax.tree.flatten(acc.value)
+        avals = [b.entering(jax.typeof(x), acc.batch) for x in leaves]
         self.accs[key] = (self.n, avals)
-        return tree.unflatten(self._new(avals))
+        return Acc(tree.unflatten(self._new(avals)), b.inside(acc.batch))
 
     def take(self, key: Key, specs) -> list[Any]:
         """New inputs for the per-execution input entries of `key` whose
@@ -626,13 +601,16 @@ class Lazy:
             made, _ = _compat.trace_closed(
                 lambda: [_compat.vary_over_manual_axes(_zero(a)) for a in leaves], []
             )
+            avals = [self.boundary.entering(v.aval) for v in made.outvars]
             call.append(list(range(self.n, self.n + len(leaves))))
-            taken.append(tree.unflatten(self._new([v.aval for v in made.outvars])))
+            taken.append(tree.unflatten(self._new(avals)))
         return taken
 
     def _new(self, avals) -> list[Any]:
+        """New inputs of the types `avals`, as values inside."""
         self.n += len(avals)
-        return [_compat.new_input(self.trace, a) for a in avals]
+        new = [_compat.new_input(self.trace, a) for a in avals]
+        return [self.boundary.enter(x) for x in new]
 
 
 def _alike(a, b) -> bool:
@@ -766,7 +744,7 @@ def act(
     entry, has_input = None, site.name in handlers.input_names[index]
     if has_input:
         expected: list[tuple[Any, Axes]] = [(site.front_avals(), every)]
-        entry = scope.take_inputs(key, expected, site, [front])[0]
+        entry = scope.take_inputs(key, expected, site)[0]
     acc, extra = None, 0
     if mode is not None and mode.reduces:
         init = functools.partial(_acc_init, scope.rewrite, mode, site, sizes)

@@ -1517,6 +1517,48 @@ def test_branches_that_report_differently_are_traced_once(traced, mode):
     )
 
 
+@pytest.mark.parametrize("mode", ["append", "sum", "last", "per_call"])
+def test_a_shard_map_in_a_scan_is_traced_once(traced, mode):
+    # Each shard reduces its own accumulator: first made in the shard_map's
+    # body, it is made split over the shards outside, so it enters the scan's
+    # first trace with the types it leaves with; per-execution inputs enter
+    # the body split too. The scan body and the shard_map's body are traced
+    # once each.
+    mesh = Mesh(np.array(devices(2)), ("s",))
+
+    def body(x):
+        return fx.tag(jnp.sin(x), "h") * 2.0
+
+    def f(x):
+        def step(c, _):
+            return jax.shard_map(body, mesh=mesh, in_specs=P("s"), out_specs=P("s"))(
+                c
+            ), None
+
+        return lax.scan(step, x, None, length=3)[0]
+
+    x = lin(-1.0, 2.0, 4)
+    given = jnp.arange(12.0).reshape(2, 3, 2)  # (shards, iterations, per shard)
+    if mode == "per_call":
+        handler = fx.Substitute({"h": (given,)}, per_call=True)
+    else:
+        handler = fx.Tag(mode=mode)
+    out, found = fx.handle(f, handler)(x)
+    c, hs = x, []
+    for i in range(3):
+        h = given[:, i].reshape(4) if mode == "per_call" else jnp.sin(c)
+        hs.append(h.reshape(2, 2))
+        c = h * 2.0
+    want = {
+        "append": found_of(h=(jnp.stack(hs, axis=1),)),
+        "sum": found_of(h=sum(hs)),
+        "last": found_of(h=hs[-1]),
+        "per_call": {},
+    }[mode]
+    assert_trees_close((out, found), (c, want))
+    assert sorted(traced.values()) == [1, 1]  # the scan's body and the shard_map's
+
+
 class _ScaleCotangent(fx.Handler):
     """Multiplies the cotangent of each execution of a tag by its own input."""
 
