@@ -9,7 +9,7 @@ loop iteration entering the trace as a new input where a handler first
 touches it (`_scope.Lazy`), an accumulator leaving it as an output: that
 trace is final where each leaves with the types it entered with. Otherwise
 (a value under more vmaps inside, a shard_map's accumulators) the trace has
-learnt what the region threads (a `Plan`), and the region is traced again
+learnt what the region threads (`Emitted`), and the region is traced again
 with that state as extra inputs and outputs.
 """
 
@@ -36,8 +36,10 @@ from ._walk import recomputes, sites_in
 
 
 @dataclasses.dataclass
-class Plan:
-    """What the handlers emit inside one region, as a trace of it found."""
+class Emitted:
+    """What the handlers emit inside one region, as a trace of it found: the
+    types of the state the region threads, with the sites, their executions
+    and whether a handler read the iterations."""
 
     # key -> init thunk, for those first made inside
     accs: dict[Key, Any] = dataclasses.field(default_factory=dict)
@@ -52,7 +54,7 @@ class Plan:
     index: bool = False  # whether a handler reads the loops' iterations
 
     @classmethod
-    def of(cls, sub: Scope) -> Plan:
+    def of(cls, sub: Scope) -> Emitted:
         """What the trace of a region in the scope `sub` found: types only
         (nothing may keep the trace's tracers alive)."""
         outside = sub.outside
@@ -72,8 +74,8 @@ class Plan:
             index=sub.wants_index,
         )
 
-    def covers(self, found: Plan) -> bool:
-        """Whether a trace threading this plan was given all that the trace
+    def covers(self, found: Emitted) -> bool:
+        """Whether a trace threading this state was given all that the trace
         found it needs: the accumulators it touched (as they leave it), the
         per-execution inputs it took and the loops' iterations."""
         if found.inputs or (found.index and not self.index):
@@ -114,26 +116,26 @@ class Plan:
             )
 
     @classmethod
-    def merged(cls, plans: list[Plan], handlers=None) -> Plan:
-        """One plan for several: the branches of a cond (every branch threads
-        what any of them emits), or a plan and what a trace found. (`handlers`
-        name the one whose reports differ across branches.)"""
+    def merged(cls, each: list[Emitted], handlers=None) -> Emitted:
+        """One for several: the branches of a cond (every branch threads what
+        any of them emits), or what a region threads and what a trace found.
+        (`handlers` name the one whose reports differ across branches.)"""
         merged = cls()
-        for plan in plans:
-            merged.sites.update(plan.sites)
-            merged.accs.update(plan.accs)
-            merged.index |= plan.index
-            for key, n in plan.calls.items():  # (entries of a name, likewise)
+        for emitted in each:
+            merged.sites.update(emitted.sites)
+            merged.accs.update(emitted.accs)
+            merged.index |= emitted.index
+            for key, n in emitted.calls.items():  # (entries of a name, likewise)
                 merged.calls[key] = max(n, merged.calls.get(key, 0))
-            for key, acc in plan.acc_avals.items():
+            for key, acc in emitted.acc_avals.items():
                 # Where branches differ, the accumulator of the branch under
                 # more vmaps (the other's grows to it).
                 have = merged.acc_avals.get(key)
                 if have is None or len(acc.batch) >= len(have.batch):
                     merged.acc_avals[key] = acc
             for ours, theirs in [
-                (merged.entries, plan.entries),
-                (merged.inputs, plan.inputs),
+                (merged.entries, emitted.entries),
+                (merged.inputs, emitted.inputs),
             ]:
                 for key, specs in theirs.items():
                     have = ours.setdefault(key, [])
@@ -146,7 +148,7 @@ class Plan:
                                     what="reports"
                                     if ours is merged.entries
                                     else "takes",
-                                    where=plan.sites[key].where(),
+                                    where=emitted.sites[key].where(),
                                     one=describe(other),  # (the first's)
                                     other=describe(one),
                                 )
@@ -187,7 +189,7 @@ _BRANCHES_DIFFER = (
 
 class Region:
     """Sub-jaxprs (a loop body, a cond's branches, a shard_map's body) with
-    what the handlers emit in them threaded through, as a plan says. Made, it
+    what the handlers emit in them threaded through (`emitted`). Made, it
     has taken from the enclosing scope the state the region threads, as two
     pytrees flattened at its boundary: `carried` (the accumulators, and a
     while_loop's iteration where a handler reads it), which the region
@@ -207,22 +209,27 @@ class Region:
     def __init__(
         self,
         scope: Scope,
-        plan: Plan,
+        emitted: Emitted,
         boundary: Boundary = WHOLE,
         accs=None,
         loop: str | None = None,
         at: tuple[int, int] | None = None,
     ):
-        self.scope, self.plan, self.boundary, self.loop = scope, plan, boundary, loop
+        self.scope, self.emitted, self.boundary, self.loop = (
+            scope,
+            emitted,
+            boundary,
+            loop,
+        )
         self.at = at
         if accs is None:
-            accs = [plan.acc(scope, key) for key in plan.acc_avals]
+            accs = [emitted.acc(scope, key) for key in emitted.acc_avals]
         inputs = []
-        for key, specs in plan.inputs.items():
+        for key, specs in emitted.inputs.items():
             outside_specs = [
                 (boundary.stacked(a, lead), boundary.after(lead)) for a, lead in specs
             ]
-            values = scope.take_inputs(key, outside_specs, plan.sites[key])
+            values = scope.take_inputs(key, outside_specs, emitted.sites[key])
             for value, (_, lead) in zip(values, specs):
                 # (typed as a first trace enters them: see `_scope.Lazy.take`)
                 value = jax.tree.map(_typed_input, value)
@@ -231,20 +238,19 @@ class Region:
         sliced: dict[str, Any] = {"inputs": inputs}
         # A loop's iteration, where a handler reads it (`Context.at`): a scan's
         # sliced per iteration, a while_loop's carried and counted.
-        if plan.index and loop == "lax.while_loop":
+        if emitted.index and loop == "lax.while_loop":
             carried["index"] = jnp.int32(0)
-        if plan.index and loop == "lax.scan":
+        if emitted.index and loop == "lax.scan":
             sliced["index"] = jnp.arange(boundary.size, dtype=jnp.int32)
         self.carried, self._carried = jax.tree.flatten(carried)
         self.sliced, self._sliced = jax.tree.flatten(sliced)
         # Whether this region's traces are first traces, entering the
         # accumulators lazily (see `traced`).
         self.lazy = False
-        # Per trace: what it found, the entries it returns, and in a first
-        # trace, what it entered lazily and whether each accumulator left it
-        # with the types it entered with.
-        self.found: list[Plan] = []
-        self.out: list[dict[Key, list[tuple[Any, Axes]]]] = []
+        # Per trace: what it found, and in a first trace, what it entered
+        # lazily and whether each accumulator left it with the types it
+        # entered with.
+        self.found: list[Emitted] = []
         self.entered: list[tuple[Lazy | None, bool]] = []
 
     def args(self, invals) -> list[Any]:
@@ -265,33 +271,31 @@ class Region:
     ):
         """The region of `bodies` (`(jaxpr, consts)`: a body, or a cond's
         branches), and each body traced, `(open jaxpr, its constants)`.
-        `enter(plan)`: the accumulators entering, one tree each (by default as
-        `Plan.acc` makes them).
+        `enter(emitted)`: the accumulators entering, one tree each (by default as
+        `Emitted.acc` makes them).
 
         A first trace enters the accumulators, the per-execution inputs and
         the loop's iteration as the handlers first touch them, and is the
         only one where it is final (`aligned`). Where it is not, it has learnt
         what the region threads, and the bodies are traced again threading
         it."""
-        first = cls(scope, Plan(), boundary, [], loop, at)
+        first = cls(scope, Emitted(), boundary, [], loop, at)
         first.lazy = True
         traced = [first.trace(j, c, in_avals) for j, c in bodies]
-        plans = first.found
-        plan = Plan.merged(plans, scope.handlers)
+        emitted = Emitted.merged(first.found, scope.handlers)
         if loop is not None:
-            plan.forbid(loop, scope)
-        accs = None if enter is None else enter(plan)
-        region = cls(scope, plan, boundary, accs, loop, at)
+            emitted.forbid(loop, scope)
+        accs = None if enter is None else enter(emitted)
+        region = cls(scope, emitted, boundary, accs, loop, at)
         aligned = first.aligned(region, traced, len(in_avals))
         if aligned is not None:
             region.found = first.found
-            region.out = [plan.entries] * len(bodies)
             return region, aligned
         traced = [
             region.trace(j, c, in_avals, own if len(bodies) > 1 else None)
-            for (j, c), own in zip(bodies, plans)
+            for (j, c), own in zip(bodies, first.found)
         ]
-        assert all(map(plan.covers, region.found)), "a second trace lacked state"
+        assert all(map(emitted.covers, region.found)), "a second trace lacked state"
         return region, traced
 
     def _index_aval(self):
@@ -322,22 +326,24 @@ class Region:
                     return None
         # The types of the accumulators the region gives, and of its inputs,
         # per name and entry.
-        b, plan = region.boundary, region.plan
+        b, emitted = region.boundary, region.emitted
         given = region._carried.unflatten(region.carried)["accs"]
         have = [b.acc_aval(jax.typeof(x)) for x in jax.tree.leaves(given)]
-        if not _compat.same_types(have, [a for k in plan.acc_avals for a in accs[k]]):
+        if not _compat.same_types(
+            have, [a for k in emitted.acc_avals for a in accs[k]]
+        ):
             return None
         given = region._sliced.unflatten(region.sliced)["inputs"]
         leaves = iter(b.input_aval(jax.typeof(x)) for x in jax.tree.leaves(given))
         inputs = {
             key: [[next(leaves) for _ in jax.tree.leaves(a)] for a, _ in specs]
-            for key, specs in plan.inputs.items()
+            for key, specs in emitted.inputs.items()
         }
         bodies = []
         for (body, hoisted), found, (lazy, _) in zip(traced, self.found, self.entered):
             if lazy is not None:
                 body = self._laid_out(
-                    plan, found, body, len(hoisted), n_args, lazy, accs, inputs
+                    emitted, found, body, len(hoisted), n_args, lazy, accs, inputs
                 )
             if body is None:
                 return None
@@ -345,9 +351,9 @@ class Region:
         return bodies
 
     def _laid_out(
-        self, plan: Plan, found: Plan, body, n_hoisted, n_args, lazy, accs, inputs
+        self, emitted: Emitted, found, body, n_hoisted, n_args, lazy, accs, inputs
     ):
-        """A first trace's `body` as the region threads `plan`: the state it
+        """A first trace's `body` as the region threads `emitted`: the state it
         entered, after its own inputs, moved where the carried and the sliced
         state go, and its outputs in the region's order; for a branch, the
         accumulators it did not touch passed through, unused inputs for the
@@ -357,8 +363,8 @@ class Region:
         equations join the body's. None where a zero is a constant (float0)
         or an input entered with other types than the region gives."""
         sizes = {k: len(avals) for k, avals in accs.items()}
-        lacking = [k for k in plan.acc_avals if k not in found.acc_avals]
-        fills = [s[len(found.entries.get(k, ())) :] for k, s in plan.entries.items()]
+        lacking = [k for k in emitted.acc_avals if k not in found.acc_avals]
+        fills = [s[len(found.entries.get(k, ())) :] for k, s in emitted.entries.items()]
         index = lazy.index_at
         carries = index is not None and self.loop == "lax.while_loop"
         outs, start = body.outvars, n_hoisted + n_args
@@ -375,7 +381,7 @@ class Region:
         made = iter(outs_extra[len(passed) :])
         mine = {k: [next(state) for _ in range(sizes[k])] for k in found.acc_avals}
         carried_in, carried_out = [], []
-        for key in plan.acc_avals:
+        for key in emitted.acc_avals:
             if key in mine:
                 first = start + lazy.accs[key][0]
                 carried_in += body.invars[first : first + sizes[key]]
@@ -388,11 +394,11 @@ class Region:
         if carries:
             carried_in, sliced_in = carried_in + sliced_in, []
             carried_out.append(next(state))
-        taken = _taken(plan, found, body.invars[start:], lazy, inputs)
+        taken = _taken(emitted, found, body.invars[start:], lazy, inputs)
         if taken is None:
             return None
         sliced_in += taken
-        entries = _filled(plan, found, got, made, fills)
+        entries = _filled(emitted, found, got, made, fills)
         own = [*outs[:o], *outs[o + n_state : n_own + n_state]]  # (the equation's)
         cut = n_hoisted + i
         return body.replace(
@@ -425,15 +431,16 @@ class Region:
             return None
         return extra.invars, extra.outvars, extra.eqns, extra.effects
 
-    def trace(self, jaxpr, consts, in_avals, own: Plan | None = None):
+    def trace(self, jaxpr, consts, in_avals, own: Emitted | None = None):
         """Traces the region `(*args, *carried, *sliced) -> (*outs, *carried,
         *entries)`, the carried state at `at`; entries a run does not emit (a
-        branch that did not tag a name) are zeros. `own`: the plan of this run
-        alone (a branch), whose executions take the first of the inputs.
+        branch that did not tag a name) are zeros. `own`: what this run
+        alone emitted (a branch), whose executions take the first of the
+        inputs.
         Returns the open jaxpr, which takes the constants it closes over first,
         and those constants."""
-        plan, scope, b = self.plan, self.scope, self.boundary
-        own_inputs = plan.inputs if own is None else own.inputs
+        emitted, scope, b = self.emitted, self.scope, self.boundary
+        own_inputs = emitted.inputs if own is None else own.inputs
         n_args, n_carried = len(in_avals), len(self.carried)
         i, o = (n_args, None) if self.at is None else self.at
 
@@ -450,11 +457,13 @@ class Region:
             sub = scope.inner(
                 accs={
                     k: Acc(value, acc.batch)
-                    for (k, acc), value in zip(plan.acc_avals.items(), carried["accs"])
+                    for (k, acc), value in zip(
+                        emitted.acc_avals.items(), carried["accs"]
+                    )
                 },
                 inputs={
                     k: [next(given) for _ in v][: len(own_inputs.get(k, ()))]
-                    for k, v in plan.inputs.items()
+                    for k, v in emitted.inputs.items()
                 },
                 shards=scope.shards + ((b.marker,) if b.stack == "shard" else ()),
                 scans=scope.scans + (b.stack == "scan"),
@@ -465,10 +474,10 @@ class Region:
                 lazy=lazy,
             )
             outs = run(jaxpr, consts, args, sub)
-            found = Plan.of(sub)
-            out = Plan.merged([Plan(entries=plan.entries), found]).entries
+            found = Emitted.of(sub)
+            # (a first trace returns what it appended, as `aligned` lays out)
+            out = emitted.entries if lazy is None else found.entries
             self.found.append(found)
-            self.out.append(out)
             entries = self._entries(sub, found, out)
             state = self._state_out(sub, found, carried, lazy)
             outs.insert(len(outs) if o is None else o, state)
@@ -486,13 +495,13 @@ class Region:
         with _compat.shard_map_body(b.params):
             return _jaxpr.trace(fn, avals)
 
-    def _state_out(self, sub: Scope, found: Plan, carried, lazy: Lazy | None):
+    def _state_out(self, sub: Scope, found: Emitted, carried, lazy: Lazy | None):
         """The carried state's leaves as a trace in `sub` returns them: the
         accumulators (in a first trace, those it entered, as it touched
         them; whether each leaves with its types is recorded), and a
         while_loop's iteration, counted."""
         b = self.boundary
-        threaded = self.plan.acc_avals if lazy is None else found.acc_avals
+        threaded = self.emitted.acc_avals if lazy is None else found.acc_avals
         carried["accs"] = [jax.tree.map(b.leave, sub.accs[k].value) for k in threaded]
         if lazy is None:
             self.entered.append((lazy, True))
@@ -507,7 +516,7 @@ class Region:
             carried["index"] = carried["index"] + 1
         return jax.tree.leaves(carried)
 
-    def _entries(self, sub: Scope, found: Plan, out) -> list[Any]:
+    def _entries(self, sub: Scope, found: Emitted, out) -> list[Any]:
         """What a trace in `sub` appended, as the region returns it (`out`):
         a run with fewer executions (a branch) lacks the last ones, zeros
         after its own, or before them in a backward pass, which runs the
@@ -516,7 +525,7 @@ class Region:
         for key, specs in out.items():
             got = [value for value, _ in sub.entries.get(key, [])]
             fill = [sub.rewrite.zeros(avals) for avals, _ in specs[len(got) :]]
-            if (found.sites.get(key) or self.plan.sites[key]).part == "cotangent":
+            if (found.sites.get(key) or self.emitted.sites[key]).part == "cotangent":
                 got, fill = fill, got
             entries += got + fill
         return entries
@@ -527,19 +536,19 @@ class Region:
         along their first axis by a scan or shard_map), and what it did (its
         sites, their executions, whether a handler read the loops'
         iterations). Returns the equation's own outputs."""
-        scope, b, plan = self.scope, self.boundary, self.plan
-        done = Plan.merged(self.found)
+        scope, b, emitted = self.scope, self.boundary, self.emitted
+        done = Emitted.merged(self.found)
         for key, site in done.sites.items():  # known in order of first execution
             scope.sites.setdefault(key, site)
         for key, n in done.calls.items():
             scope.calls[key] = scope.count(key) + n
         scope.wants_index |= done.index
-        specs = [(k, *spec) for k, specs in self.out[0].items() for spec in specs]
+        specs = [(k, *s) for k, specs in emitted.entries.items() for s in specs]
         entries = jax.tree.structure([avals for _, avals, _ in specs])
         n_own = len(outs) - len(self.carried) - entries.num_leaves
         o = n_own if self.at is None else self.at[1]
         carried = self._carried.unflatten(outs[o : o + len(self.carried)])
-        for (key, acc), value in zip(plan.acc_avals.items(), carried["accs"]):
+        for (key, acc), value in zip(emitted.acc_avals.items(), carried["accs"]):
             # (a shard_map's, one per shard, after the batch axes)
             batch = acc.batch
             if b.stack == "shard":
@@ -551,7 +560,7 @@ class Region:
         return [*outs[:o], *outs[o + len(self.carried) : n_own + len(self.carried)]]
 
 
-def _filled(plan: Plan, found: Plan, got, made, fills) -> list[Any]:
+def _filled(emitted: Emitted, found: Emitted, got, made, fills) -> list[Any]:
     """The entries a first trace appended (`got`, in its order) with the
     zeros `made` for those it lacks (`fills`, per name), in the region's
     order: zeros after its own, or before them in a backward pass."""
@@ -560,16 +569,16 @@ def _filled(plan: Plan, found: Plan, got, made, fills) -> list[Any]:
         for k, specs in found.entries.items()
     }
     entries = []
-    for key, filled in zip(plan.entries, fills):
+    for key, filled in zip(emitted.entries, fills):
         own = values.get(key, [])
         zero = [next(made) for _ in range(_n_leaves(filled))]
-        if (found.sites.get(key) or plan.sites[key]).part == "cotangent":
+        if (found.sites.get(key) or emitted.sites[key]).part == "cotangent":
             own, zero = zero, own
         entries += own + zero
     return entries
 
 
-def _taken(plan: Plan, found: Plan, entered, lazy: Lazy, inputs):
+def _taken(emitted: Emitted, found: Emitted, entered, lazy: Lazy, inputs):
     """The per-execution inputs a first trace took (`entered`: the inputs it
     entered lazily) where the region gives those of `inputs` (per name, the
     types of each entry's leaves): each entry as it was taken, a backward
@@ -578,7 +587,7 @@ def _taken(plan: Plan, found: Plan, entered, lazy: Lazy, inputs):
     taken = []
     for key, types in inputs.items():
         calls = lazy.inputs.get(key, [])
-        if last_first(key, found.sites.get(key) or plan.sites[key]):
+        if last_first(key, found.sites.get(key) or emitted.sites[key]):
             calls = calls[::-1]
         own = [entry for call in calls for entry in call]
         for j, avals in enumerate(types):
@@ -727,7 +736,7 @@ def _while_rule(eqn, invals, scope: Scope) -> list[Any]:
     region, [(new_body, hoisted)] = Region.traced(
         scope, [(body.jaxpr, body.consts)], body.in_avals, loop="lax.while_loop"
     )
-    _per_example(region.plan, scope, cond.out_avals[0].shape)
+    _per_example(region.emitted, scope, cond.out_avals[0].shape)
     # (hoisted, body_consts, carry, carried) -> (carry, carried): the carried
     # state extends the carry; cond_fun ignores it.
     new_cond = _jaxpr.insert_invars(
@@ -745,21 +754,21 @@ def _while_rule(eqn, invals, scope: Scope) -> list[Any]:
 rules[_compat.while_p] = _while_rule
 
 
-def _per_example(plan: Plan, scope: Scope, batch: tuple[int, ...]) -> None:
+def _per_example(emitted: Emitted, scope: Scope, batch: tuple[int, ...]) -> None:
     """Refuses what a while_loop whose predicate a vmap batched (`batch`, its
     shape) cannot thread: each example runs its own number of iterations, and
     JAX's loop keeps each example's carry, so what the handlers thread must be
     per example too: neither one count of the iterations nor a reduction over
     the whole batch."""
-    if batch and plan.index:
-        where = next(iter(plan.sites.values())).where()
+    if batch and emitted.index:
+        where = next(iter(emitted.sites.values())).where()
         raise ValueError(_AT_IN_BATCHED_WHILE.format(where=where))
-    for key, acc in plan.acc_avals.items() if batch else ():
+    for key, acc in emitted.acc_avals.items() if batch else ():
         if acc.batch[: len(batch)] != batch:
             raise ValueError(
                 _WHOLE_BATCH_IN_BATCHED_WHILE.format(
                     handler=type(scope.handlers[key[0]]).__name__,
-                    where=plan.sites[key].where(),
+                    where=emitted.sites[key].where(),
                 )
             )
 
@@ -831,21 +840,21 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
     # shard, and leaves split (see `_scope.Lazy.enter`).
     whole = []
 
-    def enter(plan):
+    def enter(emitted):
         accs = []
-        for key, acc in plan.acc_avals.items():
+        for key, acc in emitted.acc_avals.items():
             inside, have = acc.batch, scope.entering(key)
             if have is None or b.marker in have.batch:
                 if have is not None and have.batch != b.after(inside):
                     raise ValueError(
-                        _ACC_GROWS_IN_SHARD_MAP.format(where=plan.sites[key].where())
+                        _ACC_GROWS_IN_SHARD_MAP.format(where=emitted.sites[key].where())
                     )
-                init = plan.accs.get(key)
+                init = emitted.accs.get(key)
                 init = init and functools.partial(b.repeated_init, init, inside)
                 value = b.to_inside(scope.acc(key, init, b.after(inside)), inside)
             else:
                 whole.append(key)
-                value = b.repeated(plan.acc(scope, key))
+                value = b.repeated(emitted.acc(scope, key))
             accs.append(value)
         return accs
 
@@ -870,7 +879,7 @@ def _shard_map_rule(eqn, invals, scope: Scope) -> list[Any]:
         # as there, stacked.
         init = scope.acc_inits.get(key)
         if init is not None:
-            batch = region.plan.acc_avals[key].batch
+            batch = region.emitted.acc_avals[key].batch
             scope.acc_inits[key] = functools.partial(b.repeated_init, init, batch)
     return outs
 

@@ -320,7 +320,7 @@ class Scope:
     # Appended entries -------------------------------------------------------
 
     def add_entry(self, key: Key, value, axes: Axes) -> None:
-        # (the key's site is known: its first execution, or a region's plan)
+        # (the key's site is known: its first execution, or what a region emitted)
         entries = self.entries.setdefault(key, [])
         if self.sites[key].part == "cotangent":
             # (the name's value executed since its last cotangent: a pass anew)
