@@ -288,7 +288,7 @@ class Boundary:
         shape = list(aval.shape)
         if self.marker in axes:
             del shape[axes.index(self.marker)]
-        return self.acc_aval(_compat.ShapedArray((self.size, *shape), aval.dtype))
+        return self.acc_aval(aval.update(shape=(self.size, *shape)))
 
     def inside(self, axes: Axes) -> Axes:
         """An accumulator's leading axes inside the region."""

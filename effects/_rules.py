@@ -6,11 +6,10 @@ A call (jit, checkpoint, custom_jvp/custom_vjp) is traced once, on the scope
 it is in (`Scope.traced`). A loop, a cond's branches and a shard_map's body
 (a `Region`) are traced once, each accumulator, per-execution input and
 loop iteration entering the trace as a new input where a handler first
-touches it (`_scope.Lazy`), an accumulator leaving it as an output: that
-trace is final where each leaves with the types it entered with. Otherwise
-(a value under more vmaps inside, a shard_map's accumulators) the trace has
-learnt what the region threads (`Emitted`), and the region is traced again
-with that state as extra inputs and outputs.
+touches it (`_scope.Lazy`), an accumulator leaving it as an output; what
+the trace found the region threads (`Emitted`). Where an accumulator left
+with other types than it entered (a value under more vmaps inside grew it),
+the region makes it so outside, and traces the region again.
 """
 
 from __future__ import annotations
@@ -72,17 +71,6 @@ class Emitted:
                 for k, n in sub.calls.items()
             },
             index=sub.wants_index,
-        )
-
-    def covers(self, found: Emitted) -> bool:
-        """Whether a trace threading this state was given all that the trace
-        found it needs: the accumulators it touched (as they leave it), the
-        per-execution inputs it took and the loops' iterations."""
-        if found.inputs or (found.index and not self.index):
-            return False
-        return all(
-            key in self.acc_avals and self.acc_avals[key].key() == acc.key()
-            for key, acc in found.acc_avals.items()
         )
 
     def acc(self, scope: Scope, key: Key):
@@ -194,11 +182,12 @@ class Region:
     pytrees flattened at its boundary: `carried` (the accumulators, and a
     while_loop's iteration where a handler reads it), which the region
     returns updated, and `sliced` (the per-execution inputs, and a scan's
-    iterations), which a scan slices per iteration. `trace` traces a body with
-    the carried leaves among its inputs and outputs at `at` (`(i, o)`: before
-    its `i`-th input and `o`-th output; at the end by default), the sliced ones
-    after its inputs, and the entries it appends after its outputs; `leave`
-    gives what came out back to the scope. A rule reads:
+    iterations), which a scan slices per iteration. A body is traced
+    (`trace`) and laid out (`aligned`) with the carried leaves among its
+    inputs and outputs at `at` (`(i, o)`: before its `i`-th input and `o`-th
+    output; at the end by default), the sliced ones after its inputs, and the
+    entries it appends after its outputs; `leave` gives what came out back
+    to the scope. A rule reads:
 
         region, [(body, hoisted)] = Region.traced(scope, [(jaxpr, consts)], in_avals)
         # body: (*hoisted, *args, *carried, *sliced) -> (*outs, *carried, *entries)
@@ -231,7 +220,7 @@ class Region:
             ]
             values = scope.take_inputs(key, outside_specs, emitted.sites[key])
             for value, (_, lead) in zip(values, specs):
-                # (typed as a first trace enters them: see `_scope.Lazy.take`)
+                # (typed as a trace enters them: see `_scope.Lazy.take`)
                 value = jax.tree.map(_typed_input, value)
                 inputs.append(boundary.to_inside(value, lead))
         carried: dict[str, Any] = {"accs": accs}
@@ -244,14 +233,12 @@ class Region:
             sliced["index"] = jnp.arange(boundary.size, dtype=jnp.int32)
         self.carried, self._carried = jax.tree.flatten(carried)
         self.sliced, self._sliced = jax.tree.flatten(sliced)
-        # Whether this region's traces are first traces, entering the
-        # accumulators lazily (see `traced`).
-        self.lazy = False
-        # Per trace: what it found, and in a first trace, what it entered
-        # lazily and whether each accumulator left it with the types it
-        # entered with.
+        # Per trace: what it found, what it entered, and whether each
+        # accumulator left it with the types it entered with; the types of
+        # the inputs a region traced again gives (see `traced`).
         self.found: list[Emitted] = []
-        self.entered: list[tuple[Lazy | None, bool]] = []
+        self.entered: list[tuple[Lazy, bool]] = []
+        self.known: dict = {}
 
     def args(self, invals) -> list[Any]:
         """The equation's own inputs with the state the region threads."""
@@ -271,32 +258,33 @@ class Region:
     ):
         """The region of `bodies` (`(jaxpr, consts)`: a body, or a cond's
         branches), and each body traced, `(open jaxpr, its constants)`.
-        `enter(emitted)`: the accumulators entering, one tree each (by default as
-        `Emitted.acc` makes them).
+        `enter(emitted)`: the accumulators entering, one tree each (by default
+        as `Emitted.acc` makes them).
 
-        A first trace enters the accumulators, the per-execution inputs and
-        the loop's iteration as the handlers first touch them, and is the
-        only one where it is final (`aligned`). Where it is not, it has learnt
-        what the region threads, and the bodies are traced again threading
-        it."""
-        first = cls(scope, Emitted(), boundary, [], loop, at)
-        first.lazy = True
-        traced = [first.trace(j, c, in_avals) for j, c in bodies]
-        emitted = Emitted.merged(first.found, scope.handlers)
+        A trace enters the accumulators, the per-execution inputs and the
+        loop's iteration as the handlers first touch them (`_scope.Lazy`),
+        and is laid out as the region threads them (`aligned`). Where an
+        accumulator left with other types than it entered (a value under more
+        vmaps inside grew it, a shard_map split one it had whole), the region
+        has made it outside as it leaves, and the bodies are traced again,
+        entering it so."""
+        tracer = cls(scope, Emitted(), boundary, [], loop, at)
+        traced = [tracer.trace(j, c, in_avals) for j, c in bodies]
+        emitted = Emitted.merged(tracer.found, scope.handlers)
         if loop is not None:
             emitted.forbid(loop, scope)
         accs = None if enter is None else enter(emitted)
         region = cls(scope, emitted, boundary, accs, loop, at)
-        aligned = first.aligned(region, traced, len(in_avals))
-        if aligned is not None:
-            region.found = first.found
-            return region, aligned
-        traced = [
-            region.trace(j, c, in_avals, own if len(bodies) > 1 else None)
-            for (j, c), own in zip(bodies, first.found)
-        ]
-        assert all(map(emitted.covers, region.found)), "a second trace lacked state"
-        return region, traced
+        aligned = tracer.aligned(region, traced, len(in_avals))
+        if aligned is None:
+            tracer = cls(scope, Emitted(), boundary, [], loop, at)
+            # (an input enters as the region gives one of its shape and dtype)
+            tracer.known = {(a.shape, a.dtype): a for a in region.input_types()}
+            traced = [tracer.trace(j, c, in_avals) for j, c in bodies]
+            aligned = tracer.aligned(region, traced, len(in_avals))
+            assert aligned is not None, "a second trace entered other types"
+        region.found = tracer.found
+        return region, aligned
 
     def _index_aval(self):
         """The type of the loop's iteration inside (see `__init__`)."""
@@ -306,26 +294,17 @@ class Region:
         return jax.typeof(jnp.int32(0))
 
     def aligned(self, region: Region, traced, n_args: int):
-        """This region's first traces (`traced`: `(body, hoisted)` each) as
-        `region` threads them, or None where they cannot be, and the region
-        is traced again: each must have entered the accumulators it touched
-        (each leaving with the types it entered with), the loop's iteration
-        it read and the per-execution inputs it took, with the types the
-        region gives (see `_laid_out`)."""
+        """This region's traces (`traced`: `(body, hoisted)` each) as `region`
+        threads them, or None where they cannot be: each accumulator must
+        leave with the types it entered with, and enter, as each input, with
+        the types the region gives (see `_laid_out`)."""
         accs: dict[Key, list[Any]] = {}  # (the types each entered with)
         for found, (lazy, ok) in zip(self.found, self.entered):
-            have = {} if lazy is None else lazy.accs
-            if not ok or set(have) != set(found.acc_avals):
+            if not ok:
                 return None
-            if lazy is None and found.inputs:
-                return None
-            if self.loop is not None and found.index and not _entered_index(lazy):
-                return None
-            for key, (_, avals) in have.items():
-                if accs.setdefault(key, avals) != avals:
+            for key, (_, avals) in lazy.accs.items():
+                if not _compat.same_types(accs.setdefault(key, avals), avals):
                     return None
-        # The types of the accumulators the region gives, and of its inputs,
-        # per name and entry.
         b, emitted = region.boundary, region.emitted
         given = region._carried.unflatten(region.carried)["accs"]
         have = [b.acc_aval(jax.typeof(x)) for x in jax.tree.leaves(given)]
@@ -333,50 +312,55 @@ class Region:
             have, [a for k in emitted.acc_avals for a in accs[k]]
         ):
             return None
-        given = region._sliced.unflatten(region.sliced)["inputs"]
-        leaves = iter(b.input_aval(jax.typeof(x)) for x in jax.tree.leaves(given))
+        leaves = iter(region.input_types())
         inputs = {
             key: [[next(leaves) for _ in jax.tree.leaves(a)] for a, _ in specs]
             for key, specs in emitted.inputs.items()
         }
         bodies = []
         for (body, hoisted), found, (lazy, _) in zip(traced, self.found, self.entered):
-            if lazy is not None:
-                body = self._laid_out(
-                    emitted, found, body, len(hoisted), n_args, lazy, accs, inputs
-                )
-            if body is None:
+            args = emitted, found, body, hoisted, n_args, lazy, accs, inputs
+            laid_out = self._laid_out(*args)
+            if laid_out is None:
                 return None
-            bodies.append((body, hoisted))
+            bodies.append(laid_out)
         return bodies
 
+    def input_types(self) -> list[Any]:
+        """The types inside of the per-execution inputs' leaves this region
+        gives."""
+        given = self._sliced.unflatten(self.sliced)["inputs"]
+        b = self.boundary
+        return [b.input_aval(jax.typeof(x)) for x in jax.tree.leaves(given)]
+
     def _laid_out(
-        self, emitted: Emitted, found, body, n_hoisted, n_args, lazy, accs, inputs
+        self, emitted: Emitted, found, body, hoisted, n_args, lazy, accs, inputs
     ):
-        """A first trace's `body` as the region threads `emitted`: the state it
+        """A trace's `(body, hoisted)` as the region threads `emitted`: the state it
         entered, after its own inputs, moved where the carried and the sliced
         state go, and its outputs in the region's order; for a branch, the
         accumulators it did not touch passed through, unused inputs for the
         entries of `inputs` it did not take, and zeros for the entries it
         lacks (after its own, or before them in a backward pass, which runs
         the executions last first), made by a jaxpr of their own whose
-        equations join the body's. None where a zero is a constant (float0)
-        or an input entered with other types than the region gives."""
+        equations join the body's (its constants, a float0 zero's, among the
+        hoisted). None where an input entered with other types than the
+        region gives."""
         sizes = {k: len(avals) for k, avals in accs.items()}
         lacking = [k for k in emitted.acc_avals if k not in found.acc_avals]
         fills = [s[len(found.entries.get(k, ())) :] for k, s in emitted.entries.items()]
         index = lazy.index_at
         carries = index is not None and self.loop == "lax.while_loop"
+        n_hoisted = len(hoisted)
         outs, start = body.outvars, n_hoisted + n_args
         n_state = sum(sizes[k] for k in found.acc_avals) + carries
         n_own = len(outs) - n_state - sum(map(_n_leaves, found.entries.values()))
         i, o = (n_args, n_own) if self.at is None else self.at
         state, got = iter(outs[o : o + n_state]), iter(outs[n_own + n_state :])
         passed = [a for k in lacking for a in accs[k]]
-        extra = self._filler(passed, fills)
-        if extra is None:
-            return None
-        ins, outs_extra, eqns, effects = extra
+        consts, filler = self._filler(passed, fills)
+        n_consts = len(consts)
+        ins, outs_extra = filler.invars[n_consts:], filler.outvars
         through = iter(zip(ins, outs_extra[: len(passed)]))
         made = iter(outs_extra[len(passed) :])
         mine = {k: [next(state) for _ in range(sizes[k])] for k in found.acc_avals}
@@ -401,134 +385,82 @@ class Region:
         entries = _filled(emitted, found, got, made, fills)
         own = [*outs[:o], *outs[o + n_state : n_own + n_state]]  # (the equation's)
         cut = n_hoisted + i
-        return body.replace(
+        body = body.replace(
             invars=[
-                *body.invars[:cut],
+                *body.invars[:n_hoisted],
+                *filler.invars[:n_consts],
+                *body.invars[n_hoisted:cut],
                 *carried_in,
                 *body.invars[cut:start],
                 *sliced_in,
             ],
-            eqns=[*body.eqns, *eqns],
+            eqns=[*body.eqns, *filler.eqns],
             outvars=[*own[:o], *carried_out, *own[o:], *entries],
-            effects=body.effects | effects,
+            effects=body.effects | filler.effects,
         )
+        return body, [*hoisted, *consts]
 
     def _filler(self, passed, fills):
         """What a branch lacks (see `_laid_out`): the accumulators of types
         `passed` passed through and zeros for the entries `fills` (specs,
-        per name), as a jaxpr's inputs, outputs, equations and effects. None
-        where a zero is a constant (float0)."""
-        if not passed and not any(fills):
-            return (), (), (), frozenset()
+        per name), as a jaxpr taking its constants first, and those."""
         b, zeros = self.boundary, self.scope.rewrite.zeros
 
         def fill(*passed):
             made = [zeros(avals) for specs in fills for avals, _ in specs]
             return [*map(b.leave, passed), *map(b.leave, jax.tree.leaves(made))]
 
-        extra, consts = _jaxpr.trace(self.scope.rewrite.ending(fill), passed)
-        if consts:
-            return None
-        return extra.invars, extra.outvars, extra.eqns, extra.effects
+        filler, consts = _jaxpr.trace(self.scope.rewrite.ending(fill), passed)
+        return consts, filler
 
-    def trace(self, jaxpr, consts, in_avals, own: Emitted | None = None):
-        """Traces the region `(*args, *carried, *sliced) -> (*outs, *carried,
-        *entries)`, the carried state at `at`; entries a run does not emit (a
-        branch that did not tag a name) are zeros. `own`: what this run
-        alone emitted (a branch), whose executions take the first of the
-        inputs.
-        Returns the open jaxpr, which takes the constants it closes over first,
-        and those constants."""
-        emitted, scope, b = self.emitted, self.scope, self.boundary
-        own_inputs = emitted.inputs if own is None else own.inputs
-        n_args, n_carried = len(in_avals), len(self.carried)
-        i, o = (n_args, None) if self.at is None else self.at
+    def trace(self, jaxpr, consts, in_avals):
+        """Traces a body `(*args) -> (*outs, *accs, *entries)`, the
+        accumulators it touched at `at` (`(i, o)`: before its `o`-th output;
+        at the end by default), each accumulator, per-execution input and
+        loop iteration entering as a new input where a handler first touches
+        it (`_scope.Lazy`). Returns the open jaxpr, which takes the constants
+        it closes over first, and those constants."""
+        scope, b = self.scope, self.boundary
+        o = None if self.at is None else self.at[1]
 
-        def fn(*flat):
-            args = [*flat[:i], *flat[i + n_carried : n_args + n_carried]]
-            state = [b.enter(x) for x in flat[i : i + n_carried]]
-            carried = self._carried.unflatten(state)
-            sliced = self._sliced.unflatten(map(b.enter, flat[n_args + n_carried :]))
-            given = iter(sliced["inputs"])
-            index = carried.get("index", sliced.get("index"))
-            lazy = Lazy(b, self._index_aval) if self.lazy else None
-            if lazy is not None and self.loop is not None:
-                index = lazy
+        def fn(*args):
+            lazy = Lazy(b, self._index_aval, self.known)
             sub = scope.inner(
-                accs={
-                    k: Acc(value, acc.batch)
-                    for (k, acc), value in zip(
-                        emitted.acc_avals.items(), carried["accs"]
-                    )
-                },
-                inputs={
-                    k: [next(given) for _ in v][: len(own_inputs.get(k, ()))]
-                    for k, v in emitted.inputs.items()
-                },
                 shards=scope.shards + ((b.marker,) if b.stack == "shard" else ()),
                 scans=scope.scans + (b.stack == "scan"),
-                # (a loop's iteration: in a first trace, entering where a
-                # handler reads it; None where it is not threaded; see
+                # (a loop's iteration, entering where a handler reads it; see
                 # `_scope._counted`)
-                index=scope.index + (() if self.loop is None else (index,)),
+                index=scope.index + (() if self.loop is None else (lazy,)),
                 lazy=lazy,
             )
             outs = run(jaxpr, consts, args, sub)
             found = Emitted.of(sub)
-            # (a first trace returns what it appended, as `aligned` lays out)
-            out = emitted.entries if lazy is None else found.entries
             self.found.append(found)
-            entries = self._entries(sub, found, out)
-            state = self._state_out(sub, found, carried, lazy)
+            entries = [v for k in found.entries for v, _ in sub.entries[k]]
+            state = self._state_out(sub, found, lazy)
             outs.insert(len(outs) if o is None else o, state)
             return [*jax.tree.leaves(outs), *map(b.leave, jax.tree.leaves(entries))]
 
-        avals = [
-            *in_avals[:i],
-            *(b.acc_aval(jax.typeof(x)) for x in self.carried),
-            *in_avals[i:],
-            *(b.input_aval(jax.typeof(x)) for x in self.sliced),
-        ]
         fn = scope.rewrite.ending(fn)
         if b.stack != "shard":
-            return _jaxpr.trace(fn, avals)
+            return _jaxpr.trace(fn, in_avals)
         with _compat.shard_map_body(b.params):
-            return _jaxpr.trace(fn, avals)
+            return _jaxpr.trace(fn, in_avals)
 
-    def _state_out(self, sub: Scope, found: Emitted, carried, lazy: Lazy | None):
-        """The carried state's leaves as a trace in `sub` returns them: the
-        accumulators (in a first trace, those it entered, as it touched
-        them; whether each leaves with its types is recorded), and a
-        while_loop's iteration, counted."""
+    def _state_out(self, sub: Scope, found: Emitted, lazy: Lazy):
+        """The state's leaves as a trace in `sub` returns them: the
+        accumulators it entered, as it touched them (whether each leaves with
+        its types is recorded), and a while_loop's iteration, counted."""
         b = self.boundary
-        threaded = self.emitted.acc_avals if lazy is None else found.acc_avals
-        carried["accs"] = [jax.tree.map(b.leave, sub.accs[k].value) for k in threaded]
-        if lazy is None:
-            self.entered.append((lazy, True))
-        else:
-            leaving = [jax.typeof(x) for x in jax.tree.leaves(carried["accs"])]
-            entering = [a for k in threaded for a in lazy.accs[k][1]]
-            self.entered.append((lazy, _compat.same_types(leaving, entering)))
-            if lazy.index_at is not None and self.loop == "lax.while_loop":
-                carried["index"] = lazy.index()
-            lazy.done()
-        if "index" in carried:
-            carried["index"] = carried["index"] + 1
-        return jax.tree.leaves(carried)
-
-    def _entries(self, sub: Scope, found: Emitted, out) -> list[Any]:
-        """What a trace in `sub` appended, as the region returns it (`out`):
-        a run with fewer executions (a branch) lacks the last ones, zeros
-        after its own, or before them in a backward pass, which runs the
-        executions last first."""
-        entries = []
-        for key, specs in out.items():
-            got = [value for value, _ in sub.entries.get(key, [])]
-            fill = [sub.rewrite.zeros(avals) for avals, _ in specs[len(got) :]]
-            if (found.sites.get(key) or self.emitted.sites[key]).part == "cotangent":
-                got, fill = fill, got
-            entries += got + fill
-        return entries
+        accs = [jax.tree.map(b.leave, sub.accs[k].value) for k in found.acc_avals]
+        leaving = [jax.typeof(x) for x in jax.tree.leaves(accs)]
+        entering = [a for k in found.acc_avals for a in lazy.accs[k][1]]
+        self.entered.append((lazy, _compat.same_types(leaving, entering)))
+        state = jax.tree.leaves(accs)
+        if lazy.index_at is not None and self.loop == "lax.while_loop":
+            state.append(lazy.index() + 1)
+        lazy.done()
+        return state
 
     def leave(self, outs) -> list[Any]:
         """Gives the enclosing scope what the region returned besides the
@@ -561,7 +493,7 @@ class Region:
 
 
 def _filled(emitted: Emitted, found: Emitted, got, made, fills) -> list[Any]:
-    """The entries a first trace appended (`got`, in its order) with the
+    """The entries a trace appended (`got`, in its order) with the
     zeros `made` for those it lacks (`fills`, per name), in the region's
     order: zeros after its own, or before them in a backward pass."""
     values = {
@@ -579,7 +511,7 @@ def _filled(emitted: Emitted, found: Emitted, got, made, fills) -> list[Any]:
 
 
 def _taken(emitted: Emitted, found: Emitted, entered, lazy: Lazy, inputs):
-    """The per-execution inputs a first trace took (`entered`: the inputs it
+    """The per-execution inputs a trace took (`entered`: the inputs it
     entered lazily) where the region gives those of `inputs` (per name, the
     types of each entry's leaves): each entry as it was taken, a backward
     pass's last first, and unused inputs for those a branch did not take.
@@ -608,10 +540,6 @@ def _typed_input(x):
 def _n_leaves(specs) -> int:
     """How many leaves the entries of `specs` (`(avals, lead)` each) have."""
     return sum(len(jax.tree.leaves(avals)) for avals, _ in specs)
-
-
-def _entered_index(lazy: Lazy | None) -> bool:
-    return lazy is not None and lazy.index_at is not None
 
 
 #

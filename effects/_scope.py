@@ -212,7 +212,6 @@ class Scope:
         self,
         handlers: tuple[Handler, ...],
         *,
-        accs=None,
         inputs=None,
         replaying: bool = False,
         lazy: Lazy | None = None,
@@ -237,12 +236,12 @@ class Scope:
         # The backward pass's recomputation of a `jax.checkpoint` region (see
         # `replay`): per-execution inputs are refused here.
         self.replaying = replaying
-        # In a loop's or branch's first trace: the state it enters as a
-        # handler first touches it (see `_rules.Region.traced`).
+        # In a region's trace: the state it enters as a handler first touches
+        # it (see `_rules.Region.traced`).
         self.lazy = lazy
         self.entries: dict[Key, list[tuple[Any, Axes]]] = {}
-        self.accs: dict[Key, Acc] = dict(accs or {})
-        # The scope this region is in. A region's first trace (see
+        self.accs: dict[Key, Acc] = {}
+        # The scope this region is in. A region's trace (see
         # `_rules.Region.traced`) starts from its accumulators (and those of
         # the scopes it is in): each entering here only when the region first
         # touches it (see `_enter`), as a region touches a few of the many
@@ -250,9 +249,9 @@ class Scope:
         self.outside = outside
         self.given = inputs or {}
         self.inputs: dict[Key, list[Any]] = {k: list(v) for k, v in self.given.items()}
-        # What a first trace learns, for the rule that threads this region: how
-        # the accumulators first made here start, and the per-execution inputs
-        # taken here that the region was not given.
+        # What a region's trace learns, for the rule that threads the region:
+        # how the accumulators first made here start, and the per-execution
+        # inputs taken here.
         self.acc_inits: dict[Key, Any] = {}
         self.touched: dict[Key, None] = {}  # accumulators updated here, in order
         # Per key appended to, how many entries it had before (with `touched`,
@@ -268,9 +267,9 @@ class Scope:
         # Per cotangent key appended to here: where each backward pass's
         # entries start, with the value's executions met before it.
         self.passes: dict[Key, list[tuple[int, int]]] = {}
-        # The iteration of each loop around this region, outermost first (int32
-        # scalars; None in a first trace), and whether a handler read them
-        # (`Context.at`): a loop threads its index only then.
+        # The iteration of each loop around this region, outermost first (the
+        # `Lazy` state of each loop's trace, which enters it where a handler
+        # reads it: `Context.at`), and whether a handler read them.
         self.index = index
         self._wants_index = [False]  # (shared with `replay`'s view)
 
@@ -378,7 +377,7 @@ class Scope:
 
     def _enter(self, key: Key) -> bool:
         """Enters here the accumulator `key` the region starts from, in a
-        region's first trace: as new inputs of its trace, the scope outside
+        region's trace: as new inputs of its trace, the scope outside
         entering it first. False where there is none."""
         outside = self.outside
         if self.lazy is None or outside is None:
@@ -478,11 +477,11 @@ class Scope:
             # a handler of the value, at a derivative site: the value's entries
             remaining = list(self.given[key[:2]])
         owner = _name(self.handlers[key[0]])
-        if self.replaying:  # (also in a first trace: the region would take them)
+        if self.replaying:  # (also in a region's trace: it would take them)
             raise ValueError(_INPUT_IN_REPLAY.format(owner=owner, where=site.where()))
         if remaining is None and self.lazy is not None:
-            # (a region's first trace: the inputs it takes enter it as new
-            # inputs, and are learnt here)
+            # (a region's trace: the inputs it takes enter it as new inputs,
+            # and are learnt here)
             self.input_avals.setdefault(key, []).extend(expected)
             return self.lazy.take(key, [avals for avals, _ in expected])
         remaining = [] if remaining is None else remaining
@@ -551,14 +550,17 @@ class Acc(NamedTuple):
 
 
 class Lazy:
-    """The state a region's first trace enters as a handler first touches
-    it: the accumulators, the per-execution inputs, and a loop's iteration
+    """The state a region's trace enters as a handler first touches it: the
+    accumulators, the per-execution inputs, and a loop's iteration
     (`index_aval` gives its type), each leaf a new input of the trace, after
     its own."""
 
-    def __init__(self, boundary, index_aval=None):
+    def __init__(self, boundary, index_aval=None, known=None):
         self.trace = _compat.current_trace()
         self.boundary = boundary
+        # The types of the inputs a region gives, by shape and dtype, where
+        # known (a region traced again): an input enters with them.
+        self.known = known or {}
         # key -> (the position of its first leaf among the new inputs, the
         # types of its leaves)
         self.accs: dict[Key, tuple[int, list[Any]]] = {}
@@ -602,6 +604,7 @@ class Lazy:
                 lambda: [_compat.vary_over_manual_axes(_zero(a)) for a in leaves], []
             )
             avals = [self.boundary.entering(v.aval) for v in made.outvars]
+            avals = [self.known.get((a.shape, a.dtype), a) for a in avals]
             call.append(list(range(self.n, self.n + len(leaves))))
             taken.append(tree.unflatten(self._new(avals)))
         return taken
@@ -866,12 +869,8 @@ def _counted(scope: Scope, index: int, site: Site, key: Key, within: str | None)
         if number is None or (backward and within is None):
             raise ValueError(_AT_BACKWARD.format(where=site.where()))
         scope.wants_index = True
-        # (a loop's first trace enters its iteration here; None: a stand-in
-        # where it is not threaded)
-        loops = (
-            i.index() if isinstance(i, Lazy) else jnp.int32(0) if i is None else i
-            for i in scope.index
-        )
+        # (each loop's trace enters its iteration here)
+        loops = (lazy.index() for lazy in scope.index)
         return (jnp.int32(number), *loops)
 
     return at

@@ -1559,6 +1559,31 @@ def test_a_shard_map_in_a_scan_is_traced_once(traced, mode):
     assert sorted(traced.values()) == [1, 1]  # the scan's body and the shard_map's
 
 
+@pytest.mark.parametrize("outer_jit", [False, True])
+def test_an_accumulator_a_loop_body_grows_is_traced_again_grown(traced, outer_jit):
+    # The body sums "h" outside a vmap, then under one: its trace enters the
+    # accumulator as one example's and it leaves per example. The region
+    # makes it per example outside, and traces the body again, entering it
+    # so: twice, not more.
+    def f(x):
+        def step(c, _):
+            a = fx.tag(jnp.sin(c), "h")
+            b = jax.vmap(lambda r: fx.tag(jnp.cos(r) * r, "h"))(jnp.stack([c, 2 * c]))
+            return a + b.sum(0), None
+
+        return lax.scan(step, x, None, length=3)[0]
+
+    x = lin(-1.0, 1.0, 3)
+    handled = fx.handle(f, fx.Tag(mode="sum"))
+    out, found = (jax.jit(handled) if outer_jit else handled)(x)
+    c, acc = x, jnp.zeros((2, 3))
+    for _ in range(3):
+        a, r = jnp.sin(c), jnp.stack([c, 2 * c])
+        acc, c = acc + a + jnp.cos(r) * r, a + (jnp.cos(r) * r).sum(0)
+    assert_trees_close((out, found), (c, found_of(h=acc)))
+    assert list(traced.values()) == [2]
+
+
 class _ScaleCotangent(fx.Handler):
     """Multiplies the cotangent of each execution of a tag by its own input."""
 
