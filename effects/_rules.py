@@ -358,9 +358,7 @@ class Region:
         i, o = (n_args, n_own) if self.at is None else self.at
         state, got = iter(outs[o : o + n_state]), iter(outs[n_own + n_state :])
         passed = [a for k in lacking for a in accs[k]]
-        consts, filler = self._filler(passed, fills)
-        n_consts = len(consts)
-        ins, outs_extra = filler.invars[n_consts:], filler.outvars
+        consts, const_ins, ins, outs_extra, eqns, effects = self._filler(passed, fills)
         through = iter(zip(ins, outs_extra[: len(passed)]))
         made = iter(outs_extra[len(passed) :])
         mine = {k: [next(state) for _ in range(sizes[k])] for k in found.acc_avals}
@@ -388,22 +386,25 @@ class Region:
         body = body.replace(
             invars=[
                 *body.invars[:n_hoisted],
-                *filler.invars[:n_consts],
+                *const_ins,
                 *body.invars[n_hoisted:cut],
                 *carried_in,
                 *body.invars[cut:start],
                 *sliced_in,
             ],
-            eqns=[*body.eqns, *filler.eqns],
+            eqns=[*body.eqns, *eqns],
             outvars=[*own[:o], *carried_out, *own[o:], *entries],
-            effects=body.effects | filler.effects,
+            effects=body.effects | effects,
         )
         return body, [*hoisted, *consts]
 
     def _filler(self, passed, fills):
         """What a branch lacks (see `_laid_out`): the accumulators of types
         `passed` passed through and zeros for the entries `fills` (specs,
-        per name), as a jaxpr taking its constants first, and those."""
+        per name), as a jaxpr's constants (a float0 zero's), their inputs, its
+        other inputs, outputs, equations and effects."""
+        if not passed and not any(fills):
+            return [], [], [], [], [], frozenset()
         b, zeros = self.boundary, self.scope.rewrite.zeros
 
         def fill(*passed):
@@ -411,7 +412,9 @@ class Region:
             return [*map(b.leave, passed), *map(b.leave, jax.tree.leaves(made))]
 
         filler, consts = _jaxpr.trace(self.scope.rewrite.ending(fill), passed)
-        return consts, filler
+        n = len(consts)
+        ins, outs = filler.invars, filler.outvars
+        return consts, ins[:n], ins[n:], outs, filler.eqns, filler.effects
 
     def trace(self, jaxpr, consts, in_avals):
         """Traces a body `(*args) -> (*outs, *accs, *entries)`, the

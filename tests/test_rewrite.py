@@ -1584,6 +1584,34 @@ def test_an_accumulator_a_loop_body_grows_is_traced_again_grown(traced, outer_ji
     assert list(traced.values()) == [2]
 
 
+@pytest.mark.parametrize("part", ["tangent", "cotangent"])
+def test_a_branch_lacking_a_float0_entry_gets_a_constant_zero(traced, part):
+    # One branch tags a float and an integer; the other gets zeros for both,
+    # the integer's float0 zero a constant its jaxpr takes among the hoisted
+    # ones. Each branch is traced once.
+    def f(x):
+        def a(x):
+            y, _ = fx.tag((x * 2.0, (x > 0).astype(jnp.int32)), "k")
+            return y
+
+        return lax.cond(x.sum() > 0, a, lambda x: x + 1.0, x)
+
+    if part == "tangent":
+        fn = lambda x: jax.jvp(f, (x,), (jnp.ones(3),))[1]  # noqa: E731
+    else:
+        fn = lambda x: jax.grad(lambda x: f(x).sum())(x)  # noqa: E731
+    handled = jax.jit(fx.handle(fn, fx.Tag(of=part)))
+    for x, slope in [(lin(0.0, 1.0, 3), 2.0), (-lin(0.0, 1.0, 3), 0.0)]:
+        out, found = handled(x)
+        assert_trees_close(out, fn(x))
+        ((floats, ints),) = found[f"intermediates:{part}"]["k"]
+        # (the tangent of `x * 2` for a tangent of ones; its cotangent, 1)
+        want = slope if part == "tangent" else slope / 2.0
+        assert_trees_close(floats, jnp.full(3, want))
+        assert (ints.shape, ints.dtype) == ((3,), jax.dtypes.float0)
+    assert set(traced.values()) == {1}  # (each branch of each cond)
+
+
 class _ScaleCotangent(fx.Handler):
     """Multiplies the cotangent of each execution of a tag by its own input."""
 
