@@ -204,13 +204,8 @@ class Region:
         loop: str | None = None,
         at: tuple[int, int] | None = None,
     ):
-        self.scope, self.emitted, self.boundary, self.loop = (
-            scope,
-            emitted,
-            boundary,
-            loop,
-        )
-        self.at = at
+        self.scope, self.emitted, self.boundary = scope, emitted, boundary
+        self.loop, self.at = loop, at
         if accs is None:
             accs = [emitted.acc(scope, key) for key in emitted.acc_avals]
         inputs = []
