@@ -46,7 +46,7 @@ class Emitted:
     acc_avals: dict[Key, Acc] = dataclasses.field(default_factory=dict)
     # key -> [(avals tree, lead)]
     entries: dict[Key, list[tuple[Any, Axes]]] = dataclasses.field(default_factory=dict)
-    # key -> [(avals tree, lead)], of the inputs the trace was not given
+    # key -> [(avals tree, lead)], of the per-execution inputs it took
     inputs: dict[Key, list[tuple[Any, Axes]]] = dataclasses.field(default_factory=dict)
     sites: dict[Key, Site] = dataclasses.field(default_factory=dict)
     calls: dict[Key, int] = dataclasses.field(default_factory=dict)  # per run

@@ -544,10 +544,6 @@ class Acc(NamedTuple):
     def types(self) -> Acc:
         return Acc(types_of(self.value), self.batch)
 
-    def key(self) -> tuple:
-        """What two accumulators' types must share to be alike."""
-        return types_key(self.value), self.batch
-
 
 class Lazy:
     """The state a region's trace enters as a handler first touches it: the
