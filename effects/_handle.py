@@ -845,8 +845,8 @@ def handle(fn: Callable[P, R], *handlers: Handler) -> Callable[P, tuple[R, Found
     arrays' shapes and dtypes) and the rewritten program per handler
     configuration (the handlers' static fields, and the shapes and dtypes of
     their arrays), and so is the jitted call used outside any transformation:
-    at most 64 of each per function, the least recently used dropped, for as
-    long as the function lives. So:
+    at most 256 entries per function, all kinds together, the least recently
+    used dropped, for as long as the function lives. So:
 
     - a Python float that changes between calls (a step size) is a new
       signature, traced and compiled again at every call; pass it as an array,
