@@ -126,6 +126,45 @@ def test_jit_cache_is_per_function_object():
     table.clear()
 
 
+def test_gc_collect_while_another_thread_collects_collects_nothing():
+    # tests/test_isolation.py, `_in_threads`: JAX's tracer-leak check
+    # (`jax._src.core.maybe_find_leaked_tracers`) calls `gc.collect()` to free
+    # what reference cycles alone keep alive, then reports every tracer still
+    # referring to the trace it ended. (Python alone:) a `gc.collect()` made
+    # while another thread collects returns at once and frees nothing, so
+    # with several threads tracing, a trace a cycle keeps alive can be
+    # reported as leaked.
+    import threading
+
+    class Node:
+        pass
+
+    seen = {}
+
+    def during_a_collection(phase, info):
+        if phase != "start" or seen:
+            return
+        node = Node()
+        node.cycle = node
+        ref = weakref.ref(node)
+        del node
+
+        def collect():
+            seen["freed"] = gc.collect()
+            seen["alive"] = ref() is not None
+
+        thread = threading.Thread(target=collect)
+        thread.start()
+        thread.join()
+
+    gc.callbacks.append(during_a_collection)
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(during_a_collection)
+    assert seen == {"freed": 0, "alive": True}
+
+
 def test_a_primitive_is_bound_again_with_the_params_its_equation_stored():
     # `effects/_primitives.py`, `_SitePrimitive.bind`: evaluating a jaxpr (as
     # JAX's rules for `jit`, `scan`, `cond` and the rest do with a body, under
