@@ -166,9 +166,10 @@ def trace_rewrite(
     """The jaxpr of `fn(front, run_in)`, traced on inputs of `front_avals`
     then `jaxpr`'s, where `run_in(scope)` evaluates `jaxpr` (closing over
     `consts`) on the latter with the scope's handlers acting and returns its
-    outputs. The jaxpr takes the constants it closes over first; they are
-    returned with it. `handlers` and `rewrite`: those of the scope `fn` acts
-    with.
+    outputs. The jaxpr takes the constants it closes over first (they are
+    returned with it), and last any inputs `fn` enters in its trace (a
+    region's state, `_scope.Lazy`). `handlers` and `rewrite`: those of the
+    scope `fn` acts with.
 
     Where the handlers keep the value of every site (see `_all_kept`),
     `jaxpr` is not evaluated again: its other equations are taken as they
@@ -223,8 +224,9 @@ def _spliced(jaxpr, consts, handlers: Handlers, rewrite, front_avals, fn):
         rewrite.ending(sites_only), [*front_avals, *(_jaxpr.aval(v) for v in reads)]
     )
     n_hoisted = len(hoisted)
-    n_front = len(sites.invars) - len(reads)  # (the hoisted, then `front_avals`)
-    given = dict(zip(sites.invars[n_front:], reads))
+    n_front = n_hoisted + n  # (then the values read, then the inputs `fn` entered)
+    n_read = n_front + len(reads)
+    given = dict(zip(sites.invars[n_front:n_read], reads))
 
     def spliced(v):
         return given.get(v, v) if type(v) is _compat.Var else v
@@ -242,6 +244,7 @@ def _spliced(jaxpr, consts, handlers: Handlers, rewrite, front_avals, fn):
             *jaxpr.constvars,
             *sites.invars[n_hoisted:n_front],
             *jaxpr.invars,
+            *sites.invars[n_read:],
         ],
         [*map(read, jaxpr.outvars), *map(spliced, sites.outvars)],
         [*kept.eqns, *new_eqns],

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from . import _compat, _jaxpr
 from ._handlers import mode_label
 from ._layout import WHOLE, Axes, Boundary
-from ._rewrite import _bind, _matched, rules, run, trace_rewrite
+from ._rewrite import _bind, _matched, rules, trace_rewrite
 from ._scope import Acc, Key, Lazy, Scope, last_first, types_key, types_of
 from ._site import Site, describe, strong
 from ._walk import recomputes, sites_in
@@ -351,7 +351,7 @@ class Region:
         n_state = sum(sizes[k] for k in found.acc_avals) + carries
         n_own = len(outs) - n_state - sum(map(_n_leaves, found.entries.values()))
         i, o = (n_args, n_own) if self.at is None else self.at
-        state, got = iter(outs[o : o + n_state]), iter(outs[n_own + n_state :])
+        state, got = iter(outs[n_own : n_own + n_state]), iter(outs[n_own + n_state :])
         passed = [a for k in lacking for a in accs[k]]
         consts, const_ins, ins, outs_extra, eqns, effects = self._filler(passed, fills)
         through = iter(zip(ins, outs_extra[: len(passed)]))
@@ -376,7 +376,7 @@ class Region:
             return None
         sliced_in += taken
         entries = _filled(emitted, found, got, made, fills)
-        own = [*outs[:o], *outs[o + n_state : n_own + n_state]]  # (the equation's)
+        own = outs[:n_own]  # (the equation's)
         cut = n_hoisted + i
         body = body.replace(
             invars=[
@@ -412,16 +412,15 @@ class Region:
         return consts, ins[:n], ins[n:], outs, filler.eqns, filler.effects
 
     def trace(self, jaxpr, consts, in_avals):
-        """Traces a body `(*args) -> (*outs, *accs, *entries)`, the
-        accumulators it touched at `at` (`(i, o)`: before its `o`-th output;
-        at the end by default), each accumulator, per-execution input and
-        loop iteration entering as a new input where a handler first touches
-        it (`_scope.Lazy`). Returns the open jaxpr, which takes the constants
-        it closes over first, and those constants."""
+        """Traces a body `(*args) -> (*outs, *accs, *entries)` (as
+        `trace_rewrite` does: where every site's value is kept, by splicing),
+        each accumulator, per-execution input and loop iteration entering as
+        a new input where a handler first touches it (`_scope.Lazy`). Returns
+        the open jaxpr, which takes the constants it closes over first, and
+        those constants."""
         scope, b = self.scope, self.boundary
-        o = None if self.at is None else self.at[1]
 
-        def fn(*args):
+        def fn(_, run_in):
             lazy = Lazy(b, self._index_aval, self.known)
             sub = scope.inner(
                 shards=scope.shards + ((b.marker,) if b.stack == "shard" else ()),
@@ -431,19 +430,18 @@ class Region:
                 index=scope.index + (() if self.loop is None else (lazy,)),
                 lazy=lazy,
             )
-            outs = run(jaxpr, consts, args, sub)
+            outs = run_in(sub)
             found = Emitted.of(sub)
             self.found.append(found)
             entries = [v for k in found.entries for v, _ in sub.entries[k]]
             state = self._state_out(sub, found, lazy)
-            outs.insert(len(outs) if o is None else o, state)
-            return [*jax.tree.leaves(outs), *map(b.leave, jax.tree.leaves(entries))]
+            return [*outs, *state, *map(b.leave, jax.tree.leaves(entries))]
 
-        fn = scope.rewrite.ending(fn)
+        handlers, rewrite = scope.handlers, scope.rewrite
         if b.stack != "shard":
-            return _jaxpr.trace(fn, in_avals)
+            return trace_rewrite(jaxpr, consts, handlers, rewrite, (), fn)
         with _compat.shard_map_body(b.params):
-            return _jaxpr.trace(fn, in_avals)
+            return trace_rewrite(jaxpr, consts, handlers, rewrite, (), fn)
 
     def _state_out(self, sub: Scope, found: Emitted, lazy: Lazy):
         """The state's leaves as a trace in `sub` returns them: the
