@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import threading
@@ -465,7 +466,7 @@ def _report(scope: Scope, handlers) -> Found:
         elif key in scope.entries:
             values = tuple(v for v, _ in scope.entries[key])
             if site.part == "cotangent":  # (a backward pass runs last first)
-                values = _forward(values, scope.passes.get(key, ()))
+                values = _forward(values, scope.counts[key])
             names[name] = values[0] if mode.single else values
     for collection, names in found.items():
         if collection.endswith(":cotangent"):  # names too, in forward order
@@ -473,12 +474,15 @@ def _report(scope: Scope, handlers) -> Found:
     return found
 
 
-def _forward(values: tuple, passes) -> tuple:
+def _forward(values: tuple, counts: list[int]) -> tuple:
     """A name's cotangents in the order of the executions they belong to:
-    each backward pass's (from where `passes` says it starts) reversed."""
-    starts = sorted({0, *(start for start, _ in passes), len(values)})
-    parts = [values[a:b][::-1] for a, b in zip(starts, starts[1:])]
-    return tuple(v for part in parts for v in part)
+    each backward pass's (a run of one count, see `Scope.add_entry`)
+    reversed."""
+    assert len(values) == len(counts)
+    each, out = iter(values), []
+    for _, run in itertools.groupby(counts):
+        out += reversed(list(itertools.islice(each, len(list(run)))))
+    return tuple(out)
 
 
 def _rewrite(traced: _Traced, config: _Config, h_leaves, name: str) -> _Program:

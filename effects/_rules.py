@@ -48,6 +48,9 @@ class Emitted:
     entries: dict[Key, list[tuple[Any, Axes]]] = dataclasses.field(default_factory=dict)
     # key -> [(avals tree, lead)], of the per-execution inputs it took
     inputs: dict[Key, list[tuple[Any, Axes]]] = dataclasses.field(default_factory=dict)
+    # key -> per entry, of a cotangent, the value's executions before it
+    # (see `Scope.add_entry`)
+    counts: dict[Key, list[int]] = dataclasses.field(default_factory=dict)
     sites: dict[Key, Site] = dataclasses.field(default_factory=dict)
     calls: dict[Key, int] = dataclasses.field(default_factory=dict)  # per run
     index: bool = False  # whether a handler reads the loops' iterations
@@ -65,6 +68,7 @@ class Emitted:
                 for k, vs in sub.entries.items()
             },
             inputs=dict(sub.input_avals),
+            counts={k: list(c) for k, c in sub.counts.items()},
             sites=dict(sub.sites),
             calls={
                 k: n - (0 if outside is None else outside.count(k))
@@ -115,6 +119,9 @@ class Emitted:
             merged.index |= emitted.index
             for key, n in emitted.calls.items():  # (entries of a name, likewise)
                 merged.calls[key] = max(n, merged.calls.get(key, 0))
+            for key, counts in emitted.counts.items():
+                if len(counts) > len(merged.counts.get(key, ())):
+                    merged.counts[key] = counts
             for key, acc in emitted.acc_avals.items():
                 # Where branches differ, the accumulator of the branch under
                 # more vmaps (the other's grows to it).
@@ -483,8 +490,12 @@ class Region:
                 value, batch = b.from_inside(value, batch), b.after(batch)
             scope.accs[key] = Acc(value, batch)
         values = entries.unflatten(outs[len(outs) - entries.num_leaves :])
+        # (a cotangent's count as the trace met it: one backward pass inside
+        # is one outside, two are two)
+        counts = {k: iter(c) for k, c in emitted.counts.items()}
         for (key, _, lead), value in zip(specs, values):
-            scope.add_entry(key, b.from_inside(value, lead), b.after(lead))
+            count = next(counts[key]) if key in counts else None
+            scope.add_entry(key, b.from_inside(value, lead), b.after(lead), count)
         return [*outs[:o], *outs[o + len(self.carried) : n_own + len(self.carried)]]
 
 

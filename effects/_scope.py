@@ -264,9 +264,10 @@ class Scope:
         # next one's entry in the layout `Tag()` reports), once one is here:
         # before, the scope outside counts them (`count`).
         self.calls: dict[Key, int] = {}
-        # Per cotangent key appended to here: where each backward pass's
-        # entries start, with the value's executions met before it.
-        self.passes: dict[Key, list[tuple[int, int]]] = {}
+        # Per cotangent key appended to here: per entry, how many of the
+        # value's executions the rewrite had met when it was made (see
+        # `add_entry`).
+        self.counts: dict[Key, list[int]] = {}
         # The iteration of each loop around this region, outermost first (the
         # `Lazy` state of each loop's trace, which enters it where a handler
         # reads it: `Context.at`), and whether a handler read them.
@@ -318,14 +319,17 @@ class Scope:
 
     # Appended entries -------------------------------------------------------
 
-    def add_entry(self, key: Key, value, axes: Axes) -> None:
+    def add_entry(self, key: Key, value, axes: Axes, count: int | None = None) -> None:
+        """Appends an entry of `key`: a cotangent with `count`, the value's
+        executions met before it (by default, so far). A backward pass is a
+        run of entries of one count: between two passes the value executes
+        again (two `jax.grad`s), within one it does not."""
         # (the key's site is known: its first execution, or what a region emitted)
         entries = self.entries.setdefault(key, [])
         if self.sites[key].part == "cotangent":
-            # (the name's value executed since its last cotangent: a pass anew)
-            values, passes = self.rewrite.values.get(key[1], 0), self.passes
-            if passes.get(key, [(0, None)])[-1][1] != values:
-                passes.setdefault(key, []).append((len(entries), values))
+            if count is None:
+                count = self.rewrite.values.get(key[1], 0)
+            self.counts.setdefault(key, []).append(count)
         self.appended.setdefault(key, len(entries))
         entries.append((_strong_tree(value), axes))
         mode = self.handlers.modes[key[0]]

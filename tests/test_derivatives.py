@@ -505,6 +505,36 @@ def test_at_of_a_function_in_several_backward_passes(wrap, pattern):
     assert_trees_close(got, program(by_hand)(X), rtol=1e-5)
 
 
+@pytest.mark.parametrize("wrap", ["plain", "jit", "checkpoint", "cond", "scan"])
+def test_cotangents_of_several_backward_passes_in_one_region_keep_forward_order(wrap):
+    # Two backward passes, the value executed before each, inside one call,
+    # branch or loop iteration: each pass's cotangents are its own, in the
+    # order of the executions they belong to (the first pass's first).
+    def block(x):
+        return jnp.sum(fx.tag(jnp.sin(x), "h") * 3 * x)
+
+    def two_passes(x):
+        return jax.grad(block)(x) + jax.grad(block)(2 * x)
+
+    def by_hand(x):  # the cotangent of `h` in each pass
+        return [3 * x, 3 * (2 * x)]
+
+    regions = {
+        "plain": lambda f: f,
+        "jit": jax.jit,
+        "checkpoint": jax.checkpoint,
+        "cond": lambda f: lambda x: lax.cond(jnp.sum(x) > -9.0, f, lambda x: x, x),
+        "scan": lambda f: lambda x: lax.scan(lambda c, _: (f(c), None), x, None, 1)[0],
+    }
+    program = regions[wrap](two_passes)
+    got, found = fx.handle(program, fx.Tag(of="cotangent"))(X)
+    assert_trees_close(got, two_passes(X))
+    want = by_hand(X)
+    if wrap == "scan":  # (stacked over the one iteration)
+        want = [w[None] for w in want]
+    assert_trees_close(found["intermediates:cotangent"]["h"], tuple(want))
+
+
 def test_at_read_by_a_handler_of_the_cotangent_is_refused():
     class Numbered(fx.Handler):
         def matches(self, site):

@@ -1417,19 +1417,18 @@ def _nested_regions(x, ws):
 
 @pytest.fixture
 def traced(monkeypatch) -> dict:
-    """How many times the rewrite traced each jaxpr: a loop's or branch's
-    body (`run`), a called function's (`trace_rewrite`)."""
+    """How many times the rewrite traced each jaxpr (a loop's or branch's
+    body, a called function's: `trace_rewrite`)."""
     from effects import _rules
 
     counts: dict = {}
-    for name in ["run", "trace_rewrite"]:
-        original = getattr(_rules, name)
+    original = _rules.trace_rewrite
 
-        def counted(jaxpr, *args, original=original, **kwargs):
-            counts[jaxpr] = counts.get(jaxpr, 0) + 1
-            return original(jaxpr, *args, **kwargs)
+    def counted(jaxpr, *args, **kwargs):
+        counts[jaxpr] = counts.get(jaxpr, 0) + 1
+        return original(jaxpr, *args, **kwargs)
 
-        monkeypatch.setattr(_rules, name, counted)
+    monkeypatch.setattr(_rules, "trace_rewrite", counted)
     return counts
 
 
