@@ -327,9 +327,8 @@ class Scope:
         # (the key's site is known: its first execution, or what a region emitted)
         entries = self.entries.setdefault(key, [])
         if self.sites[key].part == "cotangent":
-            if count is None:
-                count = self.rewrite.values.get(key[1], 0)
-            self.counts.setdefault(key, []).append(count)
+            made = self.rewrite.values.get(key[1], 0) if count is None else count
+            self.counts.setdefault(key, []).append(made)
         self.appended.setdefault(key, len(entries))
         entries.append((_strong_tree(value), axes))
         mode = self.handlers.modes[key[0]]
