@@ -709,34 +709,28 @@ def _bad_site(infos, collection, name, k: int, backward: bool, at=()) -> BadSite
 _CHECKED = "effects.nonfinite"
 
 
-def _nan_and_finite(tree) -> tuple[Any, Any]:  # (bool arrays, or NumPy bools)
-    """Whether an inexact leaf of `tree` holds a NaN, and whether all are
-    finite, from sums, whose NaN every device and the all-reduce combining a
-    sharded array's shards keep (their maximum's, the all-reduce drops:
-    tests/test_jax_facts.py::test_the_max_of_a_sharded_array_drops_a_nan):
-    the sum of `x - x` is a NaN where an element is not finite; that of
-    `min(|x|, 1)` a NaN where one is a NaN (an Inf counts 1), and never
-    overflows to one. (Not `x * 0`: XLA folds `(y * 2) * 0` to `y * 0`, and
-    the Inf the product made went unseen: tests/test_jax_facts.py::
+def _finite_by_sums(tree):  # (a bool array, or a NumPy bool)
+    """Whether every inexact leaf of `tree` is finite, from sums of `x - x`,
+    a NaN where an element is not finite, which every device and the
+    all-reduce combining a sharded array's shards keep (their maximum's, the
+    all-reduce drops: tests/test_jax_facts.py::
+    test_the_max_of_a_sharded_array_drops_a_nan). (Not `x * 0`: XLA folds
+    `(y * 2) * 0` to `y * 0`, and the Inf the product made went unseen:
+    tests/test_jax_facts.py::
     test_xla_folds_a_product_by_zero_into_the_product_before_it.) Sums of
     arithmetic, which XLA's CPU code vectorizes and compiles fast (of
     comparisons, a third slower to compile at every operation of a model).
     (In `lax`: this runs at every operation of the function, and each
     `jax.numpy` call is a jit call to trace.)"""
-    nan, finite = np.bool_(False), np.bool_(True)
+    finite = np.bool_(True)
     for x in jax.tree.leaves(tree):
-        if not jnp.issubdtype(x.dtype, jnp.inexact) or x.size == 0:
+        if not _inexact(x) or x.size == 0:
             continue
-        if jnp.issubdtype(x.dtype, jnp.complexfloating):
-            x = lax.abs(x)  # (an infinite part beside a NaN one: an Inf)
-        axes = tuple(range(x.ndim))
-        one = np.ones((), x.dtype)
-        bad, has_nan = lax.sub(x, x), lax.min(lax.abs(x), one)
-        if axes:
-            bad, has_nan = lax.reduce_sum(bad, axes), lax.reduce_sum(has_nan, axes)
-        nan = lax.bitwise_or(nan, lax.ne(has_nan, has_nan))
+        bad = lax.sub(x, x)
+        if x.ndim:
+            bad = lax.reduce_sum(bad, tuple(range(x.ndim)))
         finite = lax.bitwise_and(finite, lax.eq(bad, bad))
-    return nan, finite
+    return finite
 
 
 def _unchecked(taps):
@@ -744,7 +738,7 @@ def _unchecked(taps):
     `_taps._Inserter.group`), when their outputs are finite: none. (A
     constant: `one_cond` keeps it only where every output is finite, so the
     compiled program holds no negation of each tap's flag.)"""
-    finite = _nan_and_finite([outs for _, outs in taps])[1]
+    finite = _finite_by_sums([outs for _, outs in taps])
     return _varying((np.bool_(False), _nowhere_of(taps))), finite
 
 
@@ -825,7 +819,7 @@ def _host_checked(ins, outs):
             if _elementwise(x, y)
         ]
         # (a complex input read whole: its magnitude, an infinite part beside
-        # a NaN one an Inf, as `_nan_and_finite` reads it)
+        # a NaN one an Inf)
         whole = [
             np.abs(x) if np.iscomplexobj(x) else x
             for x in ins
@@ -868,13 +862,6 @@ def _whole(tree):
     return jax.tree.map(one, tree)
 
 
-def _is_finite(x):
-    """`lax.is_finite` of real and complex values alike (both parts finite)."""
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        return lax.bitwise_and(lax.is_finite(lax.real(x)), lax.is_finite(lax.imag(x)))
-    return lax.is_finite(x)
-
-
 def _elementwise(x, y) -> bool:
     """Whether an input `x` of an equation is read element by element with
     its output `y`: one element, or broadcast to it axis by axis."""
@@ -883,13 +870,6 @@ def _elementwise(x, y) -> bool:
         len(x.shape) == len(y.shape)
         and all(n in (1, m) for n, m in zip(x.shape, y.shape))
     )
-
-
-def _flat_as(x, y):
-    """`x`, broadcast to `y`'s shape, flattened."""
-    if math.prod(x.shape) == 1:
-        return lax.broadcast(x.reshape(()), (y.size,))
-    return lax.broadcast_in_dim(x, y.shape, tuple(range(y.ndim))).reshape(-1)
 
 
 def _varying(tree):
