@@ -4,6 +4,7 @@ a `checkify` check at every site."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import linecache
@@ -440,7 +441,7 @@ def find_nonfinite(
         # (no tag is non-finite: the operations are searched where the output
         # or the gradient shows something to explain)
         return _operation(fn, args, kwargs, backward)
-    code, *n = message.split(_CODE)[1].split()[0].split(":")
+    code, *n = _code(message)
     collection, name = keys[int(code)]
     # A cotangent's check says it is one (`code:`); checked again at that name
     # alone, which execution (`code:n`). (Numbering every name's in one check
@@ -450,17 +451,23 @@ def find_nonfinite(
     if n == [""]:
         message = _first_failure(fn, args, kwargs, backward, (collection, name))[2]
         assert message is not None  # (the same check fails)
-        n = message.split(_CODE)[1].split()[0].split(":")[1:]
-    at = ()
-    if not cotangent:
+        n = _code(message)[1:]
+    if cotangent:
+        k, at = int(n[0]), ()
+    else:
         assert found is not None  # (a check ran)
         k, at = _first_execution(_numpy(found[collection][name][1]))
-        n = [k]
-    infos = listed[collection][name]
-    bad = _bad_site(infos, collection, name, int(n[0]), cotangent, at)
+    bad = _bad_site(listed[collection][name], collection, name, k, cotangent, at)
     # and the operation that made it, as with no tag
     operation = _tap_search(fn, args, kwargs, backward)
     return dataclasses.replace(bad, backward_search=backward, operation=operation)
+
+
+def _code(message: str) -> list[str]:
+    """A failed check's code, split at `:`: the index of its tag (or tap)
+    among those checked, then for a cotangent's the execution, where the
+    check says it (see `_cotangent_check_bwd`)."""
+    return message.split(_CODE)[1].split()[0].split(":")
 
 
 def _first_failure(fn, args, kwargs, backward: bool, numbered):
@@ -473,17 +480,11 @@ def _first_failure(fn, args, kwargs, backward: bool, numbered):
     for own_checks in (False, True):
         make = functools.partial(_nonfinite_check, backward, own_checks, numbered)
         what = ("find_nonfinite", backward, own_checks, numbered)
-        try:
+        with _every_example_refused():
             (listed, keys, check), dynamic = eager_cached(what, fn, args, kwargs, make)
             if check is None:
                 return listed, keys, None, None
             messages, found = check(dynamic)
-        except ValueError as e:
-            # (a vmap inside ran every branch, or iteration, for every example)
-            if not any(m in str(e) for m in _EVERY_EXAMPLE):
-                raise
-            said = str(e).removeprefix(f"{NonfiniteCheck.__name__}: ").split(". ")[0]
-            raise ValueError(_PER_EXAMPLE.format(said)) from e
         message = next(filter(None, messages), None)
         if message is None or _CODE in message:
             return listed, keys, message, found
@@ -536,6 +537,20 @@ _PER_EXAMPLE = (
     'computes ("{}"). Check one example at a time: `fx.find_nonfinite(g, x)` '
     "for each `x` the vmapped function `g` maps over."
 )
+
+
+@contextlib.contextmanager
+def _every_example_refused():
+    """`handle`'s refusal of a predicate that a vmap inside the function
+    batches, said as `find_nonfinite`'s."""
+    try:
+        yield
+    except ValueError as e:
+        # (a vmap inside ran every branch, or iteration, for every example)
+        if not any(m in str(e) for m in _EVERY_EXAMPLE):
+            raise
+        said = str(e).removeprefix(f"{NonfiniteCheck.__name__}: ").split(". ")[0]
+        raise ValueError(_PER_EXAMPLE.format(said)) from e
 
 
 def _sites_and_mesh(call, dynamic) -> tuple[dict, bool]:
@@ -685,14 +700,12 @@ def _bad_site(infos, collection, name, k: int, backward: bool, at=()) -> BadSite
     regions = zip(info.where.split(" > "), info.loops)
     scans = [(n, label.endswith(", reverse)")) for label, n in regions if n is not None]
     lengths = [n for n, _ in scans]
-    if len(infos) > 1 or not lengths or not all(isinstance(n, int) for n in lengths):
-        return BadSite(
-            name, collection, k, None, backward, shard=shard, example=example
-        )
-    call, k = divmod(k, math.prod(lengths))
-    ran = np.unravel_index(k, lengths)
-    index = tuple(int(n - 1 - i if rev else i) for i, (n, rev) in zip(ran, scans))
-    iteration = index[0] if len(index) == 1 else index
+    call, iteration = k, None
+    if len(infos) == 1 and lengths and all(isinstance(n, int) for n in lengths):
+        call, k = divmod(k, math.prod(lengths))
+        ran = np.unravel_index(k, lengths)
+        index = tuple(int(n - 1 - i if rev else i) for i, (n, rev) in zip(ran, scans))
+        iteration = index[0] if len(index) == 1 else index
     return BadSite(
         name, collection, call, iteration, backward, shard=shard, example=example
     )
@@ -790,18 +803,13 @@ def _checked(taps):
 
 def _host_checked_of(taps):
     """`_checked`, of NumPy arrays: the first tap that made something."""
-    wheres = []
-    for ins, outs in taps:
+    nowhere = _nowhere_of(taps)
+    for first, (ins, outs) in enumerate(taps):
         found, where = _host_checked(ins, outs)
         if found:
-            first = len(wheres)
-            wheres += [where] + [
-                jax.tree.map(np.zeros_like, _nowhere(i, o))
-                for i, o in taps[first + 1 :]
-            ]
-            return found, (np.int32(first), tuple(wheres))
-        wheres.append(where)
-    return np.bool_(False), (np.int32(0), tuple(wheres))
+            wheres = nowhere[1][:first] + (where,) + nowhere[1][first + 1 :]
+            return found, (np.int32(first), wheres)
+    return np.bool_(False), nowhere
 
 
 def _host_checked(ins, outs):
@@ -1119,8 +1127,7 @@ def _tap_search(fn, args, kwargs, backward: bool, ran=None) -> BadSite | None:
         listed, errors, counters, *_ = _tap_run(fn, args, kwargs, backward, True)
         messages = [err.get() for err in errors]
         which, message = next((i, m) for i, m in enumerate(messages) if m)
-        code = int(message.split(_CODE)[1].split()[0].split(":")[0])
-        name = list(listed[which])[code]
+        name = list(listed[which])[int(_code(message)[0])]
     _, firsts, where = jax.tree.map(_numpy, counters[which][name])
     k, at = _first_execution(firsts)
     infos = listed[which][name]
@@ -1163,16 +1170,10 @@ class _TapRun(NamedTuple):
 
 def _tap_run(fn, args, kwargs, backward: bool, checked: bool) -> _TapRun:
     make = functools.partial(_tap_check, backward, checked)
-    try:
-        (listed, check, ordered), dynamic = eager_cached(
-            ("find_nonfinite taps", backward, checked), fn, args, kwargs, make
-        )
+    what = ("find_nonfinite taps", backward, checked)
+    with _every_example_refused():
+        (listed, check, ordered), dynamic = eager_cached(what, fn, args, kwargs, make)
         errors, counters, finite = check(dynamic)
-    except ValueError as e:
-        if not any(m in str(e) for m in _EVERY_EXAMPLE):
-            raise
-        said = str(e).removeprefix(f"{NonfiniteCheck.__name__}: ").split(". ")[0]
-        raise ValueError(_PER_EXAMPLE.format(said)) from e
     return _TapRun(listed, errors, counters, finite, ordered)
 
 
