@@ -578,7 +578,7 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dyna
     from jax.experimental import checkify
 
     if drop_own_checks:
-        call = _without_checks(checkify, call)
+        call = _without_checks(call)
 
     # (the tags: a perturbation's value is its input's, checked there)
     every, sharded = _sites_and_mesh(call, dynamic)
@@ -673,7 +673,9 @@ _RUN_ONCE = {
 }
 
 
-def _without_checks(checkify, call):
+def _without_checks(call):
+    from jax.experimental import checkify  # (see `_nonfinite_check`)
+
     own = checkify.checkify(call, errors=checkify.user_checks)
     return lambda dynamic: own(dynamic)[1]
 
@@ -911,9 +913,12 @@ _FINDINGS = Reduce(_count_findings, _no_findings)
 class TapFindings(Handler):
     """At every tap of `_CHECKED` in `keys`: whether its equation made a NaN
     or an Inf its inputs did not hold, counted over its executions up to the
-    first that did (`_FINDINGS`)."""
+    first that did (`_FINDINGS`); with `checked`, a `checkify` check of it
+    too, the first failing one in execution order being reported, with the
+    tap's index in `keys` as its code."""
 
     keys: tuple = dataclasses.field(metadata={"static": True})  # (collection, name)s
+    checked: bool = dataclasses.field(default=False, metadata={"static": True})
 
     mode = _FINDINGS
 
@@ -921,38 +926,26 @@ class TapFindings(Handler):
         return (site.collection, site.name) in self.keys
 
     def apply(self, site, value, ctx):
-        ctx.emit(_made_nonfinite(value))
-        return value
-
-
-class TapCheck(TapFindings):
-    """`TapFindings`, and at each tap a `checkify` check that its equation made
-    no NaN or Inf its inputs did not hold: the first failing one in execution
-    order is reported, its index in `keys` as its code."""
-
-    def apply(self, site, value, ctx):
-        from jax.experimental import checkify
-
         bad, where = _made_nonfinite(value)
-        checkify.check(~bad, f"{_CODE}{self.keys.index((site.collection, site.name))}")
+        if self.checked:
+            from jax.experimental import checkify
+
+            code = self.keys.index((site.collection, site.name))
+            checkify.check(~bad, f"{_CODE}{code}")
         ctx.emit((bad, where))
         return value
 
 
-def _passes(backward: bool, call) -> list[Tapped]:
-    """The programs checked, tapped at every primitive with an inexact
-    output: the function, and with `backward` its gradient with respect to
-    every inexact array among its arguments (its forward pass again, then the
-    backward pass). The function's own `checkify.check`s are dropped, and its
-    tags are the identity: its operations are what is checked."""
-    from jax.experimental import checkify  # (see `_nonfinite_check`)
-
-    call = _untagged(_without_checks(checkify, call))
-    passes = [Tapped(call, None, _can_make, False, _CHECKED, with_inputs=True)]
-    if backward:
-        grad = eqx.filter_grad(lambda dynamic: _scalar(call(dynamic)))
-        passes.append(Tapped(grad, None, _can_make, False, _CHECKED, with_inputs=True))
-    return passes
+def _programs(backward: bool, call) -> list[Callable]:
+    """The programs whose operations are checked: the function, and with
+    `backward` its gradient with respect to every inexact array among its
+    arguments (its forward pass again, then the backward pass). The
+    function's own `checkify.check`s are dropped, and its tags are the
+    identity: its operations are what is checked."""
+    call = _untagged(_without_checks(call))
+    if not backward:
+        return [call]
+    return [call, eqx.filter_grad(lambda dynamic: _scalar(call(dynamic)))]
 
 
 # Primitives whose every output element is one of their inputs' (or a
@@ -1030,51 +1023,41 @@ def _operation(fn, args, kwargs, backward: bool) -> BadSite | None:
 
 
 class _Results:
-    """`finite(dynamic)`, jitted: whether the output is finite, and with
-    `backward` the gradient `_passes` checks too; and whether the function
-    has needed a search with these types (`_operation`)."""
+    """`finite(dynamic)`, jitted: whether the result of each of `_programs`
+    is finite (the output, and with `backward` the gradient); and whether the
+    function has needed a search with these types (`_operation`)."""
 
     def __init__(self, backward: bool, call, dynamic):
-        from jax.experimental import checkify  # (see `_nonfinite_check`)
-
         del dynamic
-        call = _untagged(_without_checks(checkify, call))
+        programs = _programs(backward, call)
+        self.finite = jax.jit(lambda dynamic: [_finite(p(dynamic)) for p in programs])
         self.searched = False
-
-        @jax.jit
-        def finite(dynamic):
-            out = call(dynamic)
-            if not backward:
-                return [_finite(out)]
-            grad = eqx.filter_grad(lambda dynamic: _scalar(call(dynamic)))(dynamic)
-            return [_finite(out), _finite(grad)]
-
-        self.finite = finite
 
 
 def _tap_check(backward: bool, checked: bool, call, dynamic):
     """`(listed, check, ordered)`: per pass, its taps' `SiteInfo`s by name;
     `check(dynamic) -> (errors, counters, finite)` per pass, jitted: with
     `checked`, checkify's errors, whose first is the first finding in
-    execution order; else None, and only the counters (`TapFindings`), a
+    execution order; else None, and only the counters, a
     smaller program; and whether the pass's result (the output, the
     gradient) is finite; and whether checkify can check the program (it
     holds no `shard_map`: see `_sites_and_mesh`)."""
     from jax.experimental import checkify  # (see `_nonfinite_check`)
 
     listed, runs, ordered = [], [], True
-    for tapped in _passes(backward, call):
+    for program in _programs(backward, call):
+        # (tapped at every primitive with an inexact output)
+        tapped = Tapped(program, None, _can_make, False, _CHECKED, with_inputs=True)
         found, sharded = _sites_and_mesh(tapped, dynamic)
         found, ordered = found.get(_CHECKED, {}), ordered and not sharded
         tapped = _function(tapped)
         keys = tuple((_CHECKED, name) for name in found)
         listed.append(found)
-        handlers = ((TapCheck if checked else TapFindings)(keys),)
 
-        def run(dynamic, tapped=tapped, handlers=handlers, keys=keys):
+        def run(dynamic, tapped=tapped, keys=keys):
             if not keys:  # (nothing inexact to check)
                 return tapped(dynamic), {}
-            out, found = handle(tapped, *handlers)(dynamic)
+            out, found = handle(tapped, TapFindings(keys, checked))(dynamic)
             return out, found.get(_CHECKED, {})
 
         runs.append(
