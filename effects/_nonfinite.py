@@ -491,40 +491,26 @@ def _first_failure(fn, args, kwargs, backward: bool, numbered):
     raise AssertionError("unreachable")
 
 
-class _Checks:
-    """The tags' check: `(messages, found)` of a run, the first failing
-    check's message in each pass and the counters. Where the program holds a
-    `shard_map` (`ordered` False), which JAX's checkify fails on (see
-    `_sites_and_mesh`): the counters alone answer, and the first tag in program
-    order is taken for the first (as for the operations: see `_tap_search`);
-    in the backward pass, the last one whose cotangent is not finite, at its
-    last such execution (the backward pass runs them last first)."""
-
-    def __init__(self, checked, counted, keys, ordered: bool):
-        self.checked, self.counted, self.keys = checked, counted, keys
-        self.ordered = ordered
-
-    def __call__(self, dynamic):
-        if self.ordered:
-            errors, found = self.checked(dynamic)
-            return [err.get() for err in errors], found
-        found, cotangents = self.counted(dynamic)
-        return [self._first(found, cotangents)], found
-
-    def _first(self, found, cotangents) -> str | None:
-        for code, (collection, name) in enumerate(self.keys):
-            if (_numpy(found[collection][name][1]) >= 0).any():
-                return f"{_CODE}{code}"
-        for code, (collection, name) in reversed(list(enumerate(self.keys))):
-            counted = cotangents.get(f"{collection}:cotangent", {}).get(name)
-            if counted is None:  # (not checked: in a custom rule's function)
-                continue
-            n, first = map(_numpy, counted)
-            if (first >= 0).any():
-                # (counted in the backward pass's order, last execution first)
-                k = int(n.max()) - 1 - int(first[first >= 0].min())
-                return f"{_CODE}{code}:{k}"
-        return None
+def _first_counted(keys, found, cotangents) -> str | None:
+    """The message of the first failing check, as the counters alone tell it
+    where the program holds a `shard_map`, which JAX's checkify fails on (see
+    `_sites_and_mesh`): the first tag in program order is taken for the first
+    (as for the operations: see `_tap_search`); in the backward pass, the
+    last one whose cotangent is not finite, at its last such execution (the
+    backward pass runs them last first)."""
+    for code, (collection, name) in enumerate(keys):
+        if (_numpy(found[collection][name][1]) >= 0).any():
+            return f"{_CODE}{code}"
+    for code, (collection, name) in reversed(list(enumerate(keys))):
+        counted = cotangents.get(f"{collection}:cotangent", {}).get(name)
+        if counted is None:  # (not checked: in a custom rule's function)
+            continue
+        n, first = map(_numpy, counted)
+        if (first >= 0).any():
+            # (counted in the backward pass's order, last execution first)
+            k = int(n.max()) - 1 - int(first[first >= 0].min())
+            return f"{_CODE}{code}:{k}"
+    return None
 
 
 # What `handle` says of a predicate a vmap inside the function batches (a
@@ -568,11 +554,12 @@ def _sites_and_mesh(call, dynamic) -> tuple[dict, bool]:
 def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dynamic):
     """`(listed, keys, check)` for `find_nonfinite`: the sites of
     `call(dynamic)`, the checked `(collection, name)`s (a message's code is an
-    index into them), and `check(dynamic) -> (checkify errors, found)`, jitted,
-    `found` the counters' (each name's first non-finite execution), with
-    `backward` the backward pass's checks after the forward pass's (at the
-    name `numbered` alone, where given, saying which execution); with
-    `drop_own_checks`, the function's own `checkify.check`s dropped."""
+    index into them), and `check(dynamic) -> (messages, found)`: the first
+    failing check's message in each pass, with `backward` the backward
+    pass's after the forward pass's (at the name `numbered` alone, where
+    given, saying which execution), and `found` the counters' (each name's
+    first non-finite execution); with `drop_own_checks`, the function's own
+    `checkify.check`s dropped."""
     # Imported here: on jax 0.7-0.9 importing it registers checkify's rules in
     # JAX's tables, which `import effects` alone must not do.
     from jax.experimental import checkify
@@ -591,27 +578,31 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dyna
     if not keys:  # (then the primitives are checked: see `_tap_search`)
         return listed, keys, None
     # Backward, not a tag inside a function with a custom derivative: it has no
-    # cotangent of its own (the custom rule differentiates the function whole).
-    custom = tuple(
-        key
-        for key in keys
-        if all("custom" in info.loops for info in listed[key[0]][key[1]])
-    )
+    # cotangent of its own (the custom rule differentiates the function whole);
+    # and where one name is numbered, that one alone.
+    if numbered is None:
+        skip = tuple(
+            key
+            for key in keys
+            if all("custom" in info.loops for info in listed[key[0]][key[1]])
+        )
+    else:
+        skip = tuple(key for key in keys if key != numbered)
+    counters = [Tag(c, mode=_COUNTER) for c in listed]
 
-    if numbered is not None:
-        custom = tuple(key for key in keys if key != numbered)
+    def gradient(plus_zero):
+        # (with respect to the zero `plus_zero(zero)` adds to every tag, at 0:
+        # the cotangent of every one)
+        def output(zero, dynamic):
+            return _scalar(handle(call, plus_zero(zero))(dynamic)[0])
 
-    def output(zero, dynamic):
-        numbering = numbered is not None
-        checks = NonfiniteCheck(keys, True, zero, skip=custom, numbered=numbering)
-        return _scalar(handle(call, checks)(dynamic)[0])
+        return functools.partial(jax.grad(output), jnp.float32(0))
 
     def forward(dynamic):
-        handlers = (NonfiniteCheck(keys), *(Tag(c, mode=_COUNTER) for c in listed))
-        return handle(call, *handlers)(dynamic)[1]
+        return handle(call, NonfiniteCheck(keys), *counters)(dynamic)[1]
 
-    def backward_pass(dynamic):
-        jax.grad(output)(jnp.float32(0), dynamic)
+    def checks(zero):
+        return NonfiniteCheck(keys, True, zero, skip, numbered=numbered is not None)
 
     # The forward checks run on a pass of their own: under `jax.grad`, JAX's
     # partial evaluation of a `scan` drops the checks of its forward part (they
@@ -621,36 +612,40 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dyna
     # `shard_map` (`_in_shard_map`), which the two passes of one in the same
     # program are.
     forward_checked = checkify.checkify(forward, errors=checkify.user_checks)
-    backward_checked = checkify.checkify(backward_pass, errors=checkify.user_checks)
+    backward_checked = checkify.checkify(gradient(checks), errors=checkify.user_checks)
 
-    def check(dynamic):
+    @functools.partial(jax.jit, compiler_options=_RUN_ONCE)
+    def checked(dynamic):
         err, found = forward_checked(dynamic)
         errors = (err, backward_checked(dynamic)[0]) if backward else (err,)
         return errors, found
 
-    # The counters alone, where checkify cannot run the checks (`_Checks`):
-    # those of the values, and of the cotangents at every tag that has one.
-    def counted_output(zero, dynamic):
-        return _scalar(
-            handle(call, _PlusZero(keys, zero=zero, skip=custom))(dynamic)[0]
-        )
-
+    # The counters alone, where checkify cannot run the checks
+    # (`_first_counted`): those of the values, and of the cotangents at every
+    # tag that has one.
+    @jax.jit
     def counted(dynamic):
-        found = handle(call, *(Tag(c, mode=_COUNTER) for c in listed))(dynamic)[1]
+        found = handle(call, *counters)(dynamic)[1]
         if not backward:
             return found, {}
-        grad = jax.grad(counted_output)
+        grad = gradient(lambda zero: _PlusZero(keys, zero=zero, skip=skip))
         # (but a custom rule's function's tags, which have no cotangent)
-        own = {c: [n for n in ns if (c, n) not in custom] for c, ns in listed.items()}
-        counters = [
+        own = {c: [n for n in ns if (c, n) not in skip] for c, ns in listed.items()}
+        cotangents = [
             Tag(c, names=ns, mode=_COUNTER, of="cotangent")
             for c, ns in own.items()
             if ns
         ]
-        return found, handle(grad, *counters)(jnp.float32(0), dynamic)[1]
+        return found, handle(grad, *cotangents)(dynamic)[1]
 
-    checked = jax.jit(check, compiler_options=_RUN_ONCE)
-    return listed, keys, _Checks(checked, jax.jit(counted), keys, not sharded)
+    def check(dynamic):
+        if not sharded:
+            errors, found = checked(dynamic)
+            return [err.get() for err in errors], found
+        found, cotangents = counted(dynamic)
+        return [_first_counted(keys, found, cotangents)], found
+
+    return listed, keys, check
 
 
 # The tags' check, compiled without XLA's fusion pass. On CPU it copies a
