@@ -582,9 +582,7 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dyna
     # and where one name is numbered, that one alone.
     if numbered is None:
         skip = tuple(
-            key
-            for key in keys
-            if all("custom" in info.loops for info in listed[key[0]][key[1]])
+            (c, n) for c, n in keys if all("custom" in i.loops for i in listed[c][n])
         )
     else:
         skip = tuple(key for key in keys if key != numbered)
@@ -609,7 +607,7 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dyna
     # have no output to keep). Each pass is checkified apart, their errors read
     # in order (a non-finite value wins over the cotangents it spoils):
     # checkify fails on a program whose checks sit in more than one
-    # `shard_map` (`_in_shard_map`), which the two passes of one in the same
+    # `shard_map` (`_sites_and_mesh`), which the two passes of one in the same
     # program are.
     forward_checked = checkify.checkify(forward, errors=checkify.user_checks)
     backward_checked = checkify.checkify(gradient(checks), errors=checkify.user_checks)
@@ -630,11 +628,10 @@ def _nonfinite_check(backward: bool, drop_own_checks: bool, numbered, call, dyna
             return found, {}
         grad = gradient(lambda zero: _PlusZero(keys, zero=zero, skip=skip))
         # (but a custom rule's function's tags, which have no cotangent)
-        own = {c: [n for n in ns if (c, n) not in skip] for c, ns in listed.items()}
         cotangents = [
-            Tag(c, names=ns, mode=_COUNTER, of="cotangent")
-            for c, ns in own.items()
-            if ns
+            Tag(c, names=own, mode=_COUNTER, of="cotangent")
+            for c, names in listed.items()
+            if (own := [n for n in names if (c, n) not in skip])
         ]
         return found, handle(grad, *cotangents)(dynamic)[1]
 
@@ -998,20 +995,13 @@ def _operation(fn, args, kwargs, backward: bool) -> BadSite | None:
     compiled run says which (`_Results`), until the function has needed a
     search with these types: from then on, the search's own run, which says
     both."""
-    results, dynamic = eager_cached(
-        ("find_nonfinite results", backward),
-        fn,
-        args,
-        kwargs,
-        functools.partial(_Results, backward),
-    )
+    make = functools.partial(_Results, backward)
+    what = ("find_nonfinite results", backward)
+    results, dynamic = eager_cached(what, fn, args, kwargs, make)
     ran = None
     if results.searched:
         ran = _tap_run(fn, args, kwargs, backward, False)
-        finite = ran.finite
-    else:
-        finite = [bool(ok) for ok in results.finite(dynamic)]
-    if all(finite):
+    if all(results.finite(dynamic) if ran is None else ran.finite):
         return None
     results.searched = True
     return _tap_search(fn, args, kwargs, backward, ran)
@@ -1205,20 +1195,19 @@ def _said(tap, value, where) -> tuple[str, tuple[int, ...]]:
     )
     k = int(k) % math.prod(y.shape)  # (`_checked`'s key)
     index = tuple(int(i) for i in np.unravel_index(k, y.shape))
-    read = iter(read)
-    inputs = iter(ins)
-    said = []
-    for operand in tap.operands:
-        if operand is not None:
-            said.append(operand)
-            continue
+    read, inputs = iter(read), iter(ins)
+
+    def operand(said: str | None) -> str:  # (a value's is None: see `TapInfo`)
+        if said is not None:
+            return said
         x = next(inputs)
         if _elementwise(x, y):
-            said.append(_number(next(read)))
-        else:
-            said.append(f"{jnp.dtype(x.dtype).name}{list(x.shape)}")
+            return _number(next(read))
+        return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+
+    said = ", ".join(map(operand, tap.operands))
     at = f"[{', '.join(map(str, index))}]" if index else ""
-    return f"{tap.primitive}({', '.join(said)}){at} = {_number(bad)}", index
+    return f"{tap.primitive}({said}){at} = {_number(bad)}", index
 
 
 def _inexact(x) -> bool:
