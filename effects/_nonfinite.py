@@ -168,40 +168,37 @@ class BadSite:
     def _primitive_said(self) -> str:
         at = f" at {self.location}" if self.file is not None else ""
         scope = f" in {self.scope}" if self.scope else ""
-        where = self._where()
+        said = f"`{self.primitive}`{at}{scope}"
         if self.backward:
             of = " and ".join(f"`{p}`" for p in self.forward)
             if not of:
                 of = f"`{self.expression}`" if self.expression else "the operations"
-            said = (
-                f"In the gradient, `{self.primitive}`{at}{scope}, part of the "
-                f"derivative of {of}{' there' if at else ''}, is the first "
-                "operation to make a NaN "
-                f"or an Inf its inputs did not hold ({where})"
-            )
-        else:
-            said = (
-                f"`{self.primitive}`{at}{scope} is the first operation to make a "
-                f"NaN or an Inf its inputs did not hold ({where})"
-            )
+            there = " there" if at else ""
+            said = f"In the gradient, {said}, part of the derivative of {of}{there},"
+        said += (
+            " is the first operation to make a NaN or an Inf its inputs did not "
+            f"hold ({self._where()})"
+        )
         if self.inputs is not None:
             said += f": {self.inputs}"
         said += "."
         if self.library is not None:
             said += f" (Called from {self.library}.)"
-        if self.backward_search and not self.backward and self.output_finite:
-            said += (
-                " The function's output is finite all the same: the value was "
-                "dropped on the way (by a `jnp.where`, say), but the gradient "
-                "still takes the derivative of this operation there, whose NaN "
-                "or Inf, times a zero, makes the gradient's. Give the operation "
-                "inputs it is finite at wherever its result is dropped "
-                "(`jnp.sqrt(jnp.where(x > 0, x, 1.0))`, not "
-                "`jnp.where(x > 0, jnp.sqrt(x), 0.0)`)."
-            )
-        elif self.backward_search and not self.backward:
-            said += " The forward pass is already non-finite: that is the cause."
+        if self.backward_search and not self.backward:
+            said += _DROPPED if self.output_finite else _FORWARD_CAUSE
         return said
+
+
+# What `str()` of a forward operation that `backward=True` found adds.
+_DROPPED = (
+    " The function's output is finite all the same: the value was dropped on "
+    "the way (by a `jnp.where`, say), but the gradient still takes the "
+    "derivative of this operation there, whose NaN or Inf, times a zero, makes "
+    "the gradient's. Give the operation inputs it is finite at wherever its "
+    "result is dropped (`jnp.sqrt(jnp.where(x > 0, x, 1.0))`, not "
+    "`jnp.where(x > 0, jnp.sqrt(x), 0.0)`)."
+)
+_FORWARD_CAUSE = " The forward pass is already non-finite: that is the cause."
 
 
 _CODE = "effects-nonfinite-site:"
@@ -1089,7 +1086,7 @@ def _tap_search(fn, args, kwargs, backward: bool, ran=None) -> BadSite | None:
     ]
     which = next((i for i, names in enumerate(bad) if names), None)
     if which is None:
-        return _unexplained(args, kwargs, [bool(ok) for ok in finite], backward)
+        return _unexplained(args, kwargs, [bool(ok) for ok in finite])
     name = bad[which][0]
     if len(bad[which]) > 1 and ran.ordered:
         listed, errors, counters, *_ = _tap_run(fn, args, kwargs, backward, True)
@@ -1218,7 +1215,7 @@ def _number(x) -> str:
     return str(np.asarray(x)[()])  # (in its own precision: -4.3165593)
 
 
-def _unexplained(args, kwargs, finite: list[bool], backward: bool) -> BadSite | None:
+def _unexplained(args, kwargs, finite: list[bool]) -> BadSite | None:
     """None where every checked result is finite; else what made them
     non-finite though no primitive made a NaN or an Inf from finite inputs:
     an argument's values, or a constant of the program."""
