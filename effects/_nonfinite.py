@@ -205,7 +205,7 @@ _CODE = "effects-nonfinite-site:"
 
 
 def _finite(tree) -> jax.Array:
-    """Whether every inexact array (or Python scalar) of `tree` is finite."""
+    """Whether every inexact array (or Python float) of `tree` is finite."""
     ok = jnp.array(True)
     for x in jax.tree.leaves(tree):
         if _numeric(x) and _inexact(jnp.asarray(x)):
