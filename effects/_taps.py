@@ -6,6 +6,7 @@ them as on tags. Outside `handle` it is `fn` itself, at no cost."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import re
 import sysconfig
@@ -246,9 +247,11 @@ _SITE_PACKAGES = tuple(
 )
 
 
-def _tappable(aval) -> bool:
-    dtype = getattr(aval, "dtype", None)
-    if dtype is None or _compat.is_key(aval):
+def _tappable(v) -> bool:
+    """Whether taps see the value of variable `v`: not a dropped output, a
+    key, a `float0`."""
+    dtype = getattr(v.aval, "dtype", None)
+    if type(v) is _compat.DropVar or dtype is None or _compat.is_key(v.aval):
         return False
     return dtype != jax.dtypes.float0
 
@@ -265,13 +268,17 @@ def _operand(v) -> str | None:
     at run time; a literal's value; `"…"` for a value it does not read (a key);
     `_NONFINITE` for a non-finite literal."""
     if type(v) is not _compat.Literal:
-        return None if _tappable(v.aval) else "…"
+        return None if _tappable(v) else "…"
     value = np.asarray(v.val)
     if _inexact(v.aval) and not np.all(np.isfinite(value)):
         return _NONFINITE
     if value.size == 1:
         return str(value.reshape(())[()])
     return f"{_describe(v.aval)} constant"
+
+
+# (file, line, library, span), as `TapInfo` says them
+_Location = tuple[str | None, int | None, str | None, tuple[int, int, int, int] | None]
 
 
 class _Outer(NamedTuple):
@@ -324,43 +331,36 @@ class _Inserter:
         self.shapes: dict[str, list[Any]] = {}  # base name -> shapes, in order
         self.done: dict[Any, Any] = {}  # key -> (jaxpr, tapped jaxpr)
         self.outer = _Outer()
-        self.count = 0  # sites made so far
         # find_nonfinite's: the equations of this jaxpr tapped since its last
         # site, `(info, name, inputs, outputs, equation)`, which one site
         # checks (`group`)
         self.members: list[tuple[TapInfo, str, list[Any], list[Any], Any]] = []
-        # (what `info` reads of a traceback and of a scope, which many
-        # equations share: read once a pass)
-        self.frames: dict[Any, Any] = {}
-        self.paths: dict[str, str] = {}
-        self.shapes_of: dict[Any, str] = {}
+        # (what `info` reads of a traceback, of a scope and of a type, which
+        # many equations share: read once a pass)
+        self.frames = _Memo(_frames)
+        self.paths = _Memo(_nested_paths)
+        self.shapes_of = _Memo(_describe)
 
-    def info(self, eqn, primitive: str, outvars, operands=(), outer=None) -> TapInfo:
-        outer = outer or self.outer
-        tb = eqn.source_info.traceback
-        if tb not in self.frames:
-            self.frames[tb] = _frames(tb)
-        first, user = self.frames[tb]
-        library = None
-        if first is not None and first is not user:
-            library = f"{os.path.basename(first[0])}:{first[1]}"
-        file, line = (outer.file, outer.line) if user is None else user[:2]
-        span = None if user is None else user[1:]
-        if first is None:
-            library = outer.library
-        elif file is None:  # (only an installed package's frames: the first of them)
-            file, line, library, span = *first[:2], None, first[1:]
-        stack = str(_compat.name_stack(eqn, outer.stack))
-        if stack not in self.paths:
-            self.paths[stack] = _nested_paths(stack)
-        shape = ",".join(map(self.describe, outvars))
-        path = self.paths[stack]
-        return TapInfo(primitive, path, file, line, library, shape, operands, span=span)
+    def location(self, eqn, outer: _Outer) -> _Location:
+        """`eqn`'s `(file, line, library, span)`, as `TapInfo` says them."""
+        first, user = self.frames[eqn.source_info.traceback]
+        if first is None:  # (no frame of its own: the outer equation's)
+            return outer.file, outer.line, outer.library, None
+        library = None if first is user else f"{os.path.basename(first[0])}:{first[1]}"
+        if user is not None:
+            return *user[:2], library, user[1:]
+        if outer.file is not None:
+            return outer.file, outer.line, library, None
+        # (only an installed package's frames: the first of them)
+        return *first[:2], None, first[1:]
 
-    def describe(self, v) -> str:
-        if v.aval not in self.shapes_of:
-            self.shapes_of[v.aval] = _describe(v.aval)
-        return self.shapes_of[v.aval]
+    def info(self, eqn, primitive: str, outvars, outer, operands=(), producers=()):
+        file, line, library, span = self.location(eqn, outer)
+        scope = self.paths[str(_compat.name_stack(eqn, outer.stack))]
+        shape = ",".join(self.shapes_of[v.aval] for v in outvars)
+        return TapInfo(
+            primitive, scope, file, line, library, shape, operands, producers, span
+        )
 
     def name(self, info: TapInfo, inputs) -> str:
         # (find_nonfinite's, whose value holds the inputs: by their types too)
@@ -372,15 +372,15 @@ class _Inserter:
         k = seen.index(shape)
         return base if k == 0 else f"{base} #{k}"
 
-    def jaxpr(self, jaxpr, carries: int = 0, carry_of=None):
+    def jaxpr(self, jaxpr, carries: int = 0, loop=None):
         """`jaxpr` with its taps, and a site at its first `carries` outputs (a
-        loop body's new carry) made by the loop equation `carry_of`."""
+        loop body's new carry) made by `loop`: the loop equation and the
+        `_Outer` around it."""
         key = (id(jaxpr), carries, str(self.outer.stack), self.outer[1:])
         hit = self.done.get(key)
         if hit is not None and hit[0] is jaxpr:
             return hit[1]
         eqns: list[Any] = []
-        changed = False
         made: dict[Any, str] = {}  # variable -> the primitive that made it
         # (the outputs of a `jit` inlined here: what its body gave them)
         given: dict[Any, Any] = {}
@@ -388,56 +388,47 @@ class _Inserter:
         for eqn in jaxpr.eqns:
             if given:
                 eqn = eqn.replace(invars=_substituted(eqn.invars, given))
-            if _compat.plain_jit(eqn):
-                new = self.inlined(eqn, given, made)
-                if new is not None:
-                    changed = True
-                    eqns += self.group() + new
-                    continue
-            if self.members and eqn.primitive in rules and _jaxpr.sub_jaxprs(eqn):
-                eqns += self.group()  # (its body's taps execute after these)
-            new = self.equation(eqn, made)
-            changed |= new[0] is not eqn
-            eqns += new
+            eqns += self.equation(eqn, given, made)
             if self.members and self.full():
                 eqns += self.group()
             made.update((v, _compat.primitive_name(eqn)) for v in eqn.outvars)
         eqns += self.group()
         self.members = outside
         outvars = _substituted(jaxpr.outvars, given)
-        if carries and carry_of is not None:
-            site = self.carry_site(carry_of, outvars[:carries])
-            if site is not None:
-                eqns.append(site)
-                # (the carry outputs the site reads: its outputs instead)
-                swap = dict(zip(site.invars, site.outvars))
-                outvars[:carries] = _substituted(outvars[:carries], swap)
-                changed = True
-        if not changed and len(eqns) == len(jaxpr.eqns):
-            new_jaxpr = jaxpr
-        else:
+        site = self.carry_site(loop, outvars[:carries]) if carries else None
+        if site is not None:
+            eqns.append(site)
+            # (the carry outputs the site reads: its outputs instead)
+            swap = dict(zip(site.invars, site.outvars))
+            outvars[:carries] = _substituted(outvars[:carries], swap)
+        new_jaxpr = jaxpr
+        if len(eqns) != len(jaxpr.eqns) or any(map(operator.is_not, eqns, jaxpr.eqns)):
             effects = jaxpr.effects | {site_effect}
             new_jaxpr = jaxpr.replace(eqns=eqns, outvars=outvars, effects=effects)
         self.done[key] = (jaxpr, new_jaxpr)
         return new_jaxpr
 
-    def equation(self, eqn, made) -> list[Any]:
-        prim = eqn.primitive.name
+    def equation(self, eqn, given: dict, made: dict) -> list[Any]:
+        """The equations in the place of `eqn`: it and its tap, or it with its
+        body's taps."""
         # The bodies of the higher-order primitives the rewriter knows are
         # tapped; another's jaxprs (a scatter's combiner, a reduction's) are
         # its own: its outputs are tapped as any primitive's.
         if eqn.primitive in rules and _jaxpr.sub_jaxprs(eqn):
-            return [self.higher_order(eqn)]
+            before = self.group()  # (its body's taps execute after these)
+            tapped = self.higher_order(eqn)
+            if tapped is not eqn and _compat.plain_jit(eqn):
+                return before + self.inlined(eqn, tapped, given, made)
+            return [*before, tapped]
+        prim = eqn.primitive.name
         if prim in _SKIP or _compat.checkpoint_name_of(eqn) is not None:
             return [eqn]
         if self.primitives is not None and prim not in self.primitives:
             return [eqn]
-        outs = [v for v in eqn.outvars if type(v) is not _compat.DropVar]
-        if not outs or len(outs) != len(eqn.outvars):
+        outs = eqn.outvars
+        if not outs or not all(map(_tappable, outs)):
             return [eqn]
-        if not all(_tappable(v.aval) for v in outs):
-            return [eqn]
-        inputs, operands = None, ()
+        inputs, operands, producers = [], (), ()
         if self.with_inputs:
             if not any(_inexact(v.aval) for v in outs):
                 return [eqn]
@@ -445,20 +436,16 @@ class _Inserter:
             if _NONFINITE in operands:
                 return [eqn]  # (from a non-finite constant: never a finding)
             inputs = [v for v, o in zip(eqn.invars, operands) if o is None]
-        info = self.info(eqn, _compat.primitive_name(eqn), outs, operands)
-        if operands:
             producers = tuple(
                 None if type(v) is _compat.Literal else made.get(v) for v in eqn.invars
             )
-            info = dataclasses.replace(info, producers=producers)
+        primitive = _compat.primitive_name(eqn)
+        info = self.info(eqn, primitive, outs, self.outer, operands, producers)
         if self.where is not None and not self.where(info):
             return [eqn]
         fresh = [_compat.Var(v.aval) for v in outs]
         if not self.with_inputs:
-            return [
-                eqn.replace(outvars=fresh),
-                self.site(eqn, info, fresh, outs),
-            ]
+            return [eqn.replace(outvars=fresh), self.site(eqn, info, fresh, outs)]
         # find_nonfinite's: the outputs kept whole in memory, as the values
         # the program reads from here on. XLA then fuses no chain of
         # operations across them, which it would copy into the check of each
@@ -466,16 +453,8 @@ class _Inserter:
         # rounds on its own, as when JAX runs the function one at a time.
         # The site that checks them comes after this and the next equations
         # (`group`).
-        barrier = _compat.new_eqn(
-            fresh,
-            outs,
-            jax.lax.optimization_barrier_p,
-            {},
-            set(),
-            eqn.source_info,
-            eqn.ctx,
-        )
-        self.members.append((info, self.name(info, inputs), inputs or [], outs, eqn))
+        barrier = _after(eqn, fresh, outs, jax.lax.optimization_barrier_p, {}, set())
+        self.members.append((info, self.name(info, inputs), inputs, outs, eqn))
         return [eqn.replace(outvars=fresh), barrier]
 
     def full(self) -> bool:
@@ -499,22 +478,23 @@ class _Inserter:
         members, self.members = self.members, []
         if not members:
             return []
-        tree = tuple((tuple(m[2]), tuple(m[3])) for m in members)
-        leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_var)
+        value = tuple((tuple(m[2]), tuple(m[3])) for m in members)
+        ins, treedef = jax.tree.flatten(value)
         name = "\n".join(m[1] for m in members)
-        fresh = [_compat.Var(v.aval) for v in leaves]
         infos = tuple(m[0] for m in members)
-        return [self.site_eqn(members[-1][4], name, treedef, leaves, fresh, infos)]
+        return [self.site_eqn(members[-1][4], name, ins, treedef, infos)]
 
-    def site(self, eqn, info: TapInfo, ins, outs):
-        """A site equation reading `ins`, whose outputs are `outs`."""
-        value = ins[0] if len(ins) == 1 else tuple(ins)
-        treedef = LEAF if len(ins) == 1 else jax.tree.structure(value, is_leaf=_is_var)
-        return self.site_eqn(eqn, self.name(info, ()), treedef, ins, outs, info)
+    def site(self, eqn, info: TapInfo, ins, outs=None):
+        """A tap's site equation reading `ins`, its value one array or a
+        tuple of several."""
+        treedef = LEAF if len(ins) == 1 else jax.tree.structure(tuple(ins))
+        return self.site_eqn(eqn, self.name(info, ()), ins, treedef, info, outs)
 
-    def site_eqn(self, eqn, name: str, treedef, ins, outs, tap):
-        """The site `name` of the value `treedef` of `ins`, after `eqn`."""
-        self.count += 1
+    def site_eqn(self, eqn, name: str, ins, treedef, tap, outs=None):
+        """The site `name` of the value `treedef` of `ins`, after `eqn`; its
+        outputs `outs`, or new variables."""
+        if outs is None:
+            outs = [_compat.Var(v.aval) for v in ins]
         params = dict(
             name=name,
             collection=self.collection,
@@ -530,93 +510,75 @@ class _Inserter:
             # `_walk.recomputes`), as a forward site does.
             forward=True,
         )
-        return _compat.new_eqn(
-            ins, outs, site_p, params, {site_effect}, eqn.source_info, eqn.ctx
-        )
+        return _after(eqn, ins, outs, site_p, params, {site_effect})
 
     def carry_site(self, loop, carry):
-        wanted = self.carries
-        kept = [v for v in carry if type(v) is not _compat.Literal]
-        if not wanted or not kept or not all(_tappable(v.aval) for v in kept):
-            return None
+        """The site at a loop body's new carry `carry`, where one is asked
+        for; else None. `loop`: the loop equation and the `_Outer` around it."""
         loop, outer = loop
-        what = f"{_compat.primitive_name(loop)} carry"
-        info = self.info(loop, what, kept, outer=outer)
-        if callable(wanted) and not wanted(info):
+        kept = [v for v in carry if type(v) is not _compat.Literal]
+        if not self.carries or not kept or not all(map(_tappable, kept)):
             return None
-        fresh = [_compat.Var(v.aval) for v in kept]
-        site = self.site(loop, info, kept, fresh)
-        return site
+        info = self.info(loop, f"{_compat.primitive_name(loop)} carry", kept, outer)
+        if callable(self.carries) and not self.carries(info):
+            return None
+        return self.site(loop, info, kept)
 
-    def inlined(self, eqn, given: dict, made: dict) -> list[Any] | None:
-        """The equations of a `jit` call's body (`_compat.plain_jit`) with their
-        taps, in its place, where it holds some; None where it holds none.
-        So that every tap of a program made of operations and `jit`s (JAX's
-        own `jnp.where`, `jnp.tril`, ... in a gradient) sits at its top
-        level, where the rewrite splices what the handlers do beside it
-        instead of tracing the program again (`_rewrite._spliced`). `given`
-        learns what the call's outputs are; `made`, who made them."""
-        tapped = self.higher_order(eqn)
-        if tapped is eqn:
-            return None
+    def inlined(self, eqn, tapped, given: dict, made: dict) -> list[Any]:
+        """The equations of the body of `tapped`, a `jit` call `eqn`
+        (`_compat.plain_jit`) with its taps, in its place. So that every tap
+        of a program made of operations and `jit`s (JAX's own `jnp.where`,
+        `jnp.tril`, ... in a gradient) sits at its top level, where the
+        rewrite splices what the handlers do beside it instead of tracing
+        the program again (`_rewrite._spliced`). `given` learns what the
+        call's outputs are; `made`, who made them."""
         body = tapped.params["jaxpr"].jaxpr
         env = dict(zip(body.invars, eqn.invars))
         stack = eqn.source_info.name_stack
         eqns = []
         for inner in body.eqns:
+            invars = _substituted(inner.invars, env)
             outvars = [
                 v if type(v) is _compat.DropVar else _compat.Var(v.aval)
                 for v in inner.outvars
             ]
             env.update(zip(inner.outvars, outvars))
-            tap = inner.params.get("tap") if inner.primitive is site_p else None
-            if isinstance(tap, TapInfo):
-                made.update((v, tap.primitive) for v in outvars)
-            elif inner.primitive is jax.lax.optimization_barrier_p:
+            if inner.primitive is jax.lax.optimization_barrier_p:
                 # (find_nonfinite's, after the equation it keeps: whose)
-                ins = _substituted(inner.invars, env)
-                made.update((v, made.get(x)) for v, x in zip(outvars, ins))
+                made.update((v, made.get(x)) for v, x in zip(outvars, invars))
             else:
                 made.update((v, _compat.primitive_name(inner)) for v in outvars)
-            eqns.append(
-                inner.replace(
-                    invars=_substituted(inner.invars, env),
-                    outvars=outvars,
-                    source_info=inner.source_info.replace(
-                        name_stack=stack + inner.source_info.name_stack
-                    ),
-                )
+            source_info = inner.source_info.replace(
+                name_stack=stack + inner.source_info.name_stack
             )
-        for v, out in zip(eqn.outvars, _substituted(body.outvars, env)):
-            if type(v) is not _compat.DropVar:
-                given[v] = out
+            eqns.append(
+                inner.replace(invars=invars, outvars=outvars, source_info=source_info)
+            )
+        given.update(zip(eqn.outvars, _substituted(body.outvars, env)))
         return eqns
 
     def higher_order(self, eqn):
-        prim = eqn.primitive
-        carries = {}
-        if prim is _compat.scan_p:
-            carries[id(eqn.params["jaxpr"].jaxpr)] = _compat.scan_counts(eqn.params)[1]
-        elif prim is _compat.while_p:
-            body = eqn.params["body_jaxpr"].jaxpr
-            carries[id(body)] = len(body.outvars)
-        cond_of_while = (
-            eqn.params["cond_jaxpr"].jaxpr if prim is _compat.while_p else None
-        )
+        """`eqn` with the jaxprs in its params tapped, a loop body's carry
+        too; `eqn` itself where they hold no tap."""
+        params, body, carries, predicate = eqn.params, None, 0, None
+        if eqn.primitive is _compat.scan_p:
+            body, carries = params["jaxpr"].jaxpr, _compat.scan_counts(params)[1]
+        elif eqn.primitive is _compat.while_p:
+            body, predicate = params["body_jaxpr"].jaxpr, params["cond_jaxpr"].jaxpr
+            carries = len(body.outvars)
 
         def one(jaxpr):
-            if jaxpr is cond_of_while:  # (a while loop's predicate: not tapped)
+            if jaxpr is predicate:  # (a while loop's predicate: not tapped)
                 return jaxpr
-            n = carries.get(id(jaxpr), 0)
-            return self.jaxpr(jaxpr, n, (eqn, outer) if n else None)
+            if jaxpr is body:
+                return self.jaxpr(jaxpr, carries, (eqn, outer))
+            return self.jaxpr(jaxpr)
 
         outer = self.outer
-        here = self.info(eqn, "", ())
-        self.outer = _Outer(
-            _compat.name_stack(eqn, outer.stack), here.file, here.line, here.library
-        )
+        stack = _compat.name_stack(eqn, outer.stack)
+        self.outer = _Outer(stack, *self.location(eqn, outer)[:3])
         try:
-            params = _jaxpr.map_jaxprs_in_params(eqn.params, one)
+            params = _jaxpr.map_jaxprs_in_params(params, one)
         finally:
             self.outer = outer
         if params is eqn.params:
@@ -624,8 +586,23 @@ class _Inserter:
         return eqn.replace(params=params, effects=eqn.effects | {site_effect})
 
 
-def _is_var(x) -> bool:
-    return isinstance(x, _compat.Var)
+class _Memo(dict):
+    """A dict that makes a missing value from its key, once."""
+
+    def __init__(self, make: Callable):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key):
+        value = self[key] = self.make(key)
+        return value
+
+
+def _after(eqn, invars, outvars, primitive, params, effects):
+    """A new equation at `eqn`'s place in the user's source and in JAX's context."""
+    return _compat.new_eqn(
+        invars, outvars, primitive, params, effects, eqn.source_info, eqn.ctx
+    )
 
 
 def _substituted(atoms, given: dict) -> list[Any]:
