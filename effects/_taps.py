@@ -86,16 +86,14 @@ def _primitive_names(primitives) -> frozenset | None:
     """The selected primitives' names, None for every primitive; checked."""
     if primitives is None:
         return None
-    try:
-        names = frozenset((primitives,) if isinstance(primitives, str) else primitives)
-    except TypeError:
-        names = frozenset([primitives])
+    one = isinstance(primitives, str) or not isinstance(primitives, Iterable)
+    names = tuple((primitives,) if one else primitives)
     if not all(isinstance(n, str) for n in names):
         raise TypeError(
             "fx.taps: `primitives` must be None, a primitive's name or names "
             f'(like "log" or ("exp", "dot_general")), got {primitives!r}.'
         )
-    return names
+    return frozenset(names)
 
 
 class Tapped(eqx.Module):
@@ -123,30 +121,29 @@ class Tapped(eqx.Module):
         if not handling.value:
             # Nothing handles it: the function itself, as an unhandled tag is.
             return self.fn(*args, **kwargs)
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        dynamic = [x for x in leaves if eqx.is_array(x)]
+        dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
+        leaves, treedef = jax.tree.flatten(dynamic)
         out_info = {}
 
-        def flat(*dyn):
-            it = iter(dyn)
-            merged = [next(it) if eqx.is_array(x) else x for x in leaves]
-            args, kwargs = jax.tree.unflatten(treedef, merged)
-            out = self.fn(*args, **kwargs)
-            out_leaves, out_info["tree"] = jax.tree.flatten(out)
-            # (the static leaves alone: the arrays are this trace's tracers)
-            out_info["static"] = [None if eqx.is_array(x) else x for x in out_leaves]
-            return [x for x in out_leaves if eqx.is_array(x)]
+        def flat(*leaves):
+            args, kwargs = eqx.combine(jax.tree.unflatten(treedef, leaves), static)
+            # (the static part alone: the arrays are this trace's tracers)
+            arrays, out_info["static"] = eqx.partition(
+                self.fn(*args, **kwargs), eqx.is_array
+            )
+            out, out_info["tree"] = jax.tree.flatten(arrays)
+            return out
 
-        avals = [_jaxpr.aval(x) for x in dynamic]
+        avals = [_jaxpr.aval(x) for x in leaves]
         jaxpr, consts = _jaxpr.trace(flat, avals, self.fn)
         tapped = _Inserter(self).jaxpr(jaxpr)
         closed = _compat.ClosedJaxpr(tapped, ())
         # (one equation in the caller's trace: `handle`, whose trace of this
         # call alone is this program (`_jaxpr.unwrapped`), copies nothing)
-        args = [*consts, *dynamic]
-        outs = iter(_jaxpr.call_jaxpr(closed, args, "taps", inline=False))
-        out = [next(outs) if x is None else x for x in out_info["static"]]
-        return jax.tree.unflatten(out_info["tree"], out)
+        args = [*consts, *leaves]
+        outs = _jaxpr.call_jaxpr(closed, args, "taps", inline=False)
+        arrays = jax.tree.unflatten(out_info["tree"], outs)
+        return eqx.combine(arrays, out_info["static"])
 
 
 def taps(
@@ -277,10 +274,6 @@ def _operand(v) -> str | None:
     return f"{_describe(v.aval)} constant"
 
 
-# (file, line, library, span), as `TapInfo` says them
-_Location = tuple[str | None, int | None, str | None, tuple[int, int, int, int] | None]
-
-
 class _Outer(NamedTuple):
     """Where the equations of a sub-jaxpr are: JAX's name stack of the
     equation holding it (an inner equation's own is relative to it), and
@@ -322,12 +315,9 @@ class _Inserter:
     def __init__(self, tapped: Tapped):
         # (the selection, read at every equation: plain attributes, cheaper to
         # read than a module's)
-        self.primitives, self.where, self.carries = (
-            tapped.primitives,
-            tapped.where,
-            tapped.carries,
-        )
-        self.collection, self.with_inputs = tapped.collection, tapped.with_inputs
+        self.primitives, self.where = tapped.primitives, tapped.where
+        self.carries, self.collection = tapped.carries, tapped.collection
+        self.with_inputs = tapped.with_inputs
         self.shapes: dict[str, list[Any]] = {}  # base name -> shapes, in order
         self.done: dict[Any, Any] = {}  # key -> (jaxpr, tapped jaxpr)
         self.outer = _Outer()
@@ -341,7 +331,7 @@ class _Inserter:
         self.paths = _Memo(_nested_paths)
         self.shapes_of = _Memo(_describe)
 
-    def location(self, eqn, outer: _Outer) -> _Location:
+    def location(self, eqn, outer: _Outer) -> tuple:
         """`eqn`'s `(file, line, library, span)`, as `TapInfo` says them."""
         first, user = self.frames[eqn.source_info.traceback]
         if first is None:  # (no frame of its own: the outer equation's)
