@@ -136,12 +136,10 @@ class Tapped(eqx.Module):
 
         avals = [_jaxpr.aval(x) for x in leaves]
         jaxpr, consts = _jaxpr.trace(flat, avals, self.fn)
-        tapped = _Inserter(self).jaxpr(jaxpr)
-        closed = _compat.ClosedJaxpr(tapped, ())
+        closed = _compat.ClosedJaxpr(_Inserter(self).jaxpr(jaxpr), ())
         # (one equation in the caller's trace: `handle`, whose trace of this
         # call alone is this program (`_jaxpr.unwrapped`), copies nothing)
-        args = [*consts, *leaves]
-        outs = _jaxpr.call_jaxpr(closed, args, "taps", inline=False)
+        outs = _jaxpr.call_jaxpr(closed, [*consts, *leaves], "taps", inline=False)
         arrays = jax.tree.unflatten(out_info["tree"], outs)
         return eqx.combine(arrays, out_info["static"])
 
@@ -318,7 +316,7 @@ class _Inserter:
         self.primitives, self.where = tapped.primitives, tapped.where
         self.carries, self.collection = tapped.carries, tapped.collection
         self.with_inputs = tapped.with_inputs
-        self.shapes: dict[str, list[Any]] = {}  # base name -> shapes, in order
+        self.shapes: dict[str, dict] = {}  # base name -> shape -> its number
         self.done: dict[Any, Any] = {}  # key -> (jaxpr, tapped jaxpr)
         self.outer = _Outer()
         # find_nonfinite's: the equations of this jaxpr tapped since its last
@@ -356,10 +354,8 @@ class _Inserter:
         # (find_nonfinite's, whose value holds the inputs: by their types too)
         shape = info.shape if not inputs else (info.shape, *(v.aval for v in inputs))
         base = info.base_name()
-        seen = self.shapes.setdefault(base, [])
-        if shape not in seen:
-            seen.append(shape)
-        k = seen.index(shape)
+        seen = self.shapes.setdefault(base, {})
+        k = seen.setdefault(shape, len(seen))
         return base if k == 0 else f"{base} #{k}"
 
     def jaxpr(self, jaxpr, carries: int = 0, loop=None):
@@ -560,17 +556,13 @@ class _Inserter:
         def one(jaxpr):
             if jaxpr is predicate:  # (a while loop's predicate: not tapped)
                 return jaxpr
-            if jaxpr is body:
-                return self.jaxpr(jaxpr, carries, (eqn, outer))
-            return self.jaxpr(jaxpr)
+            return self.jaxpr(jaxpr, carries if jaxpr is body else 0, (eqn, outer))
 
         outer = self.outer
         stack = _compat.name_stack(eqn, outer.stack)
         self.outer = _Outer(stack, *self.location(eqn, outer)[:3])
-        try:
-            params = _jaxpr.map_jaxprs_in_params(params, one)
-        finally:
-            self.outer = outer
+        params = _jaxpr.map_jaxprs_in_params(params, one)
+        self.outer = outer
         if params is eqn.params:
             return eqn
         return eqn.replace(params=params, effects=eqn.effects | {site_effect})
