@@ -113,16 +113,11 @@ def _tuple_or_str(x):
     return x if isinstance(x, (str, int)) else tuple(x)
 
 
-def _is_key(x) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
-
-
 def _leaf_stats(x, xp=jnp) -> dict[str, Any]:
     """Statistics of `x`, one example's value: moments and extremes over the
     finite values, counts of the rest. With `xp=np`, in NumPy and float64. A
     PRNG key is summarised by its key data (`jax.random.key_data`)."""
-    if _is_key(x):
+    if _compat.is_key(x):
         x = jax.random.key_data(x)
     if xp.iscomplexobj(x):
         x = xp.abs(x)
@@ -172,8 +167,7 @@ def _fast(x) -> tuple[tuple[Any, ...], Any]:
     """The statistics of `x` if its values are finite and its sums in range,
     and whether they are."""
     axes = tuple(range(x.ndim))
-    big = np.array(np.inf, x.dtype)
-    lo, hi = lax.reduce((x, x), (big, -big), _min_max, axes)
+    lo, hi = _extremes(x, x)
     n = np.array(max(x.size, 1), x.dtype)
     mean = lax.reduce_sum(x, axes) / n
     mean_abs = lax.reduce_sum(lax.abs(x), axes) / n
@@ -186,6 +180,12 @@ def _fast(x) -> tuple[tuple[Any, ...], Any]:
     spread = lax.bitwise_or(lax.gt(std, np.array(0, x.dtype)), lax.eq(lo, hi))
     clean = functools.reduce(lax.bitwise_and, finite, spread)
     return (mean, std, lo, hi, mean_abs, zero, zero), clean
+
+
+def _extremes(lo, hi):
+    """The minimum of `lo` and the maximum of `hi`, in one pass over both."""
+    inf = np.array(np.inf, lo.dtype)
+    return lax.reduce((lo, hi), (inf, -inf), _min_max, tuple(range(lo.ndim)))
 
 
 def _min_max(a, b):
@@ -212,12 +212,7 @@ def _stats_with_masks(x):
     count, nans = counted(finite), counted(lax.ne(x, x))
     big, zeros = lax.full_like(x, np.inf), lax.full_like(x, 0)
     inf = np.array(np.inf, dtype)
-    lo, hi = lax.reduce(
-        (lax.select(finite, x, big), lax.select(finite, x, -big)),
-        (inf, -inf),
-        _min_max,
-        axes,
-    )
+    lo, hi = _extremes(lax.select(finite, x, big), lax.select(finite, x, -big))
     largest = lax.max(lax.abs(lo), lax.abs(hi))  # (Inf where none is finite)
     usable = lax.bitwise_and(
         lax.ge(largest, np.array(2**-100, dtype)), lax.lt(largest, inf)
@@ -370,6 +365,12 @@ _STATS_OF_BATCH = Append(label="Stats(per_example=False)", per_example=False)
 #
 
 
+# A summary's columns, in order (`outer` and `examples` where a row has one):
+# what a row is of, then its statistics.
+_COLUMNS = ("name", "call", "outer", "index", "shape", "dtype", "examples")
+_COLUMNS += (*STAT_KEYS, "finite")
+
+
 class Summary:
     """What [`Tag`][effects.Tag] or [`Stats`][effects.Stats] found, as a
     table: [`fx.summary`][effects.summary] returns one.
@@ -415,14 +416,8 @@ class Summary:
 
     def __init__(self, rows: list[dict[str, Any]]):
         self.rows = rows
-        examples = any(r["examples"] is not None for r in rows)
-        outer = any(r.get("outer") is not None for r in rows)
-        self.columns = (
-            *("name", "call", *(("outer",) if outer else ()), "index", "shape"),
-            "dtype",
-            *(("examples",) if examples else ()),
-            *(*STAT_KEYS, "finite"),
-        )
+        none = {c for c in ("outer", "examples") if all(r.get(c) is None for r in rows)}
+        self.columns = tuple(c for c in _COLUMNS if c not in none)
         # Under `jax.distributed` every process computes the same table (of
         # the global values): say which one printed it.
         n, i = jax.process_count(), jax.process_index()
@@ -602,7 +597,7 @@ def _host_stats(leaf) -> tuple[dict[str, np.ndarray], Any, str | None]:
     if _spans_processes(leaf):
         stats = {k: np.asarray(v) for k, v in _device_stats(leaf).items()}
         return stats, leaf.shape, str(leaf.dtype)
-    if _is_key(leaf):
+    if _compat.is_key(leaf):
         return _host_stats(jax.random.key_data(leaf))[0], leaf.shape, str(leaf.dtype)
     x = np.asarray(leaf)
     return _leaf_stats(x, np), x.shape, str(x.dtype)
