@@ -67,9 +67,7 @@ class TapInfo:
     @property
     def location(self) -> str:
         """`"model.py:20"`, or `""` where no line is known."""
-        if self.file is None:
-            return ""
-        return f"{os.path.basename(self.file)}:{self.line}"
+        return "" if self.file is None else f"{os.path.basename(self.file)}:{self.line}"
 
     @property
     def derivative(self) -> bool:
@@ -236,10 +234,7 @@ _GROUP, _GROUP_BYTES = 16, 4 << 20
 
 # Never tapped: sites already (a tag, a `checkpoint_name`).
 _SKIP = frozenset({"effects_site", "name"})
-_SITE_PACKAGES = tuple(
-    p + os.sep
-    for p in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-)
+_SITE_PACKAGES = tuple({sysconfig.get_path(p) + os.sep for p in ("purelib", "platlib")})
 
 
 def _tappable(v) -> bool:
@@ -375,8 +370,6 @@ class _Inserter:
             if given:
                 eqn = eqn.replace(invars=_substituted(eqn.invars, given))
             eqns += self.equation(eqn, given, made)
-            if self.members and self.full():
-                eqns += self.group()
             made.update((v, _compat.primitive_name(eqn)) for v in eqn.outvars)
         eqns += self.group()
         self.members = outside
@@ -441,7 +434,8 @@ class _Inserter:
         # (`group`).
         barrier = _after(eqn, fresh, outs, jax.lax.optimization_barrier_p, {}, set())
         self.members.append((info, self.name(info, inputs), inputs, outs, eqn))
-        return [eqn.replace(outvars=fresh), barrier]
+        due = self.group() if self.full() else []
+        return [eqn.replace(outvars=fresh), barrier, *due]
 
     def full(self) -> bool:
         """Whether the site of `members` is due."""
