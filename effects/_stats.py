@@ -79,8 +79,7 @@ class Statistics(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         about = f"shape={self.shape}, dtype={self.dtype}, stacked={self.stacked}"
-        about += f", batch={self.batch}"
-        return f"Statistics({self._stats!r}, {about})"
+        return f"Statistics({self._stats!r}, {about}, batch={self.batch})"
 
     def _flatten(self):
         # (JAX flattens with keys every output of a traced function, for its
@@ -436,8 +435,7 @@ class Summary:
         table = text_table([list(self.columns), *self._cells()])
         return f"{self.note}\n{table}" if self.note else table
 
-    def __repr__(self) -> str:
-        return str(self)
+    __repr__ = __str__
 
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{html.escape(c)}</th>" for c in self.columns)
