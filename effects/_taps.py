@@ -458,11 +458,10 @@ class _Inserter:
         members, self.members = self.members, []
         if not members:
             return []
-        value = tuple((tuple(m[2]), tuple(m[3])) for m in members)
+        infos, names, inputs, outputs, eqns = zip(*members)
+        value = tuple((tuple(i), tuple(o)) for i, o in zip(inputs, outputs))
         ins, treedef = jax.tree.flatten(value)
-        name = "\n".join(m[1] for m in members)
-        infos = tuple(m[0] for m in members)
-        return [self.site_eqn(members[-1][4], name, ins, treedef, infos)]
+        return [self.site_eqn(eqns[-1], "\n".join(names), ins, treedef, infos)]
 
     def site(self, eqn, info: TapInfo, ins, outs=None):
         """A tap's site equation reading `ins`, its value one array or a
@@ -528,9 +527,8 @@ class _Inserter:
                 made.update((v, made.get(x)) for v, x in zip(outvars, invars))
             else:
                 made.update((v, _compat.primitive_name(inner)) for v in outvars)
-            source_info = inner.source_info.replace(
-                name_stack=stack + inner.source_info.name_stack
-            )
+            name_stack = _compat.name_stack(inner, stack)  # (the call's, then its)
+            source_info = inner.source_info.replace(name_stack=name_stack)
             eqns.append(
                 inner.replace(invars=invars, outvars=outvars, source_info=source_info)
             )
