@@ -462,12 +462,12 @@ def test_xla_refuses_a_reduction_of_floats_of_two_precisions():
 
 
 def test_the_max_of_a_sharded_array_drops_a_nan():
-    # `effects._nonfinite._nan_and_finite`: XLA's maximum (and minimum)
+    # `effects._nonfinite._finite_by_sums`: XLA's maximum (and minimum)
     # propagates a NaN within a device, but on a sharded array the all-reduce
     # that combines the shards' results drops a shard's NaN (CPU, jax 0.8 to
     # 0.12): `jnp.max` answers 7.0, `jnp.min` 2.0 (the first shard, [nan, 1],
     # left out whole). A sum keeps it, as a boolean reduction of `x != x` does:
-    # the finite check sums `x - x` and `min(|x|, 1)`.
+    # the finite check sums `x - x`.
     import numpy as np
 
     mesh = jax.sharding.Mesh(np.array(devices(4)), ("d",))
@@ -487,7 +487,7 @@ def test_the_max_of_a_sharded_array_drops_a_nan():
 
 
 def test_xla_folds_a_product_by_zero_into_the_product_before_it():
-    # `effects._nonfinite._nan_and_finite`: XLA's algebraic simplifier takes
+    # `effects._nonfinite._finite_by_sums`: XLA's algebraic simplifier takes
     # `(x * 2) * 0` for `x * (2 * 0)` (jax 0.8 to 0.12, CPU), so a sum of
     # `y * 0` misses the Inf that `y = x * 2` made by overflowing: 0.0, where
     # the same sum of `y` given as an input, or of `y - y`, is a NaN. (jax
@@ -646,7 +646,7 @@ def test_a_discarded_checkpoint_in_a_scan_in_a_checkpoint_runs_only_backward():
 
 
 def test_checkify_fails_on_checks_in_shard_maps():
-    # `effects._nonfinite._in_shard_map`: checkify (jax 0.7 to 0.12) fails on a
+    # `effects._nonfinite._sites_and_mesh`: checkify (jax 0.7 to 0.12) fails on a
     # program with a `checkify.check` in each of two shard_maps: the first
     # leaves its error stacked per shard, which the second cannot combine with
     # its own ("select cases must have the same shapes"). One shard_map of
