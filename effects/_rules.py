@@ -111,6 +111,8 @@ class Emitted:
         """One for several: the branches of a cond (every branch threads what
         any of them emits), or what a region threads and what a trace found.
         (`handlers` name the one whose reports differ across branches.)"""
+        if len(each) == 1:  # (a region of one body, as most are)
+            return each[0]
         merged = cls()
         for emitted in each:
             merged.sites.update(emitted.sites)
@@ -350,6 +352,10 @@ class Region:
         sizes = {k: len(avals) for k, avals in accs.items()}
         lacking = [k for k in emitted.acc_avals if k not in found.acc_avals]
         fills = [s[len(found.entries.get(k, ())) :] for k, s in emitted.entries.items()]
+        if not (lazy.n or accs or inputs or any(fills)) and list(found.entries) == list(
+            emitted.entries
+        ):
+            return body, hoisted  # (it entered nothing, and lacks nothing)
         index = lazy.index_at
         carries = index is not None and self.loop == "lax.while_loop"
         n_hoisted = len(hoisted)
