@@ -129,14 +129,22 @@ def tag_modules(
     if isinstance(methods, str) or not all(isinstance(m, str) for m in methods):
         raise TypeError(_BAD_METHODS.format(methods=methods))
     methods = tuple(methods)
+
+    # `(name, collection)` for a submodule (not the model, named "") that
+    # defines one of `methods` and is selected, else None.
+    def site(name: str, module) -> tuple[str, str] | None:
+        if name and _defines(type(module), methods) and select(name, module):
+            return name, collection
+        return None
+
     if isinstance(model, eqx.Module):
-        return _equinox(model, select, methods, collection)
+        return _equinox(model, site, methods)
     linen = sys.modules.get("flax.linen")
     if linen is not None and isinstance(model, linen.Module):
         return TaggedLinen(model, filter, methods, collection)
     nnx = sys.modules.get("flax.nnx")
     if nnx is not None and isinstance(model, nnx.Module):
-        return _nnx(nnx, model, select, methods, collection)
+        return _nnx(nnx, model, site, methods)
     raise TypeError(_BAD_MODEL.format(model=model))
 
 
@@ -152,13 +160,18 @@ def _selector(filter) -> Callable[[str, Any], bool]:
     raise TypeError(_BAD_FILTER.format(filter=filter))
 
 
-def _tag_arrays(out, name: str, collection: str):
-    """Tags the arrays of `out` (a pytree of any leaves) as `name`: not those
-    of a module in it, parameters rather than a computed value
-    (`eqx.nn.Shared` gives its tied modules back)."""
+def _tagged_call(path: str, method: str, collection: str, fn, /, *args, **kwargs):
+    """`fn(*args, **kwargs)`, a call of the submodule at `path`, with the arrays
+    of its output tagged: not those of a module in it, parameters rather than a
+    computed value (`eqx.nn.Shared` gives its tied modules back)."""
+    # Under the module's path as JAX's name scope: the operations inside
+    # carry it (taps are named by it; profilers show it).
+    with jax.named_scope(path):
+        out = fn(*args, **kwargs)
     arrays, rest = eqx.partition(out, eqx.is_array, is_leaf=_is_module)
     if not jax.tree.leaves(arrays):
         return out
+    name = path if method == "__call__" else f"{path}.{method}"
     return eqx.combine(tag(arrays, name, collection=collection), rest)
 
 
@@ -166,8 +179,11 @@ def _is_module(x) -> bool:
     return isinstance(x, eqx.Module)
 
 
-def _site_name(path: str, method: str) -> str:
-    return path if method == "__call__" else f"{path}.{method}"
+def _defines(cls: type, methods) -> bool:
+    """Whether `cls` defines one of `methods` (a class's own `__call__`, not
+    that of its metaclass)."""
+    own = [vars(c) for c in cls.__mro__ if c is not object]
+    return any(callable(d.get(m)) for m in methods for d in own)
 
 
 #
@@ -190,16 +206,12 @@ def _tagging_method(cls: type, method: str):
         if site is None:
             return original(self, *args, **kwargs)
         name, collection = site
-        # Under the module's path as JAX's name scope: the operations inside
-        # carry it (taps are named by it; profilers show it).
-        with jax.named_scope(name):
-            out = original(self, *args, **kwargs)
-        return _tag_arrays(out, _site_name(name, method), collection)
+        return _tagged_call(name, method, collection, original, self, *args, **kwargs)
 
     return tagged
 
 
-def _subclass(cls: type, methods: tuple[str, ...], equinox: bool) -> type:
+def _subclass(cls: type, methods: tuple[str, ...]) -> type:
     with _subclasses_lock:
         per_class = _subclasses.setdefault(cls, {})
         sub = per_class.get(methods)
@@ -212,53 +224,35 @@ def _subclass(cls: type, methods: tuple[str, ...], equinox: bool) -> type:
                 "__module__": cls.__module__,
                 "__qualname__": f"tag_modules({cls.__qualname__})",
                 "__doc__": cls.__doc__,
+                **{m: _tagging_method(cls, m) for m in methods if _defines(cls, (m,))},
             }
-            if equinox:
+            if issubclass(cls, eqx.Module):
                 namespace["__annotations__"] = {_SITE: Any}
                 namespace[_SITE] = eqx.field(static=True, default=None)
-            for m in methods:
-                if _has_methods_cls(cls, (m,)):
-                    namespace[m] = _tagging_method(cls, m)
             sub = per_class[methods] = type(cls.__name__, (cls,), namespace)
         return sub
 
 
-def _has_methods(module, methods) -> bool:
-    return _has_methods_cls(type(module), methods)
-
-
-def _has_methods_cls(cls: type, methods) -> bool:
-    """Whether `cls` defines one of `methods` (a class's own `__call__`, not
-    that of its metaclass)."""
-    own = [vars(c) for c in cls.__mro__ if c is not object]
-    return any(callable(d.get(m)) for m in methods for d in own)
-
-
-def _equinox(model, select, methods, collection):
+def _equinox(model, site, methods):
     def rebuild(node, path: tuple):
-        def child(key, x):
-            return rebuild(x, path + key) if isinstance(x, eqx.Module) else x
-
         node = jax.tree_util.tree_map_with_path(
-            child,
+            lambda key, x: rebuild(x, path + key) if _is_module(x) else x,
             node,
-            is_leaf=lambda x: x is not node and isinstance(x, eqx.Module),
+            is_leaf=lambda x: x is not node and _is_module(x),
         )
-        if not path or not _has_methods(node, methods):
+        where = site(jax.tree_util.keystr(path, simple=True, separator="."), node)
+        if where is None:
             return node
-        name = jax.tree_util.keystr(path, simple=True, separator=".")
-        if not select(name, node):
-            return node
-        new = object.__new__(_subclass(type(node), methods, equinox=True))
+        new = object.__new__(_subclass(type(node), methods))
         for f in dataclasses.fields(node):
             object.__setattr__(new, f.name, getattr(node, f.name))
-        object.__setattr__(new, _SITE, (name, collection))
+        object.__setattr__(new, _SITE, where)
         return new
 
     return rebuild(model, ())
 
 
-def _nnx(nnx, model, select, methods, collection):
+def _nnx(nnx, model, site, methods):
     copies: dict[int, Any] = {}  # a submodule shared in the model stays shared
 
     def value(x, path: tuple):
@@ -275,26 +269,16 @@ def _nnx(nnx, model, select, methods, collection):
     def node(x, path: tuple):
         if id(x) in copies:
             return copies[id(x)]
-        name = ".".join(path)
-        site = None
-        if (
-            path
-            and isinstance(x, nnx.Module)
-            and _has_methods(x, methods)
-            and select(name, x)
-        ):
-            site = (name, collection)
-        cls = _subclass(type(x), methods, equinox=False) if site else type(x)
+        where = site(".".join(path), x) if isinstance(x, nnx.Module) else None
+        cls = type(x) if where is None else _subclass(type(x), methods)
         new = copies[id(x)] = object.__new__(cls)
-        attrs = vars(new)
         for k, v in vars(x).items():
             # `nnx.List` and `nnx.Dict` keep their items as attributes named by
             # index or key, so the path names an item as NNX's own paths do.
-            attrs[k] = (
-                v if str(k).startswith("_pytree__") else value(v, (*path, str(k)))
-            )
-        if site is not None:
-            setattr(new, _SITE, site)
+            internal = str(k).startswith("_pytree__")  # NNX's own bookkeeping
+            vars(new)[k] = v if internal else value(v, (*path, str(k)))
+        if where is not None:
+            setattr(new, _SITE, where)
         return new
 
     return node(model, ())
@@ -323,14 +307,10 @@ class TaggedLinen:
 
     def _intercept(self, next_fun, args, kwargs, context):
         module, method = context.module, context.method_name
-        if method not in self.methods or module.scope is None:
+        path = "" if module.scope is None else "/".join(module.scope.path)
+        if method not in self.methods or not path or not self._select(path, module):
             return next_fun(*args, **kwargs)
-        path = "/".join(module.scope.path)
-        if not path or not self._select(path, module):
-            return next_fun(*args, **kwargs)
-        with jax.named_scope(path):  # (as for Equinox: see `_tagging_method`)
-            out = next_fun(*args, **kwargs)
-        return _tag_arrays(out, _site_name(path, method), self.collection)
+        return _tagged_call(path, method, self.collection, next_fun, *args, **kwargs)
 
     def apply(self, variables, *args, **kwargs):
         import flax.linen as nn
