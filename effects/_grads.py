@@ -8,7 +8,9 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import _compat
@@ -106,9 +108,9 @@ def intermediate_grads(
         # Flax NNX objects among the arguments: their state goes in and the
         # state they end with comes out of the gradient as auxiliary output.
         nnx_call = functional(fn, args, kwargs)
-        pure, kwargs = (fn, kwargs) if nnx_call is None else (nnx_call[0], {})
+        pure = fn
         if nnx_call is not None:
-            args = nnx_call[1]
+            pure, args, kwargs = nnx_call[0], nnx_call[1], {}
         # Outside any transformation, through a jit cached per function and
         # argument signature: repeated calls neither trace nor compile.
         top, nnx = _compat.is_top_level(), nnx_call is not None
@@ -141,46 +143,29 @@ def _grads(call, probe: Perturb, nnx: bool, dynamic):
     # A value with no gradient (integers, booleans, PRNG keys) has the float0
     # zero `jax.grad(..., allow_int=True)` gives: only floating leaves take a
     # delta that is differentiated (an integer beside them a zero; a key none).
-    kinds = {
-        n: {_gradient_kind(a) for a in jax.tree.leaves(v)} for n, v in sites.items()
-    }
-    for name, have in kinds.items():
-        if have >= {"key", "inexact"}:
-            raise ValueError(_KEY_AND_FLOATS.format(name=name, kind=probe.kind))
-    zeros = Found(
-        (n, jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), v))
-        for n, v in sites.items()
-        if "inexact" in kinds[n]
-    )
-    leaves, tree = jax.tree.flatten(zeros)
-    floats = [i for i, x in enumerate(leaves) if _gradient_kind(x) == "inexact"]
+    grads = Found((n, jax.tree.map(_float0, v)) for n, v in sites.items())
+    zeros = Found()
+    for name, value in sites.items():
+        avals = jax.tree.leaves(value)
+        if any(jnp.issubdtype(a.dtype, jnp.inexact) for a in avals):
+            if any(_compat.is_key(a) for a in avals):
+                raise ValueError(_KEY_AND_FLOATS.format(name=name, kind=probe.kind))
+            zeros[name] = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), value)
+    floats, others = eqx.partition(zeros, eqx.is_inexact_array)
 
-    def loss(float_deltas):
-        deltas = list(leaves)
-        for i, x in zip(floats, float_deltas):
-            deltas[i] = x
-        perturb = Perturb(
-            tree.unflatten(deltas), collection=probe.collection, kind=probe.kind
-        )
+    def loss(floats):
+        deltas = eqx.combine(floats, others)
+        perturb = Perturb(deltas, collection=probe.collection, kind=probe.kind)
         out, _ = handle(call, perturb)(dynamic)
         return out  # with NNX objects: (value, their state)
 
     try:
-        out, got = jax.value_and_grad(loss, has_aux=nnx)([leaves[i] for i in floats])
+        out, got = jax.value_and_grad(loss, has_aux=nnx)(floats)
     except NotVarying as e:
         raise ValueError(_SAME_IN_EVERY_SHARD.format(e.where, e.axes)) from e
-    grads = [_float0(x) for x in leaves]
-    for i, g in zip(floats, got):
-        grads[i] = g
-    grads = tree.unflatten(grads)
-    none = {n: jax.tree.map(_float0, v) for n, v in sites.items() if n not in zeros}
-    return out, Found((n, grads[n] if n in grads else none[n]) for n in sites)
-
-
-def _gradient_kind(aval) -> str:
-    if jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact):
-        return "inexact"
-    return "key" if _compat.is_key(aval) else "other"
+    for name, grad in got.items():
+        grads[name] = eqx.combine(grad, grads[name])
+    return out, grads
 
 
 def _float0(aval):
