@@ -16,6 +16,8 @@ Flax is optional: nothing here imports it. An NNX object can only reach
 
 from __future__ import annotations
 
+import functools
+import itertools
 import operator
 import sys
 import types
@@ -51,13 +53,9 @@ class _Hole:
 _HOLE = _Hole()
 
 
-def _module():
-    return sys.modules.get("flax.nnx")
-
-
 def is_node(x) -> bool:
     """Whether `x` is an NNX object, or a method bound to one."""
-    nnx = _module()
+    nnx = sys.modules.get("flax.nnx")
     if isinstance(x, types.MethodType):
         x = x.__self__
     return nnx is not None and _is_object(nnx, x)
@@ -72,17 +70,14 @@ def functional(fn, args, kwargs) -> tuple[Callable, tuple, Callable] | None:
     a method bound to one) and its arguments, else None. `pure(*pure_args)`
     returns `(fn(*args, **kwargs), state)`, with `state` what the objects hold
     after the call; `finish(state)` writes it into the caller's objects."""
-    nnx = _module()
+    nnx = sys.modules.get("flax.nnx")
     if nnx is None or fn is _pure or getattr(fn, "__wrapped__", None) is _pure:
         return None  # `handle` calling itself with the state split off
 
-    def is_object(x) -> bool:
-        return _is_object(nnx, x)
-
-    owner = None
+    is_object = functools.partial(_is_object, nnx)
     if isinstance(fn, types.MethodType) and is_object(fn.__self__):
-        fn, owner = fn.__func__, fn.__self__
-    leaves, treedef = jax.tree.flatten((fn, owner, args, kwargs), is_leaf=is_object)
+        fn, args = fn.__func__, (fn.__self__, *args)
+    leaves, treedef = jax.tree.flatten((fn, args, kwargs), is_leaf=is_object)
     nodes = [x for x in leaves if is_object(x)]
     if not nodes:
         return None
@@ -96,9 +91,7 @@ def functional(fn, args, kwargs) -> tuple[Callable, tuple, Callable] | None:
         # enclosing `jax.grad`), though the plain call writes nothing there.
         # Then those it added (`sow`), as `nnx.jit` adds them.
         written, values, added = updates
-        for variable, value in zip(
-            (v for v, w in zip(variables, written) if w), values
-        ):
+        for variable, value in zip(itertools.compress(variables, written), values):
             _set(variable, value)
         if added is not None:
             nnx.update(nodes, added)
@@ -107,28 +100,24 @@ def functional(fn, args, kwargs) -> tuple[Callable, tuple, Callable] | None:
 
 
 def _pure(graphdef, state, treedef, rest) -> tuple[Any, Any]:
-    nnx = _module()
-    nodes = nnx.merge(graphdef, state)  # pyright: ignore[reportOptionalMemberAccess]
+    nnx = sys.modules["flax.nnx"]
+    nodes = nnx.merge(graphdef, state)
     it = iter(nodes)
     leaves = [next(it) if x is _HOLE else x for x in rest]
-    fn, owner, args, kwargs = jax.tree.unflatten(treedef, leaves)
-    if owner is not None:
-        args = (owner, *args)
-    variables = _variables(nnx, nnx.state(nodes))  # pyright: ignore[reportOptionalMemberAccess]
+    fn, args, kwargs = jax.tree.unflatten(treedef, leaves)
+    variables = _variables(nnx, nnx.state(nodes))
     before = [_get(v) for v in variables]
     out = fn(*args, **kwargs)
-    now = set(map(id, _variables(nnx, nnx.state(nodes))))  # pyright: ignore[reportOptionalMemberAccess]
-    if not now >= set(map(id, variables)):
+    had = set(map(id, variables))
+    now = set(map(id, _variables(nnx, nnx.state(nodes))))
+    if not now >= had:
         raise ValueError(_REMOVED_VARIABLES)
-    added = None
-    if len(now) > len(variables):
-        had = set(map(id, variables))
-        added = nnx.state(nodes, lambda _, v: id(v) not in had)  # pyright: ignore[reportOptionalMemberAccess]
+    added = nnx.state(nodes, lambda _, v: id(v) not in had) if now > had else None
     after = [_get(v) for v in variables]
     # A Variable the call did not write still holds the very value it got
     # (a write may change its structure: a `sow` appends to a tuple).
     written = tuple(map(_written, before, after))
-    return out, (written, [a for a, w in zip(after, written) if w], added)
+    return out, (written, list(itertools.compress(after, written)), added)
 
 
 def _written(before, after) -> bool:
