@@ -102,20 +102,11 @@ class Sites(dict):
 
     def __str__(self) -> str:
         infos = [i for names in self.values() for v in names.values() for i in v]
-        parts = any(i.part != "value" for i in infos)  # a column only then
-        rows = [("collection", "name", "kind", *("part",) * parts, "value", "where")]
-        rows += [
-            (
-                i.collection,
-                i.name,
-                i.kind,
-                *(i.part,) * parts,
-                describe(i.value),
-                i.where,
-            )
-            for i in infos
-        ]
-        return text_table(rows)
+        columns = ["collection", "name", "kind", "part", "value", "where"]
+        if all(i.part == "value" for i in infos):
+            columns.remove("part")  # a column only when a site has another part
+        rows = [{**vars(i), "value": describe(i.value)} for i in infos]
+        return text_table([columns, *([row[c] for c in columns] for row in rows)])
 
 
 def text_table(rows) -> str:
@@ -200,17 +191,15 @@ def traced_sites(fn, *args) -> tuple[Sites, Any]:
         # scan that it split for differentiation), adds no control flow.
         around = [_label(r) for r in located.path if r.name != "closed_call"]
         site = site_of(located.eqn)
-        where = " > ".join(label for label, _ in around)
-        loops = tuple(loop for _, loop in around)
         info = SiteInfo(
             site.kind,
             site.collection,
             site.name,
             site.front_avals(),
-            where,
-            site.part,
-            loops,
-            located.eqn.params.get("tap"),
+            where=" > ".join(label for label, _ in around),
+            part=site.part,
+            loops=tuple(loop for _, loop in around),
+            tap=located.eqn.params.get("tap"),
         )
         found.setdefault(site.collection, {}).setdefault(site.name, []).append(info)
     return found, jaxpr
