@@ -14,7 +14,7 @@ import warnings
 import jax
 
 from . import _compat
-from ._handlers import SUM, Select, acts_on, found_key, mode_of
+from ._handlers import PARTS, SUM, Select, acts_on, found_key, mode_of
 from ._primitives import site_p
 from ._site import CHECKPOINT_NAME, Site
 from ._walk import recomputed_only, walk
@@ -279,6 +279,27 @@ def _kind(kind: str) -> str:
     return "tag" if kind == "tag" else "perturb site"
 
 
+def _message(template: str, h, site: Site, **more) -> str:
+    # `template` filled in for handler `h` at `site`: with the site's fields
+    # and `more`, of which `str.format` takes those the template names.
+    return template.format(
+        handler=type(h).__name__,
+        where=site.where(),
+        kind=_kind(site.kind),
+        name=site.name,
+        collection=site.collection,
+        **more,
+    )
+
+
+def _refuse(template: str, site: Site, acting, **more) -> None:
+    """Raise `template` for the first of the handlers `acting` at `site`, if
+    there is one."""
+    h = next(iter(acting), None)
+    if h is not None:
+        raise ValueError(_message(template, h, site, **more))
+
+
 def _named(site: Site, name: str | tuple[str, ...] | None) -> bool:
     """Whether `site` is named `name`, or matches one of the glob patterns
     (any name, for None)."""
@@ -397,14 +418,9 @@ def _check_loop_invariant(jaxpr, sites, handlers) -> None:
         key = (pair, s.key[3] == "value")
         loops[key] = max(loops.get(key, 0), n)
     for s, pair, _ in paired:
-        if s.key[3] != "value" or loops.get((pair, False), 0) <= loops[pair, True]:
-            continue
-        probe = Site.probe(*s.key)
-        for h in handlers:
-            if h.matches(probe):
-                raise ValueError(
-                    _HOISTED.format(handler=type(h).__name__, where=probe.where())
-                )
+        if s.key[3] == "value" and loops.get((pair, False), 0) > loops[pair, True]:
+            probe = Site.probe(*s.key)
+            _refuse(_HOISTED, probe, (h for h in handlers if h.matches(probe)))
 
 
 def _check_recomputed_only(jaxpr, sites, handlers) -> None:
@@ -416,13 +432,8 @@ def _check_recomputed_only(jaxpr, sites, handlers) -> None:
     tell them apart by. The handler would report none of its executions."""
     for key in recomputed_only(jaxpr):
         probe = Site.probe(*key)
-        for h in handlers:
-            if mode_of(h) is not None and h.matches(probe):
-                raise ValueError(
-                    _RECOMPUTED_ONLY.format(
-                        handler=type(h).__name__, where=probe.where()
-                    )
-                )
+        reporting = (h for h in handlers if mode_of(h) is not None and h.matches(probe))
+        _refuse(_RECOMPUTED_ONLY, probe, reporting)
 
 
 def _check_transposed(jaxpr, sites, handlers) -> None:
@@ -430,33 +441,24 @@ def _check_transposed(jaxpr, sites, handlers) -> None:
     `_primitives._site_transpose`): the transposed program never computes its
     value, nor its cotangent apart."""
     for s in walk(jaxpr).sites:
-        if not s.eqn.params.get("transposed"):
-            continue
-        probe = Site.probe(*s.key)
-        for h in handlers:
-            if any(h.matches(probe.of(part)) for part in _PARTS):
-                raise ValueError(
-                    _TRANSPOSED.format(handler=type(h).__name__, where=probe.where())
-                )
-
-
-_PARTS = ("value", "tangent", "cotangent")
+        if s.eqn.params.get("transposed"):
+            probe = Site.probe(*s.key)
+            acting = (h for h in handlers if any(h.matches(probe.of(p)) for p in PARTS))
+            _refuse(_TRANSPOSED, probe, acting)
 
 
 def _check_keys(jaxpr, sites, handlers) -> None:
     """No handler sums a PRNG key: a key has no sum."""
     for s in walk(jaxpr).sites:
         keys = [v.aval for v in s.eqn.invars if _compat.is_key(v.aval)]
-        if not keys:
-            continue
-        probe = Site.probe(*s.key)
-        for h in handlers:
-            if acts_on(h, probe) == probe.part and mode_of(h) is SUM:
-                raise ValueError(
-                    _REDUCED_KEY.format(
-                        handler=type(h).__name__, where=probe.where(), key=keys[0]
-                    )
-                )
+        if keys:
+            probe = Site.probe(*s.key)
+            summing = (
+                h
+                for h in handlers
+                if acts_on(h, probe) == probe.part and mode_of(h) is SUM
+            )
+            _refuse(_REDUCED_KEY, probe, summing, key=keys[0])
 
 
 _REDUCED_KEY = (
@@ -506,17 +508,9 @@ def check_branches(every_branch, handlers) -> None:
     for h in handlers:
         hit = sorted(s for s in every_branch if h.matches(branch_probe(s)))
         if hit:
-            kind, collection = hit[0][:2]
-            raise ValueError(
-                _EVERY_BRANCH.format(
-                    handler=type(h).__name__,
-                    kind="tag" if kind == "tag" else "perturb site",
-                    names=", ".join(
-                        dict.fromkeys(f"{s[2]!r}{_branch_where(s)}" for s in hit)
-                    ),
-                    collection=collection,
-                )
-            )
+            names = ", ".join(dict.fromkeys(f"{s[2]!r}{_branch_where(s)}" for s in hit))
+            message = _message(_EVERY_BRANCH, h, branch_probe(hit[0]), names=names)
+            raise ValueError(message)
 
 
 #
