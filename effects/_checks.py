@@ -36,7 +36,8 @@ def check(jaxpr, sites, handlers) -> None:
 
 
 _UNKNOWN_NAME = (
-    "{handler}: no {kind} {named} {name}{where}. Known names: {known}. (A tag "
+    "{handler}: no {kind} {named} {name} in collection {collection!r}. Known "
+    "names: {known}. (A tag "
     "inside a callback's Python function, or one a primitive keeps to trace "
     "later (a lineax iterative solve's operator), is never seen: tag its "
     "result instead.)"
@@ -89,20 +90,21 @@ _BOTH_ACT = (
     " Narrow the earlier handler's `names`. To have both act there, put a "
     "handler that reports nothing (`Substitute`, `Intervene`) first, and the "
     "other reports the value it gives; or nest them, "
-    "`fx.handle(fx.handle(f, {before_type}(...)), {handler}(...))`, with a "
-    "mode of {before_type} that passes the site on (`consumes=False`: "
+    "`fx.handle(fx.handle(f, {before}(...)), {handler}(...))`, with a "
+    "mode of {before} that passes the site on (`consumes=False`: "
     "`fx.Append(consumes=False)`, `fx.Reduce(..., consumes=False)`)."
 )
 _CONSUMED_BEFORE = (
     "{handler}: the {kind} {name!r} (collection {collection!r}) is consumed by "
-    "{before}, which comes before it in the same `fx.handle`: handlers act in "
-    "order and the first that matches a site consumes it." + _BOTH_ACT
+    "{before} (handler {j}), which comes before it in the same `fx.handle`: "
+    "handlers act in order and the first that matches a site consumes it." + _BOTH_ACT
 )
 _ALL_CONSUMED_BEFORE = (
     "{handler} matches no site left: every one it matches (the {kind} {name!r} "
-    "of collection {collection!r} among them) is consumed by {before}, which "
-    "comes before it in the same `fx.handle`, so it reports nothing: handlers "
-    "act in order and the first that matches a site consumes it." + _BOTH_ACT
+    "of collection {collection!r} among them) is consumed by {before} (handler "
+    "{j}), which comes before it in the same `fx.handle`, so it reports "
+    "nothing: handlers act in order and the first that matches a site consumes "
+    "it." + _BOTH_ACT
 )
 _CONSUMED_INSIDE = (
     "{handler}: {where} is reported by a handler of the `fx.handle` inside "
@@ -138,20 +140,14 @@ def _check_names(jaxpr, sites, handlers) -> None:
     this one (a derivative it reported stays for the handlers of the value).
     A handler that names none, all of whose sites one before it consumes, is a
     warning (nested, `handle(handle(f, A), B)`, `B` sees no site at all)."""
-    # (built where a handler requires names: one probe per site)
-    probes, inside = None, frozenset()
+    probes = [Site.probe(*s) for s in sorted(sites)]
+    found = walk(jaxpr).sites
+    inside = {s.key for s in found if s.eqn.params.get("derivative_consumed")}
     for i, h in enumerate(handlers):
         select = h.matches
         exact, globs = select.required() if isinstance(select, Select) else ((), ())
         if not (exact or globs or any(map(_consumes, handlers[:i]))):
             continue
-        if probes is None:
-            probes = [Site.probe(*s) for s in sorted(sites)]
-            inside = frozenset(
-                s.key
-                for s in walk(jaxpr).sites
-                if s.eqn.params.get("derivative_consumed")
-            )
 
         def consumer(site):
             """The handler before `h` that consumes `site`, if any (-1: one
@@ -173,34 +169,22 @@ def _check_names(jaxpr, sites, handlers) -> None:
         # sites of a handler that names none.)
         for name in exact or ((globs,) if globs else (None,)):
             mine = [p for p in probes if _named(p, name) and h.matches(p)]
-            if not mine and name is None:
-                break  # (nothing to see: as in a handle of its own)
             if not mine:
-                assert name is not None
-                raise ValueError(_unknown_name(h, name, probes, consumer))
-            if all(consumer(p) is not None for p in mine):
-                j = consumer(mine[0])
-                assert j is not None
-                if j < 0:
-                    where = mine[0].where()
-                    message = _CONSUMED_INSIDE.format(
-                        handler=type(h).__name__, where=where
-                    )
-                else:
-                    before = type(handlers[j]).__name__
-                    template = _CONSUMED_BEFORE if name else _ALL_CONSUMED_BEFORE
-                    message = template.format(
-                        before=f"{before} (handler {j})",
-                        before_type=before,
-                        handler=type(h).__name__,
-                        kind=_kind(mine[0].kind),
-                        name=mine[0].name,
-                        collection=mine[0].collection,
-                    )
                 if name is None:
-                    warnings.warn(message, stacklevel=_compat.outside_level())
-                    break
+                    break  # (nothing to see: as in a handle of its own)
+                raise ValueError(_unknown_name(h, name, probes, consumer))
+            j = consumer(mine[0])
+            if j is None or any(consumer(p) is None for p in mine):
+                continue
+            if j < 0:
+                template = _CONSUMED_INSIDE
+            else:
+                template = _CONSUMED_BEFORE if name else _ALL_CONSUMED_BEFORE
+            before = type(handlers[j]).__name__  # (unused where j < 0)
+            message = _message(template, h, mine[0], before=before, j=j)
+            if name is not None:
                 raise ValueError(message)
+            warnings.warn(message, stacklevel=_compat.outside_level())
 
 
 def _check_derivatives(jaxpr, sites, handlers) -> None:
@@ -209,15 +193,14 @@ def _check_derivatives(jaxpr, sites, handlers) -> None:
     that have no derivative, says so rather than find nothing. (A tag whose
     value does not depend on what is differentiated has none either: it is
     left out, as JAX leaves out its zero derivative.)"""
-    custom = None
-    probes = {k: Site.probe(*k) for k in sorted(sites) if k[3] == "value"}
+    probes = [Site.probe(*k) for k in sorted(sites) if k[3] == "value"]
     for h in handlers:
         # Per derivative part the handler takes (by `matches`, where it does
         # not take the value): the tags it matches there, and those of them
         # the function does not differentiate.
-        others = [p for p in probes.values() if not h.matches(p)]
+        others = [p for p in probes if not h.matches(p)]
         checked = []
-        for part in ("tangent", "cotangent") if others else ():
+        for part in ("tangent", "cotangent"):
             values = [probes_key(p) for p in others if h.matches(p.of(part))]
             have = {k[:3] for k in sites if k[3] == part}
             if values:
@@ -225,34 +208,33 @@ def _check_derivatives(jaxpr, sites, handlers) -> None:
         if not checked:
             continue
         if all(len(missing) == len(values) for _, values, missing in checked):
-            (part, _, names), message = checked[0], _NOT_DIFFERENTIATED
-            if not _inexact_values(jaxpr, names):
-                message = _INTEGER_VALUES
+            part, _, names = checked[0]
+            inexact = _inexact_values(jaxpr, names)
+            message = _NOT_DIFFERENTIATED if inexact else _INTEGER_VALUES
         else:
-            if custom is None:
-                custom = {
-                    s.key[:3]
-                    for s in walk(jaxpr).sites
-                    if any(r.name in _CUSTOM for r in s.path)
-                }
-            partly = [(p, m) for p, v, m in checked if len(m) < len(v)]
-            part, names = next(
-                ((p, [k for k in m if k[:3] in custom]) for p, m in partly),
-                (None, []),
-            )
+            # (the first part some of whose tags are differentiated: those
+            # that are not, if inside a custom rule)
+            part, _, missing = next(c for c in checked if len(c[2]) < len(c[1]))
+            custom = {
+                s.key[:3]
+                for s in walk(jaxpr).sites
+                if any(r.name in _CUSTOM for r in s.path)
+            }
+            names = [k for k in missing if k[:3] in custom]
             if not names:
                 continue
             message = _IN_CUSTOM_RULE
+        one = len(names) == 1
         raise ValueError(
             message.format(
                 handler=type(h).__name__,
                 part=part,
-                kind=_kind(names[0][0]) + ("s" if len(names) > 1 else ""),
+                kind=_kind(names[0][0]) + ("" if one else "s"),
                 names=", ".join(repr(k[2]) for k in names),
                 transform="grad" if part == "cotangent" else "jvp",
-                it="it has" if len(names) == 1 else "they have",
-                sit="sits" if len(names) == 1 else "sit",
-                them="it" if len(names) == 1 else "them",
+                it="it has" if one else "they have",
+                sit="sits" if one else "sit",
+                them="it" if one else "them",
             )
         )
 
@@ -261,12 +243,12 @@ _CUSTOM = ("custom_jvp_call", "custom_vjp_call")
 
 
 def _inexact_values(jaxpr, keys) -> bool:
-    """Whether a value site of one of `keys` holds a floating or complex leaf."""
-    keys = {k[:3] for k in keys}
+    """Whether a site of one of `keys`, value sites, holds a floating or
+    complex leaf."""
     return any(
         jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact)
         for s in walk(jaxpr).sites
-        if s.key[:3] in keys and s.key[3] == "value"
+        if s.key in keys
         for v in s.eqn.invars
     )
 
@@ -315,35 +297,25 @@ def _unknown_name(h, name: str | tuple[str, ...], probes, consumer) -> str:
     # collection and part that no handler before it consumes.
     select: Select = h.matches
     kind, collection, part = select.kind, select.collection, select.part
-    known = sorted(
-        {
-            p.name
-            for p in probes
-            if consumer(p) is None
-            and p.kind == kind
-            and p.part == part
-            and p.collection == collection
-        }
-    )
-    where = f" in collection {collection!r}"
+    any_name = Select(None, collection, kind, part)
+    known = sorted({p.name for p in probes if any_name(p) and consumer(p) is None})
     what = _kind(kind) if part == "value" else f"{part} of a {_kind(kind)}"
     message = _UNKNOWN_NAME.format(
         handler=type(h).__name__,
         kind=what,
         named="matching" if isinstance(name, tuple) else "named",
         name=" or ".join(map(repr, name)) if isinstance(name, tuple) else repr(name),
-        where=where,
+        collection=collection,
         known=", ".join(map(repr, known)) or "none",
     )
     if part != "value":
-        transform = "grad" if part == "cotangent" else "jvp"
         has_value = any(
             p.part == "value" and p.kind == kind and _named(p, name) for p in probes
         )
-        if has_value and any(p.part == part for p in probes):
-            message += _NOT_REACHED.format(part=part, transform=transform)
-        else:
-            message += _NO_DERIVATIVE.format(part=part, transform=transform)
+        reached = has_value and any(p.part == part for p in probes)
+        transform = "grad" if part == "cotangent" else "jvp"
+        template = _NOT_REACHED if reached else _NO_DERIVATIVE
+        message += template.format(part=part, transform=transform)
     return message
 
 

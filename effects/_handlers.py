@@ -79,6 +79,13 @@ def _check_collection(collection, owner: str) -> None:
         raise TypeError(f"{owner}: collection must be a string, got {collection!r}.")
 
 
+def _check_part(part, owner: str, argument: str) -> None:
+    if part not in PARTS:
+        raise ValueError(
+            f"{owner}: {argument}={part!r}; use 'value', 'tangent' or 'cotangent'."
+        )
+
+
 _GLOB = re.compile(r"[*?\[]")
 PARTS = ("value", "tangent", "cotangent")
 
@@ -145,10 +152,7 @@ class Select:
         _check_collection(self.collection, "Select")
         if self.kind not in ("tag", "perturb"):
             raise ValueError(f"Select: kind={self.kind!r}; use 'tag' or 'perturb'.")
-        if self.part not in PARTS:
-            raise ValueError(
-                f"Select: part={self.part!r}; use 'value', 'tangent' or 'cotangent'."
-            )
+        _check_part(self.part, "Select", "part")
 
     def __call__(self, site: Site) -> bool:
         # (spelt out: this runs at every site)
@@ -911,10 +915,7 @@ class Tag(Handler):
         _check_collection(collection, owner)
         if not (isinstance(mode, (Reduce, Append)) or mode in _MODES):
             raise ValueError(_BAD_MODE.format(mode=mode))
-        if of not in PARTS:
-            raise ValueError(
-                f"{owner}: of={of!r}; use 'value', 'tangent' or 'cotangent'."
-            )
+        _check_part(of, owner, "of")
         _set_fields(
             self,
             collection=collection,
