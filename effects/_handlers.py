@@ -916,13 +916,8 @@ class Tag(Handler):
         if not (isinstance(mode, (Reduce, Append)) or mode in _MODES):
             raise ValueError(_BAD_MODE.format(mode=mode))
         _check_part(of, owner, "of")
-        _set_fields(
-            self,
-            collection=collection,
-            names=_check_names(names, owner),
-            mode=mode,
-            of=of,
-        )
+        names = _check_names(names, owner)
+        _set_fields(self, collection=collection, names=names, mode=mode, of=of)
 
     @functools.cached_property
     def matches(self):  # pyright: ignore[reportIncompatibleMethodOverride]
@@ -1029,13 +1024,9 @@ class Perturb(Handler):
                     f"Perturb: deltas for {name!r}, a name `names` does not "
                     "select: leave it out of the deltas, or out of `names`."
                 )
-        _set_fields(
-            self,
-            kind=kind,
-            collection=collection,
-            deltas=None if deltas is None else _per_call_dict(deltas, "Perturb"),
-            names=select.names,
-        )
+        if deltas is not None:
+            deltas = _per_call_dict(deltas, "Perturb")
+        _set_fields(self, kind=kind, collection=collection, deltas=deltas, names=names)
 
     @property
     def mode(self):  # pyright: ignore[reportIncompatibleVariableOverride]
