@@ -13,8 +13,7 @@ import numpy as np
 
 from . import _compat, _jaxpr
 from ._primitives import handling, probing
-from ._rewrite import _bind, _matched, rules, run
-from ._rules import Region
+from ._rewrite import _bind, _matched, rules, run, trace_rewrite
 from ._scope import Scope
 from ._walk import NOT_YET, analysis, sites_in
 
@@ -50,16 +49,20 @@ def _custom(eqn, invals, scope: Scope) -> list[Any]:
     # function runs once; differentiating it differentiates the equation, by its
     # own rule, and collects by running the region once more. What is collected
     # inside carries no gradient: the custom rule defines none for it.
-    # (The state the region threads enters with its constants: the custom
-    # rule knows neither.)
-    region, [(body, hoisted)] = Region.traced(
-        scope, [(closed.jaxpr, closed.consts)], closed.in_avals
+    body, hoisted, leave = scope.traced(
+        lambda finish: trace_rewrite(
+            closed.jaxpr,
+            closed.consts,
+            scope.handlers,
+            scope.rewrite,
+            (),
+            lambda _, run_in: finish(run_in(scope)),
+        )
     )
     traced = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(body, ()))
-    n_hoisted = len(hoisted)
 
-    def collecting(fixed, args):
-        return traced(*fixed[:n_hoisted], *args, *fixed[n_hoisted:])
+    def collecting(hoisted, args):
+        return traced(*hoisted, *args)
 
     def original(*args):
         return _bind(eqn, args, call_jaxpr=call_jaxpr)
@@ -70,7 +73,9 @@ def _custom(eqn, invals, scope: Scope) -> list[Any]:
     else:
         src = closed.jaxpr.debug_info.func_src_info
         collecting = _collecting_custom_jvp(original, collecting, n_out, src)
-    return region.leave(collecting([*hoisted, *region.args([])], invals))
+    outs = collecting(hoisted, invals)
+    leave(outs[n_out:])
+    return outs[:n_out]
 
 
 def _collecting_custom_vjp(original, region, n_out):

@@ -2,8 +2,8 @@
 what they emit (appended entries, accumulators, per-execution inputs) through
 every higher-order primitive. One rule per primitive, shared by all handlers.
 
-A call, a loop or a branch is traced as `jax.experimental.checkify` traces
-a loop: its body once, with the state the handlers thread (see `_rules`).
+Calls are traced once, on the scope they are in; loops and branches as
+`jax.experimental.checkify` traces them (see `_rules`).
 """
 
 from __future__ import annotations

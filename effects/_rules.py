@@ -2,13 +2,14 @@
 cond, custom_jvp/custom_vjp, shard_map): each threads what the handlers emit in
 its sub-jaxprs, and keeps only its binder order and params.
 
-Every body (a call's, a loop's, a cond's branches, a shard_map's) is a
-`Region`, traced once: each accumulator, per-execution input and loop
-iteration enters the trace as a new input where a handler first touches it
-(`_scope.Lazy`), an accumulator leaving it as an output, after the body's
-own; what the trace found the region threads (`Emitted`). Where an
-accumulator left with other types than it entered (a value under more vmaps
-inside grew it), the region makes it so outside, and traces the body again.
+A call (jit, checkpoint, custom_jvp/custom_vjp) is traced once, on the scope
+it is in (`Scope.traced`). A loop, a cond's branches and a shard_map's body
+(a `Region`) are traced once, each accumulator, per-execution input and
+loop iteration entering the trace as a new input where a handler first
+touches it (`_scope.Lazy`), an accumulator leaving it as an output; what
+the trace found the region threads (`Emitted`). Where an accumulator left
+with other types than it entered (a value under more vmaps inside grew it),
+the region makes it so outside, and traces the region again.
 """
 
 from __future__ import annotations
@@ -569,13 +570,21 @@ def _call_rule(eqn, invals, scope: Scope, name: str) -> list[Any]:
     jaxpr = eqn.params[name]  # closed, but for a checkpoint's
     closed = isinstance(jaxpr, _compat.ClosedJaxpr)
     jaxpr, consts = (jaxpr.jaxpr, jaxpr.consts) if closed else (jaxpr, ())
-    # A region of one body, traced on its own types: an equation may pass a
-    # value that varies over a shard_map's axes where its body was traced with
-    # one that does not (JAX's vmap of a cond in a shard_map makes every
-    # operand of a branch vary). The state it threads enters after the
-    # equation's inputs and leaves, with the entries, after its outputs.
-    in_avals = [v.aval for v in jaxpr.invars]
-    region, [(body, hoisted)] = Region.traced(scope, [(jaxpr, consts)], in_avals)
+    # One trace (see `trace_rewrite`), on the body's own types: an equation may
+    # pass a value that varies over a shard_map's axes where its body was
+    # traced with one that does not (JAX's vmap of a cond in a shard_map makes
+    # every operand of a branch vary). What the handlers emit leaves as more
+    # outputs.
+    body, hoisted, leave = scope.traced(
+        lambda finish: trace_rewrite(
+            jaxpr,
+            consts,
+            scope.handlers,
+            scope.rewrite,
+            (),
+            lambda _, run_in: finish(run_in(scope)),
+        )
+    )
     params = {name: _compat.ClosedJaxpr(body, ()) if closed else body}
     if closed:
         # A call rewritten to the program of one rewritten before binds that
@@ -584,11 +593,13 @@ def _call_rule(eqn, invals, scope: Scope, name: str) -> list[Any]:
         key = _jaxpr.structure(body)
         if key is not None:
             params[name] = scope.rewrite.jaxprs.setdefault(key, params[name])
+    n_out = len(eqn.outvars)
     if eqn.primitive is _compat.pjit_p:
-        n_in = len(region.carried) + len(region.sliced)
-        n_extra_out = len(body.outvars) - len(eqn.outvars)
-        params |= _jit_params(eqn.params, len(hoisted), n_in, n_extra_out)
-    return region.leave(_bind(eqn, [*hoisted, *region.args(invals)], **params))
+        n_extra_out = len(body.outvars) - n_out
+        params |= _jit_params(eqn.params, len(hoisted), 0, n_extra_out)
+    outs = _bind(eqn, [*hoisted, *invals], **params)
+    leave(outs[n_out:])
+    return outs[:n_out]
 
 
 def _jit_params(params, n_hoisted: int, n_in: int, n_out: int) -> dict[str, Any]:

@@ -254,6 +254,9 @@ class Scope:
         # inputs taken here.
         self.acc_inits: dict[Key, Any] = {}
         self.touched: dict[Key, None] = {}  # accumulators updated here, in order
+        # Per key appended to, how many entries it had before (with `touched`,
+        # what `traced` lifts out of a trace).
+        self.appended: dict[Key, int] = {}
         self.input_avals: dict[Key, list[tuple[Any, Axes]]] = {}
         self.sites: dict[Key, Site] = {}
         self.rewrite = Rewrite() if rewrite is None else rewrite
@@ -326,6 +329,7 @@ class Scope:
         if self.sites[key].part == "cotangent":
             made = self.rewrite.values.get(key[1], 0) if count is None else count
             self.counts.setdefault(key, []).append(made)
+        self.appended.setdefault(key, len(entries))
         entries.append((_strong_tree(value), axes))
         mode = self.handlers.modes[key[0]]
         if len(entries) > 1 and mode.single:
@@ -385,6 +389,58 @@ class Scope:
             return False
         self.accs[key] = self.lazy.enter(key, outside.accs[key])
         return True
+
+    def traced(self, trace):
+        """Traces a region the handlers act in with this scope, as a jaxpr of
+        its own, once: `trace(finish)` traces it, passing its outputs through
+        `finish`, and returns the open jaxpr, taking the constants it closes
+        over first, and those constants. What the scope holds enters by
+        closure (the hoisted constants); the accumulators the region makes or
+        updates and the entries it appends leave as outputs after its own.
+        Returns that jaxpr, its constants, and `leave`, which puts what the
+        bound jaxpr returned after its own outputs back in the scope."""
+        journals = self.touched, self.appended
+        self.touched, self.appended = {}, {}
+        accs: list[Key] = []
+        added: list[tuple[Key, int]] = []
+        shape: list[Any] = []
+
+        def finish(outs):
+            accs[:] = self.touched
+            added[:] = self.appended.items()
+            new = [self.entries[k][n:] for k, n in added]
+            values = [
+                [self.accs[k].value for k in accs],
+                [v for e in new for v, _ in e],
+            ]
+            # No tracer of this trace stays in the scope: `leave` puts back
+            # what the bound jaxpr returns.
+            for k in accs:
+                self.accs[k] = self.accs[k]._replace(value=None)
+            for k, n in added:
+                del self.entries[k][n:]
+            leaves, tree = jax.tree.flatten(values)
+            shape[:] = [tree, [[a for _, a in e] for e in new]]
+            return [*outs, *leaves]
+
+        try:
+            jaxpr, hoisted = trace(finish)
+        finally:
+            journals[0].update(self.touched)
+            for k, n in self.appended.items():
+                journals[1].setdefault(k, n)
+            self.touched, self.appended = journals
+
+        def leave(leaves) -> None:
+            tree, axes = shape
+            out_accs, new = jax.tree.unflatten(tree, leaves)
+            for k, value in zip(accs, out_accs):
+                self.accs[k] = self.accs[k]._replace(value=value)
+            it = iter(new)
+            for (k, _), a in zip(added, axes):
+                self.entries[k] += [(next(it), x) for x in a]
+
+        return jaxpr, hoisted, leave
 
     def fold(self, key: Key, reduce, acc, value, extra: int):
         """`reduce.fn(acc, value)` for one example, where `acc` may have
