@@ -140,14 +140,18 @@ def _check_names(jaxpr, sites, handlers) -> None:
     this one (a derivative it reported stays for the handlers of the value).
     A handler that names none, all of whose sites one before it consumes, is a
     warning (nested, `handle(handle(f, A), B)`, `B` sees no site at all)."""
-    probes = [Site.probe(*s) for s in sorted(sites)]
-    found = walk(jaxpr).sites
-    inside = {s.key for s in found if s.eqn.params.get("derivative_consumed")}
+    # (built where a handler requires names: one probe per site, which a
+    # `handle` of one `Tag()` at every site does not pay)
+    probes, inside = None, frozenset()
     for i, h in enumerate(handlers):
         select = h.matches
         exact, globs = select.required() if isinstance(select, Select) else ((), ())
         if not (exact or globs or any(map(_consumes, handlers[:i]))):
             continue
+        if probes is None:
+            probes = [Site.probe(*s) for s in sorted(sites)]
+            found = walk(jaxpr).sites
+            inside = {s.key for s in found if s.eqn.params.get("derivative_consumed")}
 
         def consumer(site):
             """The handler before `h` that consumes `site`, if any (-1: one
